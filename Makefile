@@ -1,0 +1,30 @@
+# The two README commands. Both create .venv when missing and install the project.
+# torch comes from the local CPU wheel (torch==2.13.0): never a multi-GB CUDA download.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.erpo-installed
+
+.PHONY: install test demo bench clean
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[train,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Kernels run in Triton's CPU interpreter here (tests/conftest.py sets TRITON_INTERPRET=1
+# when no GPU is present).
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(VENV)/bin/erpo train
+
+bench: $(STAMP)
+	$(PY) -m bench kernels --device cpu --quick
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,22 @@
+"""erpo_kernels: fused Triton ops for the loss path of RL fine-tuning with large vocabularies.
+
+Every op has a Triton forward and backward, and a memory-bounded PyTorch reference
+(`erpo_kernels.reference`) that `backend="auto"` uses where Triton cannot run.
+"""
+from . import reference
+from ._triton import HAS_TRITON
+from .linear_token_logprobs import linear_token_logprobs
+from .segment_sum import segment_sum
+from .token_logprobs import token_logprobs
+from .weighted_k3 import weighted_k3
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HAS_TRITON",
+    "linear_token_logprobs",
+    "reference",
+    "segment_sum",
+    "token_logprobs",
+    "weighted_k3",
+]

@@ -1,0 +1,39 @@
+"""Optional Triton import.
+
+`import erpo_kernels` must work on machines without Triton (the reference path then
+serves). Op files import `triton` and `tl` from here; when Triton is missing they are
+stand-ins that let the kernel definitions parse but can never launch (the dispatch in
+`_utils.resolve_backend` refuses `backend="triton"` first).
+"""
+from __future__ import annotations
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only on machines without triton
+    HAS_TRITON = False
+
+    class _Missing:
+        """Absorbs `triton.jit`, `tl.constexpr`, ... so kernel definitions still parse."""
+
+        def __getattr__(self, name: str) -> "_Missing":
+            return self
+
+        def __call__(self, *args, **kwargs):
+            if len(args) == 1 and callable(args[0]) and not kwargs:
+                return args[0]  # used as a bare decorator: keep the function
+            return self
+
+    triton = tl = _Missing()
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+__all__ = ["triton", "tl", "HAS_TRITON", "interpreting"]

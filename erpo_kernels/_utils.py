@@ -1,0 +1,123 @@
+"""Backend dispatch and input checks shared by every op.
+
+Every public op validates its inputs here *before* anything reaches a kernel: a bad
+shape, dtype, device or index is a ValueError that names the argument.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Union
+
+import torch
+
+from ._triton import HAS_TRITON, interpreting
+
+BACKENDS = ("auto", "triton", "torch")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
+    """Return "triton" or "torch" for an op whose main input is `tensor`.
+
+    "auto": Triton on CUDA tensors when Triton is installed, the PyTorch reference
+    elsewhere. "triton": the kernels, on CUDA tensors or on CPU tensors under
+    TRITON_INTERPRET=1. "torch": the reference (memory-bounded, differentiable).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        return "triton" if (HAS_TRITON and tensor.is_cuda) else "torch"
+    if not HAS_TRITON:
+        raise ValueError("backend='triton' needs the triton package; install it or use backend='auto'")
+    if not tensor.is_cuda and not interpreting():
+        raise ValueError(
+            "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before import for CPU tensors"
+        )
+    return "triton"
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: Optional[int] = None,
+    dtypes: Optional[Iterable[torch.dtype]] = None,
+    device: Optional[torch.device] = None,
+) -> torch.Tensor:
+    """Raise ValueError naming `name` unless `t` is a tensor of the given rank, dtype and device."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(t.shape)}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise ValueError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+    return t
+
+
+def check_rows(name: str, t: torch.Tensor, n: int) -> None:
+    """Raise ValueError unless `t` has exactly `n` rows (its first dimension)."""
+    if t.shape[0] != n:
+        raise ValueError(f"{name} has {t.shape[0]} rows, expected {n} (one per row of the main input)")
+
+
+def check_targets(targets: object, n: int, vocab: int, ignore_index: int, device: torch.device) -> torch.Tensor:
+    """targets [n] int32/int64 on `device`, each in [0, vocab) or equal to ignore_index."""
+    check_tensor("targets", targets, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_rows("targets", targets, n)
+    if n > 0:
+        bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"targets[{i}] = {int(targets[i])} is outside [0, {vocab}) and is not ignore_index={ignore_index}"
+            )
+    return targets
+
+
+def row_inv_temperature(
+    inv_temperature: Union[None, float, torch.Tensor], n: int, device: torch.device
+) -> torch.Tensor:
+    """Normalise inv_temperature (None, a float, or a [n] tensor) to a contiguous fp32 [n] tensor.
+
+    It is a runtime value, never a compile-time constant, so a new temperature never
+    recompiles a kernel. It must be positive and finite.
+    """
+    if inv_temperature is None:
+        return torch.ones(n, dtype=torch.float32, device=device)
+    if isinstance(inv_temperature, torch.Tensor):
+        check_tensor("inv_temperature", inv_temperature, ndim=1, dtypes=FLOAT_DTYPES, device=device)
+        check_rows("inv_temperature", inv_temperature, n)
+        inv = inv_temperature.detach().to(torch.float32).contiguous()
+        if n > 0 and not bool(((inv > 0) & torch.isfinite(inv)).all()):
+            raise ValueError("inv_temperature must be positive and finite in every row")
+        return inv
+    if isinstance(inv_temperature, bool) or not isinstance(inv_temperature, (int, float)):
+        raise ValueError(f"inv_temperature must be None, a float or a [N] tensor, got {type(inv_temperature).__name__}")
+    value = float(inv_temperature)
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(f"inv_temperature must be positive and finite, got {value}")
+    return torch.full((n,), value, dtype=torch.float32, device=device)
+
+
+def check_cu_seqlens(cu_seqlens: object, n: int, device: torch.device) -> torch.Tensor:
+    """cu_seqlens [S + 1] int32/int64, non-decreasing, within [0, n]."""
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must hold at least one offset (S + 1 entries for S segments)")
+    if bool((cu_seqlens < 0).any()) or bool((cu_seqlens > n).any()):
+        raise ValueError(f"cu_seqlens must lie in [0, {n}] (the length of values)")
+    if cu_seqlens.numel() > 1 and bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    return cu_seqlens
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype: fp32, or fp64 when the input is fp64 (the reference in float64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

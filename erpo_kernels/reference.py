@@ -1,0 +1,290 @@
+"""Plain-PyTorch versions of every op: the spec the tests compare against (run in
+float64) and the path `backend="auto"` takes where Triton cannot compile.
+
+They are memory-bounded: work is done in row chunks, and the autograd Functions save
+only per-row statistics (log-sum-exp, entropy), recomputing each chunk's softmax in
+backward. Peak extra memory is a few chunk x V buffers plus the gradient itself, never
+a second [N, V] fp32 copy.
+
+Math shared with the kernels, per row with s = inv_T * z (z the logits):
+    lse = log sum_j exp(s_j),  p_j = exp(s_j - lse)
+    logp = s_target - lse,     H = lse - sum_j p_j s_j
+    dlogp/ds_j = onehot_j - p_j
+    dH/ds_j    = -p_j (log p_j + H) = -p_j (s_j - lse + H)
+    dL/dz_j    = inv_T * (g_logp (onehot_j - p_j) - g_H p_j (s_j - lse + H))
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ._utils import compute_dtype, row_inv_temperature
+
+# Elements of one chunk's [rows, V] fp32 work buffer (~16 MB). The reference keeps
+# about four such buffers alive at once.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def chunk_rows_for(vocab: int, chunk_rows: Optional[int] = None) -> int:
+    """Rows per chunk so that a [rows, vocab] buffer holds about CHUNK_ELEMENTS values."""
+    if chunk_rows is not None:
+        return max(1, int(chunk_rows))
+    return max(1, CHUNK_ELEMENTS // max(1, vocab))
+
+
+def _rows_forward(
+    s: torch.Tensor, tgt: torch.Tensor, valid: torch.Tensor, want_entropy: bool
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """s [c, V] scaled logits (compute dtype) -> lse [c], logp [c], entropy [c] or None.
+
+    Rows with valid == False get logp = 0 and entropy = 0.
+    """
+    lse = torch.logsumexp(s, dim=-1)
+    logp = s.gather(1, tgt[:, None]).squeeze(1) - lse
+    logp = torch.where(valid, logp, torch.zeros_like(logp))
+    entropy = None
+    if want_entropy:
+        p = torch.exp(s - lse[:, None])
+        # p * s is 0 * -inf = nan where a logit is -inf: those terms are 0.
+        ps = torch.where(p > 0, p * s, torch.zeros_like(p))
+        entropy = lse - ps.sum(dim=-1)
+        entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
+        del p, ps
+    return lse, logp, entropy
+
+
+def _rows_grad(
+    s: torch.Tensor,
+    tgt: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    g_logp: torch.Tensor,
+    g_entropy: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """Gradient with respect to s (the scaled logits) of one chunk; overwrites s.
+
+    g_logp and g_entropy are already zero on ignored rows.
+    """
+    s.sub_(lse[:, None])  # log p
+    p = torch.exp(s)
+    grad = p.mul_(-g_logp[:, None])  # -g_logp * p
+    if g_entropy is not None:
+        # -g_H * p * (log p + H), with p log p = 0 where p = 0
+        term = torch.exp(s).mul_(s.add_(entropy[:, None]))
+        term = torch.nan_to_num_(term, nan=0.0)
+        grad.sub_(term.mul_(g_entropy[:, None]))
+        del term
+    grad.scatter_add_(1, tgt[:, None], g_logp[:, None])
+    return grad
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows):
+        n, vocab = logits.shape
+        cdt = compute_dtype(logits.dtype)
+        logp = torch.empty(n, dtype=cdt, device=logits.device)
+        lse = torch.empty(n, dtype=cdt, device=logits.device)
+        entropy = torch.empty(n, dtype=cdt, device=logits.device) if return_entropy else None
+        valid = targets != ignore_index
+        tgt = torch.where(valid, targets, torch.zeros_like(targets)).long()
+        step = chunk_rows_for(vocab, chunk_rows)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            s = logits[a:b].to(cdt) * inv_t[a:b, None].to(cdt)  # [c, V]
+            lse[a:b], logp[a:b], h = _rows_forward(s, tgt[a:b], valid[a:b], return_entropy)
+            if return_entropy:
+                entropy[a:b] = h
+            del s
+        ctx.save_for_backward(logits, tgt, valid, inv_t, lse, entropy if return_entropy else lse)
+        ctx.return_entropy = return_entropy
+        ctx.inplace_backward = inplace_backward
+        ctx.step = step
+        if return_entropy:
+            return logp, entropy
+        return logp, None
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        logits, tgt, valid, inv_t, lse, entropy = ctx.saved_tensors
+        if not ctx.return_entropy:
+            entropy, g_entropy = None, None
+        n = logits.shape[0]
+        cdt = lse.dtype
+        if g_logp is None:
+            g_logp = torch.zeros(n, dtype=cdt, device=logits.device)
+        g_logp = torch.where(valid, g_logp.to(cdt), torch.zeros_like(lse))
+        if g_entropy is not None:
+            g_entropy = torch.where(valid, g_entropy.to(cdt), torch.zeros_like(lse))
+        grad = logits if ctx.inplace_backward else torch.empty_like(logits)
+        for a in range(0, n, ctx.step):
+            b = min(n, a + ctx.step)
+            it = inv_t[a:b, None].to(cdt)
+            s = logits[a:b].to(cdt) * it
+            ge = g_entropy[a:b] if g_entropy is not None else None
+            h = entropy[a:b] if entropy is not None else None
+            g = _rows_grad(s, tgt[a:b], lse[a:b], h, g_logp[a:b], ge)
+            grad[a:b] = g.mul_(it)
+            del s, g
+        return grad, None, None, None, None, None, None
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    inv_temperature: Union[None, float, torch.Tensor] = None,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    inplace_backward: bool = False,
+    chunk_rows: Optional[int] = None,
+):
+    """Reference of `erpo_kernels.token_logprobs`: logits [N, V] -> logp [N] (and entropy [N]).
+
+    Outputs are fp32 (fp64 for fp64 logits). Differentiable with respect to logits.
+    """
+    inv_t = row_inv_temperature(inv_temperature, logits.shape[0], logits.device)
+    logp, entropy = _TokenLogprobs.apply(
+        logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows
+    )
+    return (logp, entropy) if return_entropy else logp
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows):
+        n = hidden.shape[0]
+        vocab = weight.shape[0]
+        cdt = compute_dtype(hidden.dtype)
+        logp = torch.zeros(n, dtype=cdt, device=hidden.device)
+        entropy = torch.zeros(n, dtype=cdt, device=hidden.device) if return_entropy else None
+        lse = torch.zeros(n, dtype=cdt, device=hidden.device)
+        # Ignored rows are compacted away: they cost nothing.
+        rows = (targets != ignore_index).nonzero().squeeze(1)
+        tgt = targets[rows].long()
+        step = chunk_rows_for(vocab, chunk_rows)
+        w = weight.to(cdt)
+        b_ = bias.to(cdt) if bias is not None else None
+        for a in range(0, rows.numel(), step):
+            r = rows[a : a + step]
+            z = hidden[r].to(cdt) @ w.T  # [c, V]
+            if b_ is not None:
+                z += b_
+            s = z.mul_(inv_t[r, None].to(cdt))
+            ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
+            lse[r], logp[r], h = _rows_forward(s, tgt[a : a + step], ones, return_entropy)
+            if return_entropy:
+                entropy[r] = h
+            del z, s
+        ctx.save_for_backward(hidden, weight, bias, rows, tgt, inv_t, lse, entropy if return_entropy else lse)
+        ctx.has_bias = bias is not None
+        ctx.return_entropy = return_entropy
+        ctx.step = step
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        hidden, weight, bias, rows, tgt, inv_t, lse, entropy = ctx.saved_tensors
+        if not ctx.return_entropy:
+            entropy, g_entropy = None, None
+        cdt = lse.dtype
+        w = weight.to(cdt)
+        b_ = bias.to(cdt) if ctx.has_bias else None
+        d_hidden = torch.zeros_like(hidden)
+        d_weight = torch.zeros_like(w)
+        d_bias = torch.zeros(weight.shape[0], dtype=cdt, device=weight.device) if ctx.has_bias else None
+        if g_logp is None:
+            g_logp = torch.zeros_like(lse)
+        for a in range(0, rows.numel(), ctx.step):
+            r = rows[a : a + ctx.step]
+            x = hidden[r].to(cdt)
+            z = x @ w.T
+            if b_ is not None:
+                z += b_
+            it = inv_t[r, None].to(cdt)
+            s = z.mul_(it)
+            ge = g_entropy[r].to(cdt) if g_entropy is not None else None
+            h = entropy[r] if entropy is not None else None
+            g = _rows_grad(s, tgt[a : a + ctx.step], lse[r], h, g_logp[r].to(cdt), ge).mul_(it)  # dL/dz [c, V]
+            d_hidden[r] = (g @ w).to(hidden.dtype)
+            d_weight += g.T @ x
+            if d_bias is not None:
+                d_bias += g.sum(0)
+            del z, s, g
+        return (
+            d_hidden,
+            d_weight.to(weight.dtype),
+            d_bias.to(bias.dtype) if d_bias is not None else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    inv_temperature: Union[None, float, torch.Tensor] = None,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    chunk_rows: Optional[int] = None,
+):
+    """Reference of `erpo_kernels.linear_token_logprobs`: hidden [N, D], weight [V, D] ->
+    logp [N] (and entropy [N]) of softmax((hidden @ weight.T + bias) * inv_T).
+
+    Row chunks through a matmul: peak extra memory is bounded by chunk x V, not N x V.
+    Rows whose target is ignore_index are skipped and return 0.
+    """
+    inv_t = row_inv_temperature(inv_temperature, hidden.shape[0], hidden.device)
+    logp, entropy = _LinearTokenLogprobs.apply(
+        hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows
+    )
+    return (logp, entropy) if return_entropy else logp
+
+
+def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """values [N], cu_seqlens [S + 1] -> [S], out[s] = sum(values[cu[s]:cu[s+1]]).
+
+    Empty segments give 0. Differentiable; the backward is a gather.
+    """
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    n_seg = lengths.numel()
+    seg = torch.repeat_interleave(torch.arange(n_seg, device=values.device), lengths)  # [covered]
+    start = int(cu_seqlens[0]) if cu_seqlens.numel() else 0
+    covered = values[start : start + seg.numel()]
+    out = torch.zeros(n_seg, dtype=values.dtype, device=values.device)
+    return out.index_add(0, seg, covered)
+
+
+def k3_guarded(delta: torch.Tensor, guard: float = 10.0) -> torch.Tensor:
+    """k3(delta) = exp(delta) - delta - 1, continued linearly above `guard`.
+
+    For delta > c: k3(c) + (exp(c) - 1) (delta - c): convex, C1, gradient bounded by
+    exp(c) - 1, and never a zero-gradient clamp.
+    """
+    c = float(guard)
+    below = torch.clamp(delta, max=c)  # keeps exp finite in the branch that is not taken
+    k3 = torch.exp(below) - below - 1
+    ec = torch.exp(torch.tensor(c, dtype=delta.dtype, device=delta.device))
+    linear = (ec - c - 1) + (ec - 1) * (delta - c)
+    return torch.where(delta > c, linear, k3)
+
+
+def weighted_k3(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    *,
+    guard: float = 10.0,
+) -> torch.Tensor:
+    """sum_q w(q) k3(ref_logp - logp) / sum_q w(q), a scalar; w = 1 when weight is None."""
+    k3 = k3_guarded(ref_logp - logp, guard)
+    if weight is None:
+        return k3.mean() if k3.numel() else k3.sum()
+    return (weight * k3).sum() / weight.sum()

@@ -1,0 +1,32 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="erpo",
+    version="0.1.0",
+    description="Fused Triton kernels for the RL fine-tuning loss of large-vocabulary LMs, and a lean GRPO/ERPO trainer",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["erpo_kernels", "erpo_kernels.*", "erpo", "erpo.*", "bench", "bench.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.0; platform_system == 'Linux'",
+        "numpy",
+    ],
+    extras_require={
+        # the trainer: models, tokenizers, rewards, config, progress and plots
+        "train": [
+            "transformers>=4.45",
+            "tokenizers",
+            "safetensors",
+            "math-verify",
+            "pyyaml",
+            "tqdm",
+            "matplotlib",
+        ],
+        # the peers the benchmark compares against (each optional at run time)
+        "bench": ["liger-kernel", "cut-cross-entropy", "matplotlib"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["erpo=erpo.cli:main"]},
+)

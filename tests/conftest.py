@@ -1,0 +1,26 @@
+"""Test set-up. TRITON_INTERPRET must be set before any kernel is decorated, so it is
+set here, at import time, before erpo_kernels is imported: on a machine without a GPU
+every Triton kernel runs in the interpreter on CPU tensors; with a GPU (bench/gpu_check.sh)
+the compiled kernels run on CUDA tensors.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def device() -> str:
+    """Where the kernels under test run: CUDA when present, else the CPU interpreter."""
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
