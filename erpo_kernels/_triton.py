@@ -36,4 +36,25 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-__all__ = ["triton", "tl", "HAS_TRITON", "interpreting"]
+@triton.jit
+def round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """x (fp32, or fp64 when dtype is fp64) -> dtype, rounding to nearest even.
+
+    Compiled code rounds so already. Triton's CPU interpreter (3.9) truncates
+    fp32 -> bf16 instead, which would make bf16 results up to one ulp off under test;
+    there the bits are rounded by hand. Every kernel that stores a
+    low-precision result goes through it.
+    """
+    if INTERPRET:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            y = x.to(dtype)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+__all__ = ["triton", "tl", "HAS_TRITON", "interpreting", "round_to"]

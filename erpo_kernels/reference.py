@@ -251,15 +251,16 @@ def linear_token_logprobs(
 def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """values [N], cu_seqlens [S + 1] -> [S], out[s] = sum(values[cu[s]:cu[s+1]]).
 
-    Empty segments give 0. Differentiable; the backward is a gather.
+    Accumulates in fp32 (fp64 for fp64 values) and casts once to values' dtype. Empty
+    segments give 0. Differentiable; the backward is a gather.
     """
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     n_seg = lengths.numel()
     seg = torch.repeat_interleave(torch.arange(n_seg, device=values.device), lengths)  # [covered]
     start = int(cu_seqlens[0]) if cu_seqlens.numel() else 0
-    covered = values[start : start + seg.numel()]
-    out = torch.zeros(n_seg, dtype=values.dtype, device=values.device)
-    return out.index_add(0, seg, covered)
+    covered = values[start : start + seg.numel()].to(compute_dtype(values.dtype))
+    out = torch.zeros(n_seg, dtype=covered.dtype, device=values.device)
+    return out.index_add(0, seg, covered).to(values.dtype)
 
 
 def k3_guarded(delta: torch.Tensor, guard: float = 10.0) -> torch.Tensor:
@@ -283,8 +284,14 @@ def weighted_k3(
     *,
     guard: float = 10.0,
 ) -> torch.Tensor:
-    """sum_q w(q) k3(ref_logp - logp) / sum_q w(q), a scalar; w = 1 when weight is None."""
-    k3 = k3_guarded(ref_logp - logp, guard)
-    if weight is None:
-        return k3.mean() if k3.numel() else k3.sum()
-    return (weight * k3).sum() / weight.sum()
+    """sum_q w(q) k3(ref_logp - logp) / sum_q w(q), a scalar; w = 1 when weight is None.
+
+    Computed in fp32 (fp64 for fp64 inputs) and returned in that dtype. An empty batch,
+    or weights summing to 0, gives 0 with zero gradients (never 0/0).
+    """
+    cdt = compute_dtype(logp.dtype)
+    k3 = k3_guarded(ref_logp.to(cdt) - logp.to(cdt), guard)
+    w = torch.ones_like(k3) if weight is None else weight.to(cdt)
+    total = w.sum()
+    safe = torch.where(total == 0, torch.ones_like(total), total)
+    return torch.where(total == 0, torch.zeros_like(total), (w * k3).sum() / safe)

@@ -1,24 +1,194 @@
 """weighted_k3: the weighted, guarded K3 estimate of the Query-KL (erpo-method.md s.2).
 
 Kernels, then the autograd Function, then the public function.
+
+    delta_q = ref_logp_q - logp_q
+    k3(d)   = exp(d) - d - 1                      for d <= c
+            = k3(c) + (exp(c) - 1) (d - c)        for d >  c   (convex, C1, slope <= exp(c) - 1)
+    R       = sum_q w_q k3(delta_q) / W,   W = sum_q w_q   (w = 1 when weight is None)
+
+M (queries in a batch) is small, so one program walks the whole batch in blocks.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import reference
-from ._triton import tl, triton
+from ._triton import interpreting, round_to, tl, triton
 from ._utils import FLOAT_DTYPES, check_rows, check_tensor, resolve_backend
 
-# TRITON KERNELS GO HERE (issue 2)
+BLOCK = 1024
+# exp(guard) must stay far from fp32 overflow (3.4e38 = exp(88.7)).
+MAX_GUARD = 80.0
+
+
+@triton.jit
+def _k3_guarded(d, c, ec1, k3c):
+    """k3(d) and its slope k3'(d) in fp32; c the guard, ec1 = exp(c) - 1, k3c = k3(c)."""
+    above = d > c
+    e = tl.exp(tl.minimum(d, c))  # the branch not taken stays finite
+    k3 = tl.where(above, k3c + ec1 * (d - c), e - d - 1.0)
+    slope = tl.where(above, ec1, e - 1.0)
+    return k3, slope
+
+
+@triton.jit
+def _weighted_k3_fwd_kernel(
+    logp_ptr,  # [M] float, contiguous
+    ref_ptr,  # [M] float, contiguous
+    w_ptr,  # [M] float, contiguous (unused when HAS_WEIGHT is False)
+    stats_ptr,  # [2] fp32 out: R, W
+    m,  # M
+    c,  # guard (runtime float)
+    ec1,  # exp(c) - 1
+    k3c,  # k3(c) = exp(c) - c - 1
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # A single program: R = sum_q w_q k3(delta_q) / sum_q w_q, accumulated in fp32.
+    lanes = tl.arange(0, BLOCK)
+    acc_s = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_w = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(0, m, BLOCK):
+        idx = off + lanes  # M is a batch of queries: int32 offsets suffice
+        mask = idx < m
+        lp = tl.load(logp_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        rf = tl.load(ref_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        k3, slope = _k3_guarded(rf - lp, c, ec1, k3c)
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        else:
+            w = tl.where(mask, 1.0, 0.0)
+        acc_s += tl.where(mask, w * k3, 0.0)
+        acc_w += w
+    total = tl.sum(acc_s, axis=0)
+    w_sum = tl.sum(acc_w, axis=0)
+    # No weight mass (M = 0, or all weights 0): R is defined as 0.
+    r = tl.where(w_sum != 0.0, total / tl.where(w_sum != 0.0, w_sum, 1.0), 0.0)
+    tl.store(stats_ptr, r)
+    tl.store(stats_ptr + 1, w_sum)
+
+
+# Backward, with g the upstream gradient of R, W = sum_q w_q and d_q = ref_q - logp_q:
+#     k3'(d)     = exp(min(d, c)) - 1        (exp(d) - 1 below the guard, the constant
+#                                             slope exp(c) - 1 above it: bounded, never 0)
+#     dR/dlogp_q = -g w_q k3'(d_q) / W        (d d_q / d logp_q = -1)
+#     dR/dref_q  = +g w_q k3'(d_q) / W
+#     dR/dw_q    =  g (k3(d_q) - R) / W       (quotient rule: k3_q / W - S / W^2)
+# When W = 0, R was defined as 0 and every gradient is 0.
+@triton.jit
+def _weighted_k3_bwd_kernel(
+    logp_ptr,
+    ref_ptr,
+    w_ptr,
+    stats_ptr,  # [2] fp32: R, W from the forward
+    grad_ptr,  # [] upstream gradient of R
+    dlogp_ptr,  # [M] logp's dtype
+    dref_ptr,  # [M] ref_logp's dtype
+    dw_ptr,  # [M] weight's dtype (unused when HAS_WEIGHT is False)
+    m,
+    c,
+    ec1,
+    k3c,
+    HAS_WEIGHT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.load(stats_ptr)
+    w_sum = tl.load(stats_ptr + 1)
+    g = tl.load(grad_ptr).to(tl.float32)
+    scale = tl.where(w_sum != 0.0, g / tl.where(w_sum != 0.0, w_sum, 1.0), 0.0)  # g / W
+    lanes = tl.arange(0, BLOCK)
+    for off in range(0, m, BLOCK):
+        idx = off + lanes  # M is a batch of queries: int32 offsets suffice
+        mask = idx < m
+        lp = tl.load(logp_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        rf = tl.load(ref_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        k3, slope = _k3_guarded(rf - lp, c, ec1, k3c)
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            dw = (k3 - r) * scale
+            tl.store(dw_ptr + idx, round_to(dw, dw_ptr.dtype.element_ty, INTERPRET), mask=mask)
+        else:
+            w = tl.full([BLOCK], 1.0, tl.float32)
+        d_ref = w * slope * scale
+        tl.store(dref_ptr + idx, round_to(d_ref, dref_ptr.dtype.element_ty, INTERPRET), mask=mask)
+        tl.store(dlogp_ptr + idx, round_to(-d_ref, dlogp_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+def _guard_constants(guard: float):
+    """(c, exp(c) - 1, k3(c)) computed in float64 on the host, passed as runtime floats."""
+    ec1 = math.expm1(guard)
+    return guard, ec1, ec1 - guard
+
+
+class _WeightedK3(torch.autograd.Function):
+    """(logp [M], ref_logp [M], weight [M] or None, guard) -> R, a 0-d fp32 tensor."""
+
+    @staticmethod
+    def forward(ctx, logp, ref_logp, weight, guard):
+        logp, ref_logp = logp.contiguous(), ref_logp.contiguous()
+        weight = weight.contiguous() if weight is not None else None
+        m = logp.shape[0]
+        stats = torch.zeros(2, dtype=torch.float32, device=logp.device)
+        if m > 0:
+            _weighted_k3_fwd_kernel[(1,)](
+                logp,
+                ref_logp,
+                weight if weight is not None else logp,
+                stats,
+                m,
+                *_guard_constants(guard),
+                HAS_WEIGHT=weight is not None,
+                BLOCK=BLOCK,
+                num_warps=4,
+            )
+        ctx.save_for_backward(logp, ref_logp, weight, stats)
+        ctx.guard = guard
+        return stats[0].clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_r):
+        logp, ref_logp, weight, stats = ctx.saved_tensors
+        m = logp.shape[0]
+        d_logp = torch.empty_like(logp)
+        d_ref = torch.empty_like(ref_logp)
+        d_weight = torch.empty_like(weight) if weight is not None else None
+        if m > 0:
+            _weighted_k3_bwd_kernel[(1,)](
+                logp,
+                ref_logp,
+                weight if weight is not None else logp,
+                stats,
+                grad_r.contiguous(),
+                d_logp,
+                d_ref,
+                d_weight if d_weight is not None else d_logp,
+                m,
+                *_guard_constants(ctx.guard),
+                HAS_WEIGHT=weight is not None,
+                INTERPRET=interpreting(),
+                BLOCK=BLOCK,
+                num_warps=4,
+            )
+        need_logp, need_ref, need_w, _ = ctx.needs_input_grad
+        return (
+            d_logp if need_logp else None,
+            d_ref if need_ref else None,
+            d_weight if need_w else None,
+            None,
+        )
 
 
 def _weighted_k3_triton(
     logp: torch.Tensor, ref_logp: torch.Tensor, weight: Optional[torch.Tensor], guard: float
 ) -> torch.Tensor:
-    raise NotImplementedError("triton path of weighted_k3 is being written")
+    return _WeightedK3.apply(logp, ref_logp, weight, guard)
 
 
 def weighted_k3(
@@ -31,10 +201,19 @@ def weighted_k3(
 ) -> torch.Tensor:
     """R = sum_q w(q) k3(ref_logp(q) - logp(q)) / sum_q w(q), a scalar.
 
-    k3(d) = exp(d) - d - 1, continued linearly for d > guard (convex, C1, bounded
-    gradient). Args: logp [M] (e.g. query_logp), ref_logp [M] (ref_query_logp),
-    weight [M] or None (all ones), float tensors on one device. Gradients flow to all
-    three.
+    k3(d) = exp(d) - d - 1, continued linearly for d > guard: k3(c) + (exp(c) - 1)(d - c)
+    (convex, C1, gradient bounded by exp(c) - 1 and never clamped to 0).
+
+    Args:
+        logp: [M] float (e.g. query_logp), the policy's log-probability of each query.
+        ref_logp: [M] float (ref_query_logp), on logp's device.
+        weight: [M] float (query_weights) or None (all ones).
+        guard: c, in (0, 80]; a runtime value, never recompiles.
+        backend: "auto", "triton" or "torch".
+    Returns:
+        A 0-d tensor: fp32 on the Triton backend (fp16/bf16/fp32 inputs, computed in
+        fp32); fp64 inputs go to the reference. Gradients flow to all three inputs.
+        When the weights sum to 0 (M = 0 included) R is 0 and every gradient is 0.
     """
     check_tensor("logp", logp, ndim=1, dtypes=FLOAT_DTYPES)
     check_tensor("ref_logp", ref_logp, ndim=1, dtypes=FLOAT_DTYPES, device=logp.device)
@@ -42,9 +221,18 @@ def weighted_k3(
     if weight is not None:
         check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=logp.device)
         check_rows("weight", weight, logp.shape[0])
+    if isinstance(guard, bool) or not isinstance(guard, (int, float)):
+        raise ValueError(f"guard must be a float, got {type(guard).__name__}")
     guard = float(guard)
-    if not guard > 0 or guard == float("inf"):
-        raise ValueError(f"guard must be positive and finite, got {guard}")
-    if resolve_backend(backend, logp) == "torch":
+    if not 0 < guard <= MAX_GUARD:
+        raise ValueError(f"guard must be in (0, {MAX_GUARD:g}] (exp(guard) must fit in fp32), got {guard}")
+    which = resolve_backend(backend, logp)
+    inputs = (logp, ref_logp) if weight is None else (logp, ref_logp, weight)
+    fp64 = [name for name, t in zip(("logp", "ref_logp", "weight"), inputs) if t.dtype == torch.float64]
+    if which == "triton" and fp64:
+        if backend == "triton":
+            raise ValueError(f"{fp64[0]}: the triton backend takes fp16, bf16 or fp32; use backend='torch' for fp64")
+        which = "torch"
+    if which == "torch":
         return reference.weighted_k3(logp, ref_logp, weight, guard=guard)
     return _weighted_k3_triton(logp, ref_logp, weight, guard)

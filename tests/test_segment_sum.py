@@ -1,0 +1,160 @@
+"""segment_sum: Triton forward (per-segment sums) and backward (a gather) against a
+float64 reference written here, plus the torch backend and input validation."""
+import pytest
+import torch
+
+from erpo_kernels import segment_sum
+from erpo_kernels.segment_sum import BLOCK
+
+from _compare import assert_close_to_ref
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+# (N, cu_seqlens): empty segments, a first segment not starting at 0, a last one not
+# reaching N, no segment at all, every segment empty, and segments longer than BLOCK.
+LAYOUTS = {
+    "covers_all": (40, [0, 5, 5, 12, 13, 40]),
+    "head_and_tail_gaps": (37, [3, 3, 10, 11, 31]),
+    "no_segment": (9, [4]),
+    "all_empty": (7, [2, 2, 2]),
+    "long": (2 * BLOCK + 301, [1, 4, BLOCK + 5, 2 * BLOCK + 290, 2 * BLOCK + 290]),
+}
+
+
+def _spans(cu):
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def _per_segment_sum(values: torch.Tensor, cu) -> torch.Tensor:
+    """Plain torch, in values' dtype: one .sum() per segment (empty sums are 0)."""
+    sums = [values[a:b].sum() for a, b in _spans(cu)]
+    return torch.stack(sums) if sums else values[:0] * 0
+
+
+def _check(values, cu, backend, g=None):
+    """Forward and backward of segment_sum against float64 and (low precision) PyTorch."""
+    dtype = values.dtype
+    cu_t = torch.tensor(cu, dtype=torch.int64, device=values.device)
+    x = values.detach().clone().requires_grad_()
+    out = segment_sum(x, cu_t, backend=backend)
+    assert out.dtype == dtype and out.shape == (len(cu) - 1,)
+    if g is None:
+        g = torch.randn(out.shape, device=values.device).to(dtype)
+    out.backward(g)
+
+    x64 = values.detach().double().requires_grad_()
+    ref = _per_segment_sum(x64, cu)
+    ref.backward(g.double())
+
+    xs = values.detach().clone().requires_grad_()
+    same = _per_segment_sum(xs, cu)
+    same.backward(g)
+
+    assert_close_to_ref(out.detach(), ref.detach(), same.detach(), input_dtype=dtype, name="segment sums")
+    assert x.grad.dtype == dtype
+    assert_close_to_ref(x.grad, x64.grad, xs.grad, input_dtype=dtype, name="d values")
+    return x.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_triton_matches_float64(device, dtype, layout):
+    n, cu = LAYOUTS[layout]
+    values = (torch.randn(n, device=device) * 3).to(dtype)
+    grad = _check(values, cu, "triton")
+    # the gather: each element gets its segment's upstream gradient, 0 outside all segments
+    outside = torch.ones(n, dtype=torch.bool)
+    outside[cu[0] : cu[-1]] = False
+    assert bool((grad.cpu()[outside] == 0).all())
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_cu_seqlens_int32_and_int64_agree(device, index_dtype):
+    n, cu = LAYOUTS["head_and_tail_gaps"]
+    values = torch.randn(n, device=device, requires_grad=True)
+    out = segment_sum(values, torch.tensor(cu, dtype=index_dtype, device=device), backend="triton")
+    expected = _per_segment_sum(values.detach().double(), cu)
+    assert_close_to_ref(out.detach(), expected, name="sums")
+
+
+def test_non_contiguous_values(device):
+    base = torch.randn(2 * 41, device=device, requires_grad=True)
+    values = base[::2]  # stride 2
+    cu = [2, 9, 9, 30]
+    out = segment_sum(values, torch.tensor(cu, device=device), backend="triton")
+    g = torch.randn(3, device=device)
+    out.backward(g)
+    ref = _per_segment_sum(values.detach().double(), cu)
+    assert_close_to_ref(out.detach(), ref, name="sums")
+    expected = torch.zeros(82, dtype=torch.float64, device=device)
+    for s, (a, b) in enumerate(_spans(cu)):
+        expected[2 * a : 2 * b : 2] = g[s].double()
+    assert torch.equal(base.grad.double(), expected)
+
+
+def test_empty_values(device):
+    values = torch.zeros(0, device=device, requires_grad=True)
+    out = segment_sum(values, torch.zeros(3, dtype=torch.int64, device=device), backend="triton")
+    assert out.shape == (2,) and bool((out == 0).all())
+    out.sum().backward()
+    assert values.grad.shape == (0,)
+
+
+def test_fp64_first_and_second_derivatives(device):
+    """fp64 runs in the kernel (fp64 accumulation); the backward is itself differentiable."""
+    cu = torch.tensor([1, 4, 4, 9], device=device)
+    values = torch.randn(11, dtype=torch.float64, device=device, requires_grad=True)
+    out = segment_sum(values, cu, backend="triton")
+    assert out.dtype == torch.float64
+    assert_close_to_ref(out.detach(), _per_segment_sum(values.detach(), cu.tolist()), name="fp64 sums")
+    f = lambda v: segment_sum(v, cu, backend="triton")  # noqa: E731
+    assert torch.autograd.gradcheck(f, (values,))
+    assert torch.autograd.gradgradcheck(f, (values,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_torch_backend_matches_float64(device, dtype, layout):
+    n, cu = LAYOUTS[layout]
+    _check((torch.randn(n, device=device) * 3).to(dtype), cu, "torch")
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_torch_backend_low_precision_long_segment(device, dtype):
+    n, cu = LAYOUTS["long"]
+    _check((torch.randn(n, device=device) * 3).to(dtype), cu, "torch")
+
+
+BAD_CU = {
+    "non_monotone": [0, 5, 3, 8],
+    "above_n": [0, 4, 11],
+    "negative": [-1, 4, 8],
+    "empty": [],
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CU))
+def test_bad_cu_seqlens_values(device, case):
+    values = torch.randn(10, device=device)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        segment_sum(values, torch.tensor(BAD_CU[case], dtype=torch.int64, device=device), backend="triton")
+
+
+def test_bad_cu_seqlens_dtype_and_rank(device):
+    values = torch.randn(10, device=device)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        segment_sum(values, torch.tensor([0.0, 4.0, 10.0], device=device), backend="triton")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        segment_sum(values, torch.tensor([[0, 4], [4, 10]], device=device), backend="triton")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        segment_sum(values, [0, 4, 10], backend="triton")
+
+
+def test_bad_values(device):
+    cu = torch.tensor([0, 2, 4], device=device)
+    with pytest.raises(ValueError, match="values"):
+        segment_sum(torch.randn(2, 2, device=device), cu, backend="triton")
+    with pytest.raises(ValueError, match="values"):
+        segment_sum(torch.arange(4, device=device), cu, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        segment_sum(torch.randn(4, device=device), cu, backend="cuda")
