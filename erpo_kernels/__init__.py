@@ -6,6 +6,8 @@ Every op has a Triton forward and backward, and a memory-bounded PyTorch referen
 from . import reference
 from ._triton import HAS_TRITON
 from .linear_token_logprobs import linear_token_logprobs
+from .objective import LossConfig, PackedLossBatch, erpo_loss, erpo_loss_from_logp, query_logp_from_logp
+from .policy_loss import policy_loss
 from .segment_sum import segment_sum
 from .token_logprobs import token_logprobs
 from .weighted_k3 import weighted_k3
@@ -14,7 +16,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HAS_TRITON",
+    "LossConfig",
+    "PackedLossBatch",
+    "erpo_loss",
+    "erpo_loss_from_logp",
     "linear_token_logprobs",
+    "policy_loss",
+    "query_logp_from_logp",
     "reference",
     "segment_sum",
     "token_logprobs",

@@ -1,0 +1,164 @@
+"""policy_loss: the clipped policy-gradient surrogate of GRPO and its per-query
+aggregation (erpo-method.md section 4).
+
+Plain PyTorch: every step is O(tokens) elementwise work plus a few gathers, so there
+is nothing to fuse until a measurement says otherwise.
+
+Per response token t of sequence i answering query q, with advantage A = A_i:
+    rho  = exp(clamp(logp - old_logp, -20, 20))
+    loss = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)
+    loss = min(loss, -c A)                 (dual clip, only where A < 0)
+Aggregation with per-query weights w(q):
+    token-mean:           L = sum_q w(q) sum_i sum_t loss / sum_q sum_i L_i
+    seq-mean-token-mean:  L = (1/m) sum_q w(q) (1/G_q) sum_i (1/L_i) sum_t loss
+where L_i is the number of tokens of response i and G_q the number of sequences of
+query q in the batch (a response with no token adds 0 but still counts in G_q).
+Both are a weighted token sum sum_t coef_t loss_t, which is how they are computed.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from ._utils import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_tensor, compute_dtype
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
+LOG_RATIO_CLAMP = 20.0
+
+
+def check_clip_args(eps_low: float, eps_high: float, dual_clip: float) -> None:
+    """ValueError unless 0 <= eps_low < 1, eps_high >= 0 and dual_clip > 1 (all finite)."""
+    if not (0.0 <= float(eps_low) < 1.0):
+        raise ValueError(f"eps_low must lie in [0, 1), got {eps_low}")
+    if not (0.0 <= float(eps_high) < float("inf")):
+        raise ValueError(f"eps_high must be finite and >= 0, got {eps_high}")
+    if not (1.0 < float(dual_clip) < float("inf")):
+        raise ValueError(f"dual_clip must be finite and > 1, got {dual_clip}")
+
+
+def check_loss_agg(loss_agg: str) -> None:
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
+
+
+def _policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    lengths: torch.Tensor,
+    group_index: torch.Tensor,
+    query_weights: torch.Tensor,
+    loss_agg: str,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The surrogate on checked inputs; metrics stay tensors (one host sync later).
+
+    logp, old_logp [T]; advantages [B]; lengths [B] int64 (sum = T); group_index [B];
+    query_weights [m]. Returns the scalar loss in the compute dtype and 0-d metrics.
+    """
+    cdt = compute_dtype(logp.dtype)
+    n_tok = logp.shape[0]
+    n_seq = lengths.shape[0]
+    m = query_weights.shape[0]
+    dev = logp.device
+    seq = torch.repeat_interleave(torch.arange(n_seq, device=dev), lengths, output_size=n_tok)  # [T]
+    q_tok = group_index.long()[seq]  # [T] query of each token
+    adv = advantages.detach().to(cdt)[seq]  # [T]
+    w = query_weights.detach().to(cdt)  # [m]
+
+    lp = logp.to(cdt)
+    log_ratio = torch.clamp(lp - old_logp.detach().to(cdt), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)  # [T]
+    unclipped = -ratio * adv
+    clipped = -torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    tok_loss = torch.maximum(unclipped, clipped)  # -min(rho A, clip(rho) A)
+    dual_bound = -dual_clip * adv
+    dual_active = (adv < 0) & (tok_loss > dual_bound)
+    tok_loss = torch.where(dual_active, dual_bound, tok_loss)  # [T]
+
+    # Per-token coefficient so that the loss is sum_t coef_t tok_loss_t.
+    if loss_agg == "token-mean":
+        coef = w[q_tok] / max(n_tok, 1)
+    else:
+        g_count = torch.bincount(group_index.long(), minlength=m).to(cdt)  # [m] G_q
+        per_seq = w[group_index.long()] / (m * g_count[group_index.long()] * lengths.clamp(min=1).to(cdt))  # [B]
+        coef = per_seq[seq]
+    loss = (coef * tok_loss).sum()
+
+    zero = torch.zeros((), dtype=cdt, device=dev)
+    clipped_tok = (clipped > unclipped) | dual_active
+    metrics = {
+        "pg/loss": loss.detach(),
+        "pg/clipfrac": clipped_tok.to(cdt).mean() if n_tok else zero,
+        "pg/dual_clipfrac": dual_active.to(cdt).mean() if n_tok else zero,
+        "pg/ratio_mean": ratio.detach().mean() if n_tok else zero,
+    }
+    return loss, metrics
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: Optional[torch.Tensor],
+    advantages: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    group_index: torch.Tensor,
+    query_weights: torch.Tensor,
+    *,
+    loss_agg: str = "token-mean",
+    eps_low: float = 0.2,
+    eps_high: float = 0.3,
+    dual_clip: float = 3.0,
+) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """Clipped (and dual-clipped) surrogate, aggregated per query with weights w(q).
+
+    Args:
+        logp: [T] float, log-probs of the response tokens only, contiguous per response.
+        old_logp: [T] float, rollout-policy log-probs of the same tokens; None means the
+            detached logp (one update per rollout batch: rho = 1).
+        advantages: [B] float, one per response.
+        cu_seqlens: [B + 1] int, response i owns tokens [cu[i], cu[i + 1]); cu[0] = 0, cu[B] = T.
+        group_index: [B] int in [0, m), the query each response answers.
+        query_weights: [m] float, w(q) (ones for plain GRPO).
+        loss_agg: "token-mean" or "seq-mean-token-mean" (module docstring).
+        eps_low, eps_high: the asymmetric clip range [1 - eps_low, 1 + eps_high].
+        dual_clip: c, the bound -c A on the loss of tokens with A < 0.
+    Returns:
+        (scalar loss in logp's compute dtype, metrics) with metrics "pg/loss",
+        "pg/clipfrac" (fraction of tokens where a clip binds), "pg/dual_clipfrac",
+        "pg/ratio_mean". The gradient flows to logp only.
+    """
+    check_tensor("logp", logp, ndim=1, dtypes=FLOAT_DTYPES)
+    n_tok = logp.shape[0]
+    dev = logp.device
+    if old_logp is None:
+        old_logp = logp.detach()
+    check_tensor("old_logp", old_logp, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
+    check_rows("old_logp", old_logp, n_tok)
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    n_seq = cu_seqlens.shape[0] - 1
+    if n_seq < 0:
+        raise ValueError("cu_seqlens must hold B + 1 offsets")
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != n_tok:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {n_tok} (the length of logp)")
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    if bool((lengths < 0).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    check_tensor("advantages", advantages, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
+    check_rows("advantages", advantages, n_seq)
+    check_tensor("group_index", group_index, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    check_rows("group_index", group_index, n_seq)
+    check_tensor("query_weights", query_weights, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
+    m = query_weights.shape[0]
+    if n_seq and (int(group_index.min()) < 0 or int(group_index.max()) >= m):
+        raise ValueError(f"group_index must lie in [0, m) with m = {m} (the length of query_weights)")
+    check_loss_agg(loss_agg)
+    check_clip_args(eps_low, eps_high, dual_clip)
+    loss, metrics = _policy_loss(
+        logp, old_logp, advantages, lengths, group_index, query_weights,
+        loss_agg, float(eps_low), float(eps_high), float(dual_clip),
+    )
+    values = torch.stack(list(metrics.values())).tolist()
+    return loss, dict(zip(metrics.keys(), values))
