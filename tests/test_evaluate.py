@@ -1,0 +1,292 @@
+"""The evaluation protocol: unbiased Pass@k, evaluate() on a tiny random Qwen2 with a
+char-level tokenizer built here (nothing from a hub), and the report files."""
+import copy
+import itertools
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from erpo.evaluate import (
+    TEMPERATURES,
+    EvalResult,
+    compare_report,
+    evaluate,
+    pass_at_k,
+    write_report,
+)
+
+# ----------------------------------------------------------------------------- pass@k
+
+
+def _pass_at_k_brute(n: int, c: int, k: int) -> float:
+    """Fraction of the k-subsets of n samples (the first c correct) holding a correct one."""
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(i < c for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7])
+def test_pass_at_k_matches_enumeration(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(_pass_at_k_brute(n, c, k), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_edges():
+    assert pass_at_k(8, 0, 1) == 0.0 and pass_at_k(8, 0, 8) == 0.0
+    assert pass_at_k(8, 8, 1) == 1.0 and pass_at_k(8, 8, 3) == 1.0
+    assert pass_at_k(8, 1, 8) == 1.0                      # k = n: any correct sample is drawn
+    assert pass_at_k(8, 3, 1) == pytest.approx(3 / 8)      # Pass@1 = c / n
+    # large n: the product form stays finite and in [0, 1] where C(n, k) is astronomically large
+    p = pass_at_k(2000, 3, 500)
+    assert p == pytest.approx(1 - math.comb(1997, 500) / math.comb(2000, 500), rel=1e-12)
+    assert 0.0 <= p <= 1.0
+
+
+@pytest.mark.parametrize("n, c, k, name", [(4, 1, 5, "k"), (4, 5, 1, "c"), (4, -1, 1, "c"), (4, 1, 0, "k"),
+                                           (0, 0, 1, "n")])
+def test_pass_at_k_rejects_bad_input(n, c, k, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        pass_at_k(n, c, k)
+
+
+# ----------------------------------------------------------------------------- a tiny model
+
+_CHARS = "0123456789+-*/=?.,:; abcdefghijklmnopqrstuvwxyz\\{}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The model is tiny: one intra-op thread avoids thread hand-offs that cost more than
+    the maths, especially on a busy machine."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A random 2-layer Qwen2 (hidden 32) and a char-level tokenizer, both built locally."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for ch in _CHARS:
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")   # one token per character
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                        unk_token="<unk>")
+    config = Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=True)
+    torch.manual_seed(1234)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():   # sharper logits than the default init, so sampling depends on temperature
+        model.lm_head.weight.mul_(5.0)
+    return model, tokenizer
+
+
+# prompts of different lengths, so the length sort and the left padding both matter
+PROMPTS = ["what is 1+1? ", "q: 12*3 = ", "compute 7-2, then box it: ", "2/4 ="]
+ANSWERS = ["yes", "no", "yes", "no"]
+
+
+class Recorder:
+    """A reward_fn that remembers every (completion, answer) it scores."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __call__(self, completion, answer):
+        self.calls.append((completion, answer))
+        return self.fn(completion, answer)
+
+
+def _run(tiny, reward_fn, **kw):
+    model, tokenizer = tiny
+    args = dict(reward_fn=reward_fn, temperatures=(0.5, 1.0, 1.5), n_samples=4, k_values=(1, 2, 4),
+                max_new_tokens=6, batch_size=5, seed=0, progress=False)
+    args.update(kw)
+    return evaluate(model, tokenizer, PROMPTS, ANSWERS, **args)
+
+
+def test_evaluate_all_or_nothing_rewards(tiny):
+    ones = _run(tiny, lambda c, a: 1.0, temperatures=TEMPERATURES, batch_size=16, max_new_tokens=3)
+    assert [r.temperature for r in ones.rows] == list(TEMPERATURES)
+    assert (ones.n_samples, ones.n_problems) == (4, len(PROMPTS))
+    for row in ones.rows:
+        assert row.avg_at_n == 1.0
+        assert row.pass_at_k == {1: 1.0, 2: 1.0, 4: 1.0}
+        assert row.n_correct == [4] * len(PROMPTS)
+    assert ones.greedy_pass_at_1 == 1.0
+    assert ones.mean_avg_at_n == 1.0 and ones.mean_pass_at_k == {1: 1.0, 2: 1.0, 4: 1.0}
+
+    zeros = _run(tiny, lambda c, a: 0.0)
+    assert all(r.avg_at_n == 0.0 and set(r.pass_at_k.values()) == {0.0} for r in zeros.rows)
+    assert zeros.greedy_pass_at_1 == 0.0 and zeros.mean_avg_at_n == 0.0
+
+
+def test_evaluate_scores_each_problem_against_its_answer(tiny):
+    """Half the gold answers are "yes": per-problem counts land on the right problems."""
+    rec = Recorder(lambda c, a: float(a == "yes"))
+    result = _run(tiny, rec)
+    for row in result.rows:
+        assert row.n_correct == [4, 0, 4, 0]
+        assert row.avg_at_n == pytest.approx(0.5)
+        assert row.pass_at_k == {1: pytest.approx(0.5), 2: pytest.approx(0.5), 4: pytest.approx(0.5)}
+    assert result.greedy_correct == [1, 0, 1, 0] and result.greedy_pass_at_1 == 0.5
+    # every problem scored once greedily and n_samples times per temperature
+    assert len(rec.calls) == len(PROMPTS) * (1 + 4 * 3)
+    # only new tokens are decoded, without special tokens
+    for completion, _ in rec.calls:
+        assert len(completion) <= 6
+        assert "<pad>" not in completion and "<eos>" not in completion
+
+
+def test_evaluate_greedy_matches_unpadded_decoding(tiny):
+    """Left padding + attention mask: each greedy completion in a padded batch equals
+    the greedy decode of that prompt alone."""
+    model, tokenizer = tiny
+    rec = Recorder(lambda c, a: 0.0)
+    _run(tiny, rec, temperatures=(1.0,), n_samples=1, k_values=(1,))
+    greedy_texts = sorted(c for c, _ in rec.calls[:len(PROMPTS)])
+    expected = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=6, pad_token_id=0, eos_token_id=1)
+        new = out[0, ids.shape[1]:].tolist()
+        new = new[:new.index(1)] if 1 in new else new
+        expected.append(tokenizer.decode(new, skip_special_tokens=True))
+    assert greedy_texts == sorted(expected)
+
+
+def test_evaluate_deterministic_and_side_effect_free(tiny, device):
+    """On the test device (CUDA when present): same seed, same samples; the caller's RNG
+    state, the model's mode and generation_config are left as they were."""
+    model, tokenizer = tiny
+    model = copy.deepcopy(model).to(device)
+    model.train()
+    saved_config = model.generation_config
+    rng_before = torch.get_rng_state()
+    cuda_rng_before = torch.cuda.get_rng_state() if device == "cuda" else None
+
+    first, second, other = Recorder(lambda c, a: 0.0), Recorder(lambda c, a: 0.0), Recorder(lambda c, a: 0.0)
+    r1 = _run((model, tokenizer), first)
+    r2 = _run((model, tokenizer), second)
+    _run((model, tokenizer), other, seed=1)
+    assert first.calls == second.calls and r1.to_dict() == r2.to_dict()
+    assert first.calls != other.calls            # the seed matters
+    sampled = [c for c, _ in first.calls[len(PROMPTS):]]
+    assert len(set(sampled)) > len(PROMPTS)      # samples of one problem differ from each other
+
+    assert torch.equal(torch.get_rng_state(), rng_before)   # caller's RNG untouched
+    if cuda_rng_before is not None:
+        assert torch.equal(torch.cuda.get_rng_state(), cuda_rng_before)
+    assert model.training and model.generation_config is saved_config
+
+
+def test_evaluate_temperature_changes_samples(tiny):
+    """Low temperature concentrates on the greedy completion; high temperature does not."""
+    rec = Recorder(lambda c, a: 0.0)
+    _run(tiny, rec, temperatures=(0.1, 1.5), n_samples=6, k_values=(1,), max_new_tokens=4)
+    p = len(PROMPTS)
+    greedy, cold, hot = rec.calls[:p], rec.calls[p:p + 6 * p], rec.calls[p + 6 * p:]
+    greedy_set = {c for c, _ in greedy}
+    cold_hits = sum(c in greedy_set for c, _ in cold)
+    hot_hits = sum(c in greedy_set for c, _ in hot)
+    assert cold_hits > hot_hits
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(k_values=(1, 8)), "k_values"),
+    (dict(temperatures=(0.0, 1.0)), "temperatures"),
+    (dict(n_samples=0), "n_samples"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(batch_size=0), "batch_size"),
+])
+def test_evaluate_rejects_bad_arguments(tiny, kw, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        _run(tiny, lambda c, a: 0.0, **kw)
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match="^answers:"):
+        evaluate(model, tokenizer, PROMPTS, ANSWERS[:2], reward_fn=lambda c, a: 0.0, progress=False)
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+def _fake_result(offset: float = 0.0) -> EvalResult:
+    from erpo.evaluate import TemperatureRow
+
+    rows = [TemperatureRow(temperature=t, avg_at_n=0.1 + offset + 0.05 * i,
+                           pass_at_k={1: 0.1 + offset + 0.05 * i, 4: 0.3 + offset + 0.04 * i},
+                           n_correct=[i % 5, 4 - i % 5])
+            for i, t in enumerate(TEMPERATURES)]
+    return EvalResult(rows=rows, greedy_pass_at_1=0.375 + offset, n_samples=4, n_problems=2,
+                      greedy_correct=[1, 0])
+
+
+def _table(md: str) -> dict[str, list[float]]:
+    """The markdown table's rows: first cell -> the numbers of the other cells."""
+    out = {}
+    for line in md.splitlines():
+        if not line.startswith("|"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        try:
+            out.setdefault(cells[0], [float(x) for x in cells[1:]])   # first table wins
+        except ValueError:
+            pass   # a header or separator row
+    return out
+
+
+def test_write_report(tmp_path):
+    result = _fake_result()
+    paths = write_report(result, tmp_path / "run", title="tiny eval")
+    assert set(paths) == {"json", "md", "png"}
+    assert all(p.exists() and p.stat().st_size > 0 for p in paths.values())
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list((tmp_path / "run").glob("*.tmp"))       # no temp files left behind
+
+    loaded = EvalResult.load(paths["json"])
+    assert loaded.to_dict() == result.to_dict()
+    assert json.loads(paths["json"].read_text())["mean"]["avg_at_n"] == pytest.approx(result.mean_avg_at_n)
+
+    md = paths["md"].read_text()
+    assert md.startswith("# tiny eval")
+    assert "| temperature | Avg@4 | Pass@1 | Pass@4 |" in md
+    table = _table(md)
+    assert len(table) == len(TEMPERATURES) + 1
+    for row in result.rows:
+        got = table[repr(row.temperature)]   # "0.1", "1.0", ...
+        assert got == pytest.approx([row.avg_at_n, row.pass_at_k[1], row.pass_at_k[4]], abs=5e-5)
+    mean = result.mean_pass_at_k
+    assert table["mean"] == pytest.approx([result.mean_avg_at_n, mean[1], mean[4]], abs=5e-5)
+    greedy = re.search(r"Greedy Pass@1: ([0-9.]+)", md)
+    assert greedy and float(greedy.group(1)) == pytest.approx(0.375, abs=5e-5)
+
+
+def test_write_report_from_evaluate(tmp_path, tiny):
+    result = _run(tiny, lambda c, a: float(a == "yes"), temperatures=(0.7, 1.3))
+    md = write_report(result, tmp_path)["md"].read_text()
+    assert _table(md)["0.7"] == pytest.approx([0.5, 0.5, 0.5, 0.5], abs=5e-5)
+
+
+def test_compare_report(tmp_path):
+    runs = {"grpo": _fake_result(), "erpo": _fake_result(offset=0.2)}
+    path = compare_report(runs, tmp_path)
+    assert path.name == "compare.md" and (tmp_path / "compare.png").stat().st_size > 0
+    md = path.read_text()
+    assert "| temperature | grpo Avg@4 | erpo Avg@4 |" in md
+    table = _table(md)
+    assert table["1.5"] == pytest.approx([runs["grpo"].rows[-1].avg_at_n, runs["erpo"].rows[-1].avg_at_n],
+                                         abs=5e-5)
+    assert table["mean"] == pytest.approx([runs["grpo"].mean_avg_at_n, runs["erpo"].mean_avg_at_n], abs=5e-5)
+    with pytest.raises(ValueError, match="^results:"):
+        compare_report({}, tmp_path)
