@@ -8,7 +8,7 @@ a second [N, V] fp32 copy.
 
 Math shared with the kernels, per row with s = inv_T * z (z the logits):
     lse = log sum_j exp(s_j),  p_j = exp(s_j - lse)
-    logp = s_target - lse,     H = lse - sum_j p_j s_j
+    logp = s_target - lse,     H = -sum_j p_j log p_j
     dlogp/ds_j = onehot_j - p_j
     dH/ds_j    = -p_j (log p_j + H) = -p_j (s_j - lse + H)
     dL/dz_j    = inv_T * (g_logp (onehot_j - p_j) - g_H p_j (s_j - lse + H))
@@ -34,49 +34,60 @@ def chunk_rows_for(vocab: int, chunk_rows: Optional[int] = None) -> int:
 
 
 def _rows_forward(
-    s: torch.Tensor, tgt: torch.Tensor, valid: torch.Tensor, want_entropy: bool
-) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """s [c, V] scaled logits (compute dtype) -> lse [c], logp [c], entropy [c] or None.
+    z: torch.Tensor, it: torch.Tensor, tgt: torch.Tensor, valid: torch.Tensor, want_entropy: bool
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """z [c, V] raw logits (compute dtype), it [c, 1] inverse temperatures ->
+    row max [c], shifted lse [c], logp [c], entropy [c] or None.
 
-    Rows with valid == False get logp = 0 and entropy = 0.
+    The row max is subtracted before scaling (exact for the logits that carry the
+    probability), so logits of magnitude 1e4 keep full accuracy; the entropy is
+    -sum p log p, a sum of non-negative terms. Rows with valid == False get logp = 0
+    and entropy = 0.
     """
+    mx = z.max(dim=-1).values
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # a row of -inf (ignored) stays nan-free
+    s = (z - mx[:, None]).mul_(it)  # [c, V] scaled logits, max 0
     lse = torch.logsumexp(s, dim=-1)
     logp = s.gather(1, tgt[:, None]).squeeze(1) - lse
     logp = torch.where(valid, logp, torch.zeros_like(logp))
     entropy = None
     if want_entropy:
-        p = torch.exp(s - lse[:, None])
-        # p * s is 0 * -inf = nan where a logit is -inf: those terms are 0.
-        ps = torch.where(p > 0, p * s, torch.zeros_like(p))
-        entropy = lse - ps.sum(dim=-1)
+        s.sub_(lse[:, None])  # log p
+        # -p log p is 0 * -inf = nan where a logit is -inf: those terms are 0.
+        plogp = torch.exp(s).mul_(s).nan_to_num_(nan=0.0)
+        entropy = -plogp.sum(dim=-1)
         entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
-        del p, ps
-    return lse, logp, entropy
+        del plogp
+    return mx, lse, logp, entropy
 
 
 def _rows_grad(
-    s: torch.Tensor,
+    z: torch.Tensor,
+    it: torch.Tensor,
     tgt: torch.Tensor,
+    mx: torch.Tensor,
     lse: torch.Tensor,
     entropy: Optional[torch.Tensor],
     g_logp: torch.Tensor,
     g_entropy: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    """Gradient with respect to s (the scaled logits) of one chunk; overwrites s.
+    """dL/dz [c, V] of one chunk (z raw logits, overwritten).
 
-    g_logp and g_entropy are already zero on ignored rows.
+    g_logp and g_entropy are already zero on ignored rows; rows with lse = -inf (all
+    logits -inf, only allowed on ignored rows) get a zero gradient.
     """
-    s.sub_(lse[:, None])  # log p
-    p = torch.exp(s)
+    logp = z.sub_(mx[:, None]).mul_(it).sub_(lse[:, None])  # log p
+    p = torch.exp(logp)
     grad = p.mul_(-g_logp[:, None])  # -g_logp * p
     if g_entropy is not None:
         # -g_H * p * (log p + H), with p log p = 0 where p = 0
-        term = torch.exp(s).mul_(s.add_(entropy[:, None]))
+        term = torch.exp(logp).mul_(logp.add_(entropy[:, None]))
         term = torch.nan_to_num_(term, nan=0.0)
         grad.sub_(term.mul_(g_entropy[:, None]))
         del term
     grad.scatter_add_(1, tgt[:, None], g_logp[:, None])
-    return grad
+    grad.masked_fill_(torch.isinf(lse)[:, None], 0.0)
+    return grad.mul_(it)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -85,6 +96,7 @@ class _TokenLogprobs(torch.autograd.Function):
         n, vocab = logits.shape
         cdt = compute_dtype(logits.dtype)
         logp = torch.empty(n, dtype=cdt, device=logits.device)
+        mx = torch.empty(n, dtype=cdt, device=logits.device)
         lse = torch.empty(n, dtype=cdt, device=logits.device)
         entropy = torch.empty(n, dtype=cdt, device=logits.device) if return_entropy else None
         valid = targets != ignore_index
@@ -92,12 +104,14 @@ class _TokenLogprobs(torch.autograd.Function):
         step = chunk_rows_for(vocab, chunk_rows)
         for a in range(0, n, step):
             b = min(n, a + step)
-            s = logits[a:b].to(cdt) * inv_t[a:b, None].to(cdt)  # [c, V]
-            lse[a:b], logp[a:b], h = _rows_forward(s, tgt[a:b], valid[a:b], return_entropy)
+            z = logits[a:b].to(cdt)  # [c, V]
+            mx[a:b], lse[a:b], logp[a:b], h = _rows_forward(
+                z, inv_t[a:b, None].to(cdt), tgt[a:b], valid[a:b], return_entropy
+            )
             if return_entropy:
                 entropy[a:b] = h
-            del s
-        ctx.save_for_backward(logits, tgt, valid, inv_t, lse, entropy if return_entropy else lse)
+            del z
+        ctx.save_for_backward(logits, tgt, valid, inv_t, mx, lse, entropy if return_entropy else lse)
         ctx.return_entropy = return_entropy
         ctx.inplace_backward = inplace_backward
         ctx.step = step
@@ -107,7 +121,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        logits, tgt, valid, inv_t, lse, entropy = ctx.saved_tensors
+        logits, tgt, valid, inv_t, mx, lse, entropy = ctx.saved_tensors
         if not ctx.return_entropy:
             entropy, g_entropy = None, None
         n = logits.shape[0]
@@ -121,12 +135,11 @@ class _TokenLogprobs(torch.autograd.Function):
         for a in range(0, n, ctx.step):
             b = min(n, a + ctx.step)
             it = inv_t[a:b, None].to(cdt)
-            s = logits[a:b].to(cdt) * it
+            z = logits[a:b].to(cdt, copy=True)  # overwritten below; logits may be the output buffer
             ge = g_entropy[a:b] if g_entropy is not None else None
             h = entropy[a:b] if entropy is not None else None
-            g = _rows_grad(s, tgt[a:b], lse[a:b], h, g_logp[a:b], ge)
-            grad[a:b] = g.mul_(it)
-            del s, g
+            grad[a:b] = _rows_grad(z, it, tgt[a:b], mx[a:b], lse[a:b], h, g_logp[a:b], ge)
+            del z
         return grad, None, None, None, None, None, None
 
 
@@ -159,6 +172,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         cdt = compute_dtype(hidden.dtype)
         logp = torch.zeros(n, dtype=cdt, device=hidden.device)
         entropy = torch.zeros(n, dtype=cdt, device=hidden.device) if return_entropy else None
+        mx = torch.zeros(n, dtype=cdt, device=hidden.device)
         lse = torch.zeros(n, dtype=cdt, device=hidden.device)
         # Ignored rows are compacted away: they cost nothing.
         rows = (targets != ignore_index).nonzero().squeeze(1)
@@ -171,13 +185,12 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             z = hidden[r].to(cdt) @ w.T  # [c, V]
             if b_ is not None:
                 z += b_
-            s = z.mul_(inv_t[r, None].to(cdt))
             ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
-            lse[r], logp[r], h = _rows_forward(s, tgt[a : a + step], ones, return_entropy)
+            mx[r], lse[r], logp[r], h = _rows_forward(z, inv_t[r, None].to(cdt), tgt[a : a + step], ones, return_entropy)
             if return_entropy:
                 entropy[r] = h
-            del z, s
-        ctx.save_for_backward(hidden, weight, bias, rows, tgt, inv_t, lse, entropy if return_entropy else lse)
+            del z
+        ctx.save_for_backward(hidden, weight, bias, rows, tgt, inv_t, mx, lse, entropy if return_entropy else lse)
         ctx.has_bias = bias is not None
         ctx.return_entropy = return_entropy
         ctx.step = step
@@ -185,7 +198,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        hidden, weight, bias, rows, tgt, inv_t, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, rows, tgt, inv_t, mx, lse, entropy = ctx.saved_tensors
         if not ctx.return_entropy:
             entropy, g_entropy = None, None
         cdt = lse.dtype
@@ -203,15 +216,14 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             if b_ is not None:
                 z += b_
             it = inv_t[r, None].to(cdt)
-            s = z.mul_(it)
             ge = g_entropy[r].to(cdt) if g_entropy is not None else None
             h = entropy[r] if entropy is not None else None
-            g = _rows_grad(s, tgt[a : a + ctx.step], lse[r], h, g_logp[r].to(cdt), ge).mul_(it)  # dL/dz [c, V]
+            g = _rows_grad(z, it, tgt[a : a + ctx.step], mx[r], lse[r], h, g_logp[r].to(cdt), ge)  # dL/dz [c, V]
             d_hidden[r] = (g @ w).to(hidden.dtype)
             d_weight += g.T @ x
             if d_bias is not None:
                 d_bias += g.sum(0)
-            del z, s, g
+            del z, g
         return (
             d_hidden,
             d_weight.to(weight.dtype),
