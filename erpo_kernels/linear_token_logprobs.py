@@ -2,18 +2,508 @@
 lm_head weight, never materialising [N, V].
 
 Kernels, then the autograd Function, then the public function.
+
+Per row, with z = hidden @ weight.T + bias and s = z * inv_T (inv_T a per-row runtime
+fp32 value), the kernels compute the same quantities as `reference.py`:
+    lse = log sum_j exp(s_j),   logp = s_target - lse,   H = lse - sum_j p_j s_j.
+The log-sum-exp is kept as two fp32 numbers, the row max m and log l with
+l = sum_j exp(s_j - m), and log-probs are formed as (s_j - m) - log l: a single fp32
+lse = m + log l is rounded at the magnitude of the logits (1.5e-5 at |s| ~ 400), an
+error every p_j inherits (measured here: 10x larger d_weight / d_hidden errors at
+|s| ~ 400 with a single lse).
+Logits live only in [BLOCK_N, BLOCK_V] register tiles, made by `tl.dot` over D with
+fp32 accumulation; nothing of size N x V is written to memory, in either direction.
+
+Work plan (rows whose target is ignore_index are compacted away before any launch):
+    forward   one program per (row tile, vocabulary split): an online log-sum-exp
+              and entropy over its part of V; the per-split statistics (a few floats
+              per row) are merged in PyTorch.
+    backward  `_ltl_bwd_dhidden_kernel`: one program per (row tile, vocabulary
+              split), looping over V and recomputing the logits -> d_hidden.
+              `_ltl_bwd_dweight_kernel`: one program per vocabulary tile, looping
+              over the rows and recomputing the logits -> d_weight and d_bias.
+Each output element is owned by one program and accumulated in a fixed order in an
+fp32 buffer, so gradients are deterministic (no atomics).
+
+Precision: fp32 operands use `input_precision="ieee"` (no TF32) so fp32 inputs keep
+fp32 accuracy; bf16/fp16 operands use tensor cores with fp32 accumulation, and the
+softmax gradient is rounded to the input dtype before its two matmuls (as PyTorch's
+own backward in that dtype does).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
 
 from . import reference
-from ._triton import tl, triton
+from ._triton import interpreting, tl, triton
 from ._utils import check_rows, check_targets, check_tensor, resolve_backend, row_inv_temperature
 
-# TRITON KERNELS GO HERE (issue 3)
+
+@triton.jit
+def _mm(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b with fp32 accumulation.
+
+    IEEE: fp32 operands, full fp32 products (no TF32). UPCAST: bf16 operands under the
+    interpreter, whose bf16 dot is wrong; the values are exact in fp32, so the result
+    equals the GPU's bf16 tensor-core dot with fp32 accumulation.
+    """
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(a, b, acc=acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc=acc)
+    return acc
+
+
+@triton.jit
+def _scaled_logits(
+    h_ptr, w_ptr, b_ptr,
+    rows, row_mask, cols, col_mask, inv_t, D,
+    stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """s = (hidden[rows] @ weight[cols].T + bias[cols]) * inv_t[:, None] as a
+    [BLOCK_N, BLOCK_V] fp32 tile; -inf in padded columns."""
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < D
+        h = tl.load(
+            h_ptr + rows64[:, None] * stride_hn + offs_d[None, :] * stride_hd,
+            mask=row_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        wt = tl.load(
+            w_ptr + cols64[None, :] * stride_wv + offs_d[:, None] * stride_wd,
+            mask=col_mask[None, :] & d_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_D, BLOCK_V], weight tile transposed
+        acc = _mm(h, wt, acc, IEEE, UPCAST)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols64 * stride_b, mask=col_mask, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    s = acc * inv_t[:, None]
+    return tl.where(col_mask[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _ltl_fwd_kernel(
+    h_ptr,  # [n_rows, D] compacted hidden states (fp16/bf16/fp32)
+    w_ptr,  # [V, D] weight, hidden's dtype
+    b_ptr,  # [V] bias (unused when HAS_BIAS is False)
+    tgt_ptr,  # [n_rows] int32 targets, all in [0, V)
+    invt_ptr,  # [n_rows] fp32 inverse temperature
+    max_ptr,  # [splits, n_rows] fp32 out: running max m of s over the split
+    sum_ptr,  # [splits, n_rows] fp32 out: l = sum_j exp(s_j - m)
+    ent_ptr,  # [splits, n_rows] fp32 out: a = sum_j exp(s_j - m) (s_j - m)  (WANT_ENTROPY)
+    tgt_logit_ptr,  # [splits, n_rows] fp32 out: s_target if the target is in the split, else 0
+    n_rows, V, D, v_per_split,
+    stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
+    HAS_BIAS: tl.constexpr, WANT_ENTROPY: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Program pid handles row tile pid % n_tiles over vocabulary split pid // n_tiles:
+    # neighbouring programs share a split, so they stream the same weight tiles (L2).
+    # Online update per vocabulary tile, with m' = max(m, max_j s_j):
+    #     l' = l e^(m - m') + sum_j e^(s_j - m')
+    #     a' = e^(m - m') (a + (m - m') l) + sum_j e^(s_j - m') (s_j - m')
+    # (a is kept relative to m, so H = log l - a / l has no cancellation at large |s|).
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(n_rows, BLOCK_N)
+    tile = pid % n_tiles
+    split = pid // n_tiles
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
+    inv_t = tl.load(invt_ptr + rows, mask=row_mask, other=1.0)
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    a = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    t = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    v_start = split * v_per_split
+    v_end = tl.minimum(V, v_start + v_per_split)
+    for v0 in range(v_start, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_mask = cols < v_end
+        s = _scaled_logits(
+            h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, inv_t, D,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
+            HAS_BIAS, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
+        )
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # a row whose logits so far are all -inf keeps l = 0: shift by 0, not by -inf
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(s - m_use[:, None])
+        if WANT_ENTROPY:
+            # where() before the product: no 0 * -inf (NaN) even in discarded lanes
+            shifted = tl.where(l > 0, m - m_use, 0.0) * l
+            ps = p * tl.where(p > 0, s - m_use[:, None], 0.0)
+            a = alpha * (a + shifted) + tl.sum(ps, axis=1)
+        l = alpha * l + tl.sum(p, axis=1)
+        m = m_new
+        t += tl.sum(tl.where(cols[None, :] == tgt[:, None], s, 0.0), axis=1)
+    out = split.to(tl.int64) * n_rows + rows
+    tl.store(max_ptr + out, m, mask=row_mask)
+    tl.store(sum_ptr + out, l, mask=row_mask)
+    tl.store(tgt_logit_ptr + out, t, mask=row_mask)
+    if WANT_ENTROPY:
+        tl.store(ent_ptr + out, a, mask=row_mask)
+
+
+@triton.jit
+def _softmax_grad(
+    s, row_mask, cols, tgt, shift, log_l, ent, g_logp, g_ent, inv_t, HAS_GENT: tl.constexpr,
+):
+    """dL/dz for a [BLOCK_N, BLOCK_V] tile of scaled logits s (formula above the kernels);
+    lse = shift + log_l, applied in two steps (see the module docstring)."""
+    logp = (s - shift[:, None]) - log_l[:, None]
+    p = tl.exp(logp)  # 0 in padded (-inf) columns
+    coef = -g_logp[:, None] * p
+    if HAS_GENT:
+        # p log p = 0 where p = 0, even when s = -inf
+        coef -= g_ent[:, None] * (p * tl.where(p > 0, logp + ent[:, None], 0.0))
+    coef += tl.where(cols[None, :] == tgt[:, None], g_logp[:, None], 0.0)
+    # padded rows are exactly 0 (their s can be -inf * 0 with a -inf bias entry)
+    return tl.where(row_mask[:, None], coef * inv_t[:, None], 0.0)
+
+
+# Backward, per valid row with p = softmax(s), s = inv_T z, and upstream g_logp, g_H:
+#     dlogp/ds_j = onehot_j - p_j,     dH/ds_j = -p_j (s_j - lse + H)
+#     dz_j       = inv_T (g_logp (onehot_j - p_j) - g_H p_j (s_j - lse + H))
+#     d_hidden   = dz @ weight                   (this kernel: [n_rows, D])
+#     d_weight   = dz.T @ hidden,  d_bias = sum over rows of dz   (next kernel)
+# This kernel: program pid owns row tile pid % n_tiles and vocabulary split
+# pid // n_tiles. For each vocabulary tile it recomputes s from hidden and weight,
+# forms dz (fp32), rounds it to the input dtype and adds dz @ weight[tile] into its own
+# rows of the fp32 buffer dh[split] (read-modify-write by that program alone: no
+# races, a fixed order, deterministic). The splits are summed afterwards.
+@triton.jit
+def _ltl_bwd_dhidden_kernel(
+    h_ptr, w_ptr, b_ptr,  # as in the forward kernel
+    tgt_ptr, invt_ptr,  # [n_rows] int32, fp32
+    shift_ptr, logl_ptr,  # [n_rows] fp32 row max m and log l from the forward (lse = m + log l)
+    ent_ptr,  # [n_rows] fp32 entropy from the forward (when HAS_GENT)
+    glogp_ptr, gent_ptr,  # [n_rows] fp32 upstream gradients (gent only when HAS_GENT)
+    dh_ptr,  # [splits, n_rows, D] fp32, zero-initialised, contiguous
+    n_rows, V, D, v_per_split,
+    stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
+    HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(n_rows, BLOCK_N)
+    tile = pid % n_tiles
+    split = pid // n_tiles
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
+    inv_t = tl.load(invt_ptr + rows, mask=row_mask, other=1.0)
+    shift = tl.load(shift_ptr + rows, mask=row_mask, other=0.0)
+    log_l = tl.load(logl_ptr + rows, mask=row_mask, other=0.0)
+    g_logp = tl.load(glogp_ptr + rows, mask=row_mask, other=0.0)
+    if HAS_GENT:
+        ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
+        g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
+    else:
+        ent = log_l
+        g_ent = g_logp
+    dh_rows = (split.to(tl.int64) * n_rows + rows.to(tl.int64)) * D
+    v_start = split * v_per_split
+    v_end = tl.minimum(V, v_start + v_per_split)
+    for v0 in range(v_start, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_mask = cols < v_end
+        s = _scaled_logits(
+            h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, inv_t, D,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
+            HAS_BIAS, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
+        )
+        dz = _softmax_grad(s, row_mask, cols, tgt, shift, log_l, ent, g_logp, g_ent, inv_t, HAS_GENT)
+        dz = dz.to(w_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_V]
+        cols64 = cols.to(tl.int64)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_mask = offs_d < D
+            w = tl.load(
+                w_ptr + cols64[:, None] * stride_wv + offs_d[None, :] * stride_wd,
+                mask=col_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            )  # [BLOCK_V, BLOCK_D]
+            dh_ptrs = dh_ptr + dh_rows[:, None] + offs_d[None, :]
+            dh_mask = row_mask[:, None] & d_mask[None, :]
+            acc = tl.load(dh_ptrs, mask=dh_mask, other=0.0)
+            acc = _mm(dz, w, acc, IEEE, UPCAST)
+            tl.store(dh_ptrs, acc, mask=dh_mask)
+
+
+# Same gradient as above; this kernel makes d_weight = dz.T @ hidden and
+# d_bias = sum over rows of dz. Program pid owns vocabulary tile pid and loops over all
+# row tiles in order, recomputing s and dz, adding dz.T @ hidden[rows] into its own rows
+# of the fp32 buffer dw (read-modify-write by that program alone: deterministic) and
+# summing dz over rows in registers for d_bias.
+@triton.jit
+def _ltl_bwd_dweight_kernel(
+    h_ptr, w_ptr, b_ptr,
+    tgt_ptr, invt_ptr, shift_ptr, logl_ptr, ent_ptr, glogp_ptr, gent_ptr,
+    dw_ptr,  # [V, D] fp32, zero-initialised, contiguous (when WANT_DW)
+    db_ptr,  # [V] fp32 (when WANT_DB)
+    n_rows, V, D,
+    stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
+    HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < V
+    cols64 = cols.to(tl.int64)
+    db = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for n0 in range(0, n_rows, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        row_mask = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
+        inv_t = tl.load(invt_ptr + rows, mask=row_mask, other=1.0)
+        shift = tl.load(shift_ptr + rows, mask=row_mask, other=0.0)
+        log_l = tl.load(logl_ptr + rows, mask=row_mask, other=0.0)
+        g_logp = tl.load(glogp_ptr + rows, mask=row_mask, other=0.0)
+        if HAS_GENT:
+            ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
+            g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
+        else:
+            ent = log_l
+            g_ent = g_logp
+        s = _scaled_logits(
+            h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, inv_t, D,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
+            HAS_BIAS, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
+        )
+        dz = _softmax_grad(s, row_mask, cols, tgt, shift, log_l, ent, g_logp, g_ent, inv_t, HAS_GENT)
+        if WANT_DB:
+            db += tl.sum(dz, axis=0)
+        if WANT_DW:
+            dzt = tl.trans(dz.to(h_ptr.dtype.element_ty))  # [BLOCK_V, BLOCK_N]
+            for d0 in range(0, D, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                d_mask = offs_d < D
+                h = tl.load(
+                    h_ptr + rows64[:, None] * stride_hn + offs_d[None, :] * stride_hd,
+                    mask=row_mask[:, None] & d_mask[None, :],
+                    other=0.0,
+                )  # [BLOCK_N, BLOCK_D]
+                dw_ptrs = dw_ptr + cols64[:, None] * D + offs_d[None, :]
+                dw_mask = col_mask[:, None] & d_mask[None, :]
+                acc = tl.load(dw_ptrs, mask=dw_mask, other=0.0)
+                acc = _mm(dzt, h, acc, IEEE, UPCAST)
+                tl.store(dw_ptrs, acc, mask=dw_mask)
+    if WANT_DB:
+        tl.store(db_ptr + cols64, db, mask=col_mask)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch configuration shared by the three kernels (GPU-sized defaults).
+
+    One configuration for all three on purpose: the backward recomputes each
+    [block_n, block_v] logit tile, and it must reproduce the forward's values bit for
+    bit. A tile computed with another shape can differ by an ulp of the logit, and near
+    p = 1 the gradient g (onehot - p) is a difference of nearly equal numbers: an ulp
+    at |s| ~ 400 (3e-5) then becomes a 3e-5 gradient error where the true value is ~0.
+    Block sizes are powers of two >= 16 (tl.dot). `v_splits` (None = automatic) splits
+    the vocabulary of the forward and d_hidden launches across programs when there are
+    too few row tiles to fill the GPU.
+    """
+
+    block_n: int = 64
+    block_v: int = 128
+    block_d: int = 32
+    num_warps: int = 8
+    v_splits: Optional[int] = None
+
+
+# Defaults per input dtype, chosen without a GPU from ptxas's register report for sm_90
+# (triton 3.9, ahead-of-time compile): bf16/fp16 at 64 x 128 x 32 use wgmma and spill
+# nothing in the forward and d_hidden kernels (16 bytes in d_weight), where BLOCK_D = 64
+# spilled 200-500 bytes in the backward; fp32 (FMA dots, IEEE) at 64 x 64 x 32 spills
+# 8-40 bytes, at 64 x 128 x 32 over 600. Speed is still to be measured on a GPU.
+DEFAULT_TILES = {
+    torch.float16: Tiles(),
+    torch.bfloat16: Tiles(),
+    torch.float32: Tiles(block_v=64),
+}
+# Set to a Tiles to override the defaults for every dtype (the tests use tiny tiles).
+TILES: Optional[Tiles] = None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _split_vocab(
+    n_rows: int, vocab: int, cfg: Tiles, device: torch.device, max_splits: Optional[int] = None
+) -> Tuple[int, int]:
+    """(splits, columns per split): enough programs to fill the GPU, >= 4 vocab tiles each,
+    at most max_splits. Splits start at multiples of block_v, so every split sees the
+    same logit tiles."""
+    block_v = cfg.block_v
+    n_tiles = _cdiv(n_rows, cfg.block_n)
+    if cfg.v_splits is not None:
+        want = max(1, int(cfg.v_splits))
+    elif device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        want = max(1, min(_cdiv(2 * sms, n_tiles), _cdiv(vocab, 4 * block_v)))
+    else:
+        want = 1
+    if max_splits is not None:
+        want = min(want, max_splits)
+    per_split = _cdiv(_cdiv(vocab, want), block_v) * block_v  # whole vocabulary tiles
+    return _cdiv(vocab, per_split), per_split
+
+
+def _dtype_flags(dtype: torch.dtype) -> Tuple[bool, bool]:
+    """(IEEE, UPCAST) for tl.dot on operands of `dtype` (see `_mm`)."""
+    return dtype == torch.float32, dtype == torch.bfloat16 and interpreting()
+
+
+def _bias_args(bias: Optional[torch.Tensor], weight: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    return (bias, bias.stride(0)) if bias is not None else (weight, 0)
+
+
+def _forward_stats(
+    h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], tgt: torch.Tensor,
+    inv_t: torch.Tensor, want_entropy: bool, cfg: "Tiles",
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """h [n, D] (n >= 1), tgt [n] int32 valid, inv_t [n] fp32 ->
+    lse_parts [2, n] (row max m, log l), logp [n], entropy [n] or None; all fp32."""
+    n, d = h.shape
+    vocab = weight.shape[0]
+    splits, per_split = _split_vocab(n, vocab, cfg, h.device)
+    stats = torch.empty(4, splits, n, dtype=torch.float32, device=h.device)
+    m, l, a, t = stats.unbind(0)
+    b_arg, stride_b = _bias_args(bias, weight)
+    ieee, upcast = _dtype_flags(h.dtype)
+    grid = (_cdiv(n, cfg.block_n) * splits,)
+    _ltl_fwd_kernel[grid](
+        h, weight, b_arg, tgt, inv_t, m, l, a, t,
+        n, vocab, d, per_split,
+        h.stride(0), h.stride(1), weight.stride(0), weight.stride(1), stride_b,
+        HAS_BIAS=bias is not None, WANT_ENTROPY=want_entropy, IEEE=ieee, UPCAST=upcast,
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
+        num_warps=cfg.num_warps,
+    )
+    # Merge the splits ([splits, n] -> [n]); one split is the common case.
+    m_all = m.max(dim=0).values
+    m_use = torch.where(torch.isneginf(m_all), torch.zeros_like(m_all), m_all)
+    scale = torch.exp(m - m_use)  # [splits, n]
+    total = (scale * l).sum(dim=0)
+    log_l = torch.log(total)
+    logp = (t.sum(dim=0) - m_use) - log_l
+    entropy = None
+    if want_entropy:
+        shifted = torch.where(l > 0, m - m_use, torch.zeros_like(l)) * l
+        a_all = (scale * (a + shifted)).sum(dim=0)
+        entropy = log_l - a_all / total
+    return torch.stack([m_use, log_l]), logp, entropy
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    """Saves hidden, weight, bias and per-row statistics (m, log l, entropy); never [N, V]."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy):
+        n = hidden.shape[0]
+        cfg = TILES or DEFAULT_TILES[hidden.dtype]  # the backward reuses these (see Tiles)
+        rows = (targets != ignore_index).nonzero().squeeze(1)  # [n_valid]
+        compact = rows.numel() != n
+        logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device) if return_entropy else None
+        tgt = (targets[rows] if compact else targets).to(torch.int32).contiguous()
+        it = (inv_t[rows] if compact else inv_t).contiguous()
+        lse_parts = ent = None
+        if rows.numel() > 0:
+            h = hidden.index_select(0, rows) if compact else hidden
+            lse_parts, lp, ent = _forward_stats(h, weight, bias, tgt, it, return_entropy, cfg)
+            logp.index_copy_(0, rows, lp)
+            if return_entropy:
+                entropy.index_copy_(0, rows, ent)
+        ctx.save_for_backward(hidden, weight, bias, rows, tgt, it, lse_parts, ent)
+        ctx.compact = compact
+        ctx.cfg = cfg
+        ctx.set_materialize_grads(False)  # an unused output costs nothing in backward
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        hidden, weight, bias, rows, tgt, inv_t, lse_parts, ent = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n_valid = rows.numel()
+        if n_valid == 0 or g_logp is None and g_entropy is None:
+            return (
+                torch.zeros_like(hidden) if need_h else None,
+                torch.zeros_like(weight) if need_w else None,
+                torch.zeros_like(bias) if need_b else None,
+                None, None, None, None,
+            )
+        d_hidden = d_weight = d_bias = None
+        h = hidden.index_select(0, rows) if ctx.compact else hidden
+        if g_logp is None:
+            g = torch.zeros(n_valid, dtype=torch.float32, device=hidden.device)
+        else:
+            g = (g_logp[rows] if ctx.compact else g_logp).to(torch.float32).contiguous()
+        has_gent = g_entropy is not None and ent is not None
+        if has_gent:
+            g_ent = (g_entropy[rows] if ctx.compact else g_entropy).to(torch.float32).contiguous()
+        else:
+            ent, g_ent = g, g  # placeholders, unread
+        d = h.shape[1]
+        vocab = weight.shape[0]
+        cfg = ctx.cfg
+        b_arg, stride_b = _bias_args(bias, weight)
+        ieee, upcast = _dtype_flags(h.dtype)
+        strides = (h.stride(0), h.stride(1), weight.stride(0), weight.stride(1), stride_b)
+        if need_h:
+            # each split holds an fp32 [n_valid, D] partial d_hidden: at most 4 of them
+            splits, per_split = _split_vocab(n_valid, vocab, cfg, h.device, max_splits=4)
+            dh = torch.zeros(splits, n_valid, d, dtype=torch.float32, device=h.device)
+            grid = (_cdiv(n_valid, cfg.block_n) * splits,)
+            _ltl_bwd_dhidden_kernel[grid](
+                h, weight, b_arg, tgt, inv_t, lse_parts[0], lse_parts[1], ent, g, g_ent, dh,
+                n_valid, vocab, d, per_split, *strides,
+                HAS_BIAS=bias is not None, HAS_GENT=has_gent, IEEE=ieee, UPCAST=upcast,
+                BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
+                num_warps=cfg.num_warps,
+            )
+            dh = dh[0] if splits == 1 else dh.sum(dim=0)
+            if ctx.compact:
+                d_hidden = torch.zeros_like(hidden).index_copy_(0, rows, dh.to(hidden.dtype))
+            else:
+                d_hidden = dh.to(hidden.dtype)
+        if need_w or need_b:
+            dw = torch.zeros(vocab, d, dtype=torch.float32, device=h.device) if need_w else g
+            db = torch.zeros(vocab, dtype=torch.float32, device=h.device) if need_b else g
+            grid = (_cdiv(vocab, cfg.block_v),)
+            _ltl_bwd_dweight_kernel[grid](
+                h, weight, b_arg, tgt, inv_t, lse_parts[0], lse_parts[1], ent, g, g_ent, dw, db,
+                n_valid, vocab, d, *strides,
+                HAS_BIAS=bias is not None, HAS_GENT=has_gent, WANT_DW=need_w, WANT_DB=need_b,
+                IEEE=ieee, UPCAST=upcast,
+                BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
+                num_warps=cfg.num_warps,
+            )
+            if need_w:
+                d_weight = dw.to(weight.dtype)
+            if need_b:
+                d_bias = db.to(bias.dtype)
+        return d_hidden, d_weight, d_bias, None, None, None, None
 
 
 def _linear_token_logprobs_triton(
@@ -25,7 +515,7 @@ def _linear_token_logprobs_triton(
     ignore_index: int,
     return_entropy: bool,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    raise NotImplementedError("triton path of linear_token_logprobs is being written")
+    return _LinearTokenLogprobs.apply(hidden, weight, bias, targets, inv_t, ignore_index, return_entropy)
 
 
 def linear_token_logprobs(

@@ -1,0 +1,320 @@
+"""linear_token_logprobs: Triton kernels (and the reference backend) against a float64
+log_softmax((hidden @ weight.T + bias) * inv_T) written here, forward and backward.
+
+Shapes are not multiples of any block size (N=37, D=24, V=211). Each case runs twice:
+with the GPU-sized default tiles and with tiny tiles plus a forced vocabulary split,
+so every loop (rows, vocabulary tiles, D tiles, splits) takes several masked steps.
+"""
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _compare import assert_close_to_ref
+from erpo_kernels import linear_token_logprobs
+
+ltl_module = importlib.import_module("erpo_kernels.linear_token_logprobs")
+
+N, D, V = 37, 24, 211
+IGNORE = -100
+SMALL_TILES = ltl_module.Tiles(block_n=16, block_v=32, block_d=16, num_warps=4, v_splits=3)
+
+
+@pytest.fixture(params=["default_tiles", "small_tiles"])
+def tiles(request, monkeypatch):
+    if request.param == "small_tiles":
+        monkeypatch.setattr(ltl_module, "TILES", SMALL_TILES)
+    return request.param
+
+
+def _inputs(dtype, device, *, bias=True, ignored=(0, 5, 6, 17, 36), scale=1.0):
+    hidden = (torch.randn(N, D) * scale).to(dtype).to(device)
+    weight = (torch.randn(V, D) * 0.5).to(dtype).to(device)
+    b = torch.randn(V).to(dtype).to(device) if bias else None
+    targets = torch.randint(0, V, (N,))
+    targets[list(ignored)] = IGNORE
+    inv_t = (torch.rand(N) + 0.5).to(device)  # per-row temperature in [2/3, 2]
+    g_logp = torch.randn(N).to(device)
+    g_ent = torch.randn(N).to(device)
+    return hidden, weight, b, targets.to(device), inv_t, g_logp, g_ent
+
+
+def _leaves(*tensors, dtype=None):
+    return [None if t is None else t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
+
+
+def _plain(hidden, weight, bias, targets, inv_t, g_logp, g_ent, *, matmul_dtype, softmax_dtype):
+    """Plain PyTorch autograd: logits as one [N, V] matmul in matmul_dtype, then
+    log_softmax in softmax_dtype. Returns logp, entropy, d_hidden, d_weight, d_bias."""
+    h, w, b = _leaves(hidden, weight, bias, dtype=matmul_dtype)
+    z = h @ w.T
+    if b is not None:
+        z = z + b
+    s = z.to(softmax_dtype) * inv_t.to(softmax_dtype)[:, None]
+    ls = torch.log_softmax(s, dim=-1)
+    valid = targets != IGNORE
+    logp = torch.where(valid, ls.gather(1, targets.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    p = ls.exp()
+    # p log p = 0 where a logit is -inf (masked vocabulary entries)
+    ent = torch.where(valid, -(p * torch.where(torch.isfinite(ls), ls, 0.0)).sum(-1), 0.0)
+    loss = (logp * g_logp.to(softmax_dtype)).sum() + (ent * g_ent.to(softmax_dtype)).sum()
+    wrt = [t for t in (h, w, b) if t is not None]
+    grads = list(torch.autograd.grad(loss, wrt)) + ([None] if b is None else [])
+    return (logp.detach(), ent.detach(), *grads)
+
+
+def _truth(*args):
+    """The float64 reference."""
+    return _plain(*args, matmul_dtype=torch.float64, softmax_dtype=torch.float64)
+
+
+def _torch_same_dtype(*args, dtype):
+    """The "PyTorch in the same dtype" side of the low-precision criterion: the matmul
+    (and its backward) in the input dtype, as a model's lm_head runs, then log_softmax
+    in fp32 on the upcast logits (as TRL-style log-prob code does)."""
+    return _plain(*args, matmul_dtype=dtype, softmax_dtype=torch.float32)
+
+
+def _ours(hidden, weight, bias, targets, inv_t, g_logp, g_ent, *, backend, return_entropy=True):
+    h, w, b = _leaves(hidden, weight, bias)
+    out = linear_token_logprobs(
+        h, w, targets, bias=b, inv_temperature=inv_t, return_entropy=return_entropy, backend=backend
+    )
+    logp, ent = out if return_entropy else (out, None)
+    loss = (logp * g_logp).sum() + ((ent * g_ent).sum() if ent is not None else 0.0)
+    wrt = [t for t in (h, w, b) if t is not None]
+    grads = list(torch.autograd.grad(loss, wrt)) + ([None] if b is None else [])
+    return (logp.detach(), None if ent is None else ent.detach(), *grads)
+
+
+NAMES = ("logp", "entropy", "d_hidden", "d_weight", "d_bias")
+
+
+def _check_all(ours, truth, same_dtype, dtype):
+    for name, o, t, s in zip(NAMES, ours, truth, same_dtype if same_dtype is not None else [None] * 5):
+        if t is None or o is None:
+            continue
+        assert o.dtype == (torch.float32 if name in ("logp", "entropy") else dtype), name
+        assert_close_to_ref(o.cpu(), t.cpu(), None if s is None else s.cpu(), input_dtype=dtype, name=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_matches_float64(device, tiles, dtype):
+    args = _inputs(dtype, device)
+    ours = _ours(*args, backend="triton")
+    truth = _truth(*args)
+    same = _torch_same_dtype(*args, dtype=dtype) if dtype != torch.float32 else None
+    _check_all(ours, truth, same, dtype)
+    valid = args[3] != IGNORE
+    # ignored rows: exactly 0 out, exactly 0 gradient into their hidden state
+    assert torch.all(ours[0][~valid] == 0) and torch.all(ours[1][~valid] == 0)
+    assert torch.all(ours[2][~valid] == 0)
+    assert bool((ours[0][valid] < 0).all())
+
+
+def test_triton_peaked_logits_and_masked_vocab(device, tiles):
+    # Large logits (|s| in the hundreds: the online log-sum-exp and the entropy must
+    # not cancel) and -inf bias entries (masked vocabulary: p = 0, zero gradient).
+    args = list(_inputs(torch.float32, device, scale=30.0))
+    bias = args[2].clone()
+    masked = torch.tensor([1, 40, 41, 100, 210], device=device)
+    targets = args[3]
+    targets[torch.isin(targets, masked)] = 2
+    bias[masked] = float("-inf")
+    args[2] = bias
+    ours = _ours(*args, backend="triton")
+    truth = _truth(*args)
+    assert torch.isfinite(ours[0]).all() and torch.isfinite(ours[1]).all()
+    _check_all(ours, truth, None, torch.float32)
+    assert torch.all(ours[3][masked] == 0) and torch.all(ours[4][masked] == 0)
+
+
+def test_triton_no_bias_no_entropy_strided_inputs(device, tiles):
+    # no ignored row, so hidden reaches the kernels as given (no compacting copy)
+    hidden, weight, _, targets, _, g_logp, _ = _inputs(torch.float32, device, bias=False, ignored=())
+    # hidden a column slice of a wider buffer, weight a transposed view: strided loads
+    hidden = torch.cat([hidden, torch.randn(N, 5, device=device)], dim=1)[:, :D]
+    weight = weight.T.contiguous().T
+    assert not hidden.is_contiguous() and not weight.is_contiguous()
+    inv_t = torch.full((N,), 1 / 0.7, device=device)
+    h, w = _leaves(hidden, weight)
+    logp = linear_token_logprobs(h, w, targets, inv_temperature=1 / 0.7, backend="triton")
+    assert isinstance(logp, torch.Tensor) and logp.shape == (N,)
+    d_h, d_w = torch.autograd.grad((logp * g_logp).sum(), (h, w))
+    truth = _truth(hidden, weight, None, targets, inv_t, g_logp, torch.zeros_like(g_logp))
+    _check_all((logp.detach(), None, d_h, d_w, None), truth, None, torch.float32)
+
+
+@pytest.mark.parametrize("which", ["hidden", "weight", "bias"])
+def test_triton_gradient_to_one_input(device, which):
+    # Only one input requires a gradient: each backward kernel is skipped or run alone.
+    hidden, weight, bias, targets, inv_t, g_logp, g_ent = _inputs(torch.float32, device)
+    leaves = {"hidden": hidden, "weight": weight, "bias": bias}
+    leaves[which] = leaves[which].clone().requires_grad_()
+    logp, ent = linear_token_logprobs(
+        leaves["hidden"], leaves["weight"], targets, bias=leaves["bias"], inv_temperature=inv_t,
+        return_entropy=True, backend="triton",
+    )
+    (grad,) = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), leaves[which])
+    truth = _truth(hidden, weight, bias, targets, inv_t, g_logp, g_ent)
+    ref = truth[2 + ["hidden", "weight", "bias"].index(which)]
+    assert_close_to_ref(grad.cpu(), ref.cpu(), input_dtype=torch.float32, name=f"d_{which}")
+
+
+@pytest.mark.parametrize("used", ["logp", "entropy"])
+def test_triton_one_output_unused(device, used):
+    # The other output gets no gradient at all (None upstream): each term alone is right.
+    hidden, weight, bias, targets, inv_t, g_logp, g_ent = _inputs(torch.float32, device)
+    if used == "logp":
+        g_ent = torch.zeros_like(g_ent)
+    else:
+        g_logp = torch.zeros_like(g_logp)
+    h, w, b = _leaves(hidden, weight, bias)
+    logp, ent = linear_token_logprobs(
+        h, w, targets, bias=b, inv_temperature=inv_t, return_entropy=True, backend="triton"
+    )
+    loss = (logp * g_logp).sum() if used == "logp" else (ent * g_ent).sum()
+    grads = torch.autograd.grad(loss, (h, w, b))
+    truth = _truth(hidden, weight, bias, targets, inv_t, g_logp, g_ent)
+    for name, g, t in zip(NAMES[2:], grads, truth[2:]):
+        assert_close_to_ref(g.cpu(), t.cpu(), input_dtype=torch.float32, name=name)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_all_rows_ignored(device, backend):
+    hidden, weight, bias, _, inv_t, g_logp, g_ent = _inputs(torch.float32, device)
+    targets = torch.full((N,), IGNORE, device=device)
+    h, w, b = _leaves(hidden, weight, bias)
+    logp, ent = linear_token_logprobs(
+        h, w, targets, bias=b, inv_temperature=inv_t, return_entropy=True, backend=backend
+    )
+    assert torch.all(logp == 0) and torch.all(ent == 0)
+    grads = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (h, w, b), allow_unused=True)
+    for g in grads:
+        assert g is None or torch.all(g == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_backend_matches_float64(device, dtype):
+    args = _inputs(dtype, device)
+    ours = _ours(*args, backend="torch")
+    truth = _truth(*args)
+    same = _torch_same_dtype(*args, dtype=dtype) if dtype != torch.float32 else None
+    _check_all(ours, truth, same, dtype)
+
+
+def _masked_vocab_inputs(device, scale):
+    args = list(_inputs(torch.float32, device, scale=scale))
+    masked = torch.tensor([1, 40, 100], device=device)
+    args[3][torch.isin(args[3], masked)] = 2
+    args[2] = args[2].clone()
+    args[2][masked] = float("-inf")
+    return args
+
+
+def test_reference_backend_masked_vocab(device):
+    args = _masked_vocab_inputs(device, scale=1.0)
+    _check_all(_ours(*args, backend="torch"), _truth(*args), None, torch.float32)
+
+
+def test_reference_backend_peaked_logits(device):
+    # |s| in the hundreds: the reference must shift by the row max (no cancellation)
+    args = _masked_vocab_inputs(device, scale=30.0)
+    _check_all(_ours(*args, backend="torch"), _truth(*args), None, torch.float32)
+
+
+def test_triton_backward_is_deterministic(device, monkeypatch):
+    monkeypatch.setattr(ltl_module, "TILES", SMALL_TILES)
+    args = _inputs(torch.bfloat16, device)
+    first = _ours(*args, backend="triton")
+    second = _ours(*args, backend="triton")
+    for name, a, b in zip(NAMES, first, second):
+        assert torch.equal(a, b), name
+
+
+def _bad_input_cases(device):
+    h = torch.randn(N, D, device=device)
+    w = torch.randn(V, D, device=device)
+    t = torch.randint(0, V, (N,), device=device)
+    out_of_range = t.clone()
+    out_of_range[3] = V
+    return [
+        ("weight", dict(hidden=h, weight=torch.randn(V, D + 1, device=device), targets=t)),
+        ("weight", dict(hidden=h, weight=w.to(torch.bfloat16), targets=t)),
+        ("bias", dict(hidden=h, weight=w, targets=t, bias=torch.randn(V - 1, device=device))),
+        ("bias", dict(hidden=h, weight=w, targets=t, bias=torch.randn(V, device=device).half())),
+        ("targets", dict(hidden=h, weight=w, targets=out_of_range)),
+        ("targets", dict(hidden=h, weight=w, targets=t.float())),
+        ("inv_temperature", dict(hidden=h, weight=w, targets=t, inv_temperature=torch.ones(N - 1, device=device))),
+        ("inv_temperature", dict(hidden=h, weight=w, targets=t, inv_temperature=-1.0)),
+        ("hidden", dict(hidden=h.to(torch.int32), weight=w, targets=t)),
+        ("hidden", dict(hidden=h.double(), weight=w.double(), targets=t)),  # fp64 has no kernel
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_bad_inputs_raise_value_error_naming_the_argument(device, case):
+    name, kwargs = _bad_input_cases(device)[case]
+    hidden, weight, targets = kwargs.pop("hidden"), kwargs.pop("weight"), kwargs.pop("targets")
+    with pytest.raises(ValueError, match=name):
+        linear_token_logprobs(hidden, weight, targets, backend="triton", **kwargs)
+
+
+_AOT_COMPILE = r"""
+import json, os
+os.environ.pop("TRITON_INTERPRET", None)
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import importlib
+m = importlib.import_module("erpo_kernels.linear_token_logprobs")
+report = {}
+for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+    cfg = m.DEFAULT_TILES[dtype]
+    base = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
+                IEEE=dtype == torch.float32, UPCAST=False, HAS_BIAS=True)
+    for fn, extra in ((m._ltl_fwd_kernel, dict(WANT_ENTROPY=True)),
+                      (m._ltl_bwd_dhidden_kernel, dict(HAS_GENT=True)),
+                      (m._ltl_bwd_dweight_kernel, dict(HAS_GENT=True, WANT_DW=True, WANT_DB=True))):
+        consts = dict(base, **extra)
+        ptrs = {"h_ptr": "*" + name, "w_ptr": "*" + name, "b_ptr": "*" + name, "tgt_ptr": "*i32"}
+        sig = {a: "constexpr" if a in consts else (ptrs.get(a, "*fp32") if a.endswith("_ptr") else "i32")
+               for a in fn.arg_names}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+        ptx = kernel.asm["ptx"]
+        report[name + ":" + fn.__name__] = {"wgmma": "wgmma" in ptx, "tf32": ".tf32" in ptx}
+print(json.dumps(report))
+"""
+
+
+def test_kernels_compile_for_hopper_ahead_of_time():
+    # No GPU needed: the three kernels compile to sm_90 PTX with the installed Triton
+    # (catches what the interpreter forgives), bf16 dots become wgmma (tensor cores)
+    # and fp32 dots stay IEEE (no TF32 anywhere).
+    try:
+        from triton.backends import backends
+    except ImportError:
+        backends = {}
+    if "nvidia" not in backends:
+        pytest.skip("this Triton build has no NVIDIA backend to compile for")
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _AOT_COMPILE], capture_output=True, text=True, env=env, cwd=repo, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(report) == 6
+    for key, info in report.items():
+        if key.startswith("bf16"):
+            assert info["wgmma"], f"{key}: bf16 dot not on tensor cores"
+        else:
+            assert not info["tf32"], f"{key}: fp32 dot uses TF32"
