@@ -23,6 +23,7 @@ setup(
             "pyyaml",
             "tqdm",
             "matplotlib",
+            "pyarrow",
         ],
         # the peers the benchmark compares against (each optional at run time)
         "bench": ["liger-kernel", "cut-cross-entropy", "matplotlib"],

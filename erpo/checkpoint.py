@@ -1,0 +1,99 @@
+"""Checkpoints: <run_dir>/checkpoints/step-NNNNNN/, each a loadable Hugging Face model
+directory (config, safetensors weights, tokenizer) plus optimizer.pt (optimizer and
+scheduler state) and trainer_state.json (step, fingerprints).
+
+A checkpoint is written into a temp directory beside the others and renamed into
+place, so an interrupted run never leaves a half-written checkpoint: every
+step-NNNNNN directory is complete, and the newest one is where `resume=` continues.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+OPTIM_FILE = "optimizer.pt"
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_dirs(run_dir: str) -> List[Tuple[int, str]]:
+    """[(step, path)] of the complete checkpoints of a run, oldest first."""
+    root = os.path.join(run_dir, CHECKPOINTS)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _NAME.match(name)
+        path = os.path.join(root, name)
+        if match and os.path.isfile(os.path.join(path, STATE_FILE)):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str) -> Optional[str]:
+    found = checkpoint_dirs(run_dir)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(
+    run_dir: str,
+    step: int,
+    model: Any,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: Dict[str, Any],
+    keep: int = 0,
+) -> str:
+    """Write checkpoint `step` atomically; then drop all but the newest `keep` (0 = keep all)."""
+    root = os.path.join(run_dir, CHECKPOINTS)
+    os.makedirs(root, exist_ok=True)
+    final = os.path.join(root, f"step-{step:06d}")
+    tmp = os.path.join(root, f".tmp-step-{step:06d}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, os.path.join(tmp, OPTIM_FILE))
+    with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
+        json.dump(dict(state, step=step), f, indent=1, sort_keys=True)
+    if os.path.exists(final):  # a rerun of the same step: move the old one out of the way first
+        old = os.path.join(root, f".old-step-{step:06d}-{os.getpid()}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    if keep > 0:
+        for _, path in checkpoint_dirs(run_dir)[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def read_state(path: str) -> Dict[str, Any]:
+    with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_optimizer_state(path: str) -> Dict[str, Any]:
+    return torch.load(os.path.join(path, OPTIM_FILE), map_location="cpu", weights_only=True)
+
+
+def clean_stale_temps(run_dir: str) -> None:
+    """Remove what an interrupted save left behind: temp directories (never complete), and
+    restore a replaced checkpoint whose swap was cut short."""
+    root = os.path.join(run_dir, CHECKPOINTS)
+    if not os.path.isdir(root):
+        return
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        match = re.match(r"^\.old-(step-\d+)-\d+$", name)
+        if match and not os.path.exists(os.path.join(root, match.group(1))):
+            os.replace(path, os.path.join(root, match.group(1)))  # interrupted mid-swap: the old one is the copy
+        elif name.startswith((".tmp-step-", ".old-step-")):
+            shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,403 @@
+"""The trainer's one config dataclass, its YAML / key=value loading, and its checks.
+
+    cfg = load_config("my.yaml", ["alpha=0.05", "group_size=8"])   # file, then overrides
+    cfg.validate()                                                 # ConfigError on bad values
+
+Every field carries a one-line comment; `erpo train --help` prints them (read from
+this file's source). Unknown keys are a ConfigError naming the closest valid key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+
+class ErpoError(Exception):
+    """A problem with the user's input (config, paths, data, cache): the CLI prints
+    `erpo: error: <message>` and exits 2, without a traceback."""
+
+
+class ConfigError(ErpoError):
+    """A bad config key or value."""
+
+
+# The paper's evaluation temperatures (erpo-method.md section 8).
+EVAL_TEMPERATURES = [0.1, 0.3, 0.5, 0.7, 0.9, 1.0, 1.1, 1.3, 1.5]
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs; the defaults are the embedded demo (`make demo`)."""
+
+    # ---- objective (erpo-method.md sections 2-5)
+    algorithm: str = "erpo"  # erpo (weighted policy loss + alpha * Query-KL) or grpo (policy loss + beta * per-token KL)
+    alpha: float = 0.01  # Query-KL coefficient of erpo; 0 = the weights-only ablation
+    beta: float = 0.01  # grpo: per-token KL coefficient to a frozen reference model (forwarded every step); 0 = none
+    query_weighting: str = "prevalence"  # erpo's query weights: prevalence, softmax or none (none = the Query-KL-only ablation)
+    bins: int = 20  # K, equal-width histogram bins of the prevalence weights
+    gamma: float = 1.0  # prevalence exponent: u(q) = p(q) ** gamma
+    weight_temperature: float = 1.0  # T_w of the softmax weights: u(q) = exp(s(q) / T_w)
+    w_min: float = 0.1  # lower clip of the batch-normalised query weights
+    w_max: float = 10.0  # upper clip of the batch-normalised query weights
+    adv_norm: str = "std"  # group advantages: std ((R - mean) / (std + 1e-6)) or none (R - mean, Dr.GRPO)
+    loss_agg: str = "token-mean"  # policy-loss aggregation: token-mean or seq-mean-token-mean
+    eps_low: float = 0.2  # lower clip range of the ratio: 1 - eps_low
+    eps_high: float = 0.3  # upper clip range of the ratio: 1 + eps_high
+    dual_clip: float = 3.0  # dual-clip constant c for negative advantages
+    kl_guard: float = 10.0  # c of the K3 guard: linear continuation for delta > c
+    monitor_policy_kl: bool = False  # erpo: also forward a frozen reference model to log policy_kl
+
+    # ---- rollout
+    group_size: int = 8  # G, responses sampled per query
+    queries_per_step: int = 16  # m, distinct queries per step (a step trains on m * G sequences)
+    temperature: float = 1.0  # tau, the sampling temperature; response tokens are scored at 1 / tau
+    max_new_tokens: int = 8  # longest response in tokens
+    rollout_backend: str = "hf"  # rollout engine: hf (transformers generate); a vllm engine fits the same interface
+    rollout_batch_size: int = 0  # sequences per generate call; 0 = all m * G at once
+
+    # ---- optimisation
+    lr: float = 3e-4  # AdamW learning rate
+    lr_schedule: str = "constant"  # constant, linear or cosine decay to 0 over `steps`, after warmup
+    warmup_steps: int = 10  # linear learning-rate warm-up steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.99  # AdamW beta2
+    max_grad_norm: float = 1.0  # gradient clipping by global norm; 0 = off
+    steps: int = 200  # optimizer steps (one rollout batch each)
+    seed: int = 0  # seeds data order, sampling and the demo model; a run is reproducible from it
+
+    # ---- model and data
+    model: str = "tiny"  # a local Hugging Face causal-LM directory, or tiny (the embedded demo model)
+    dataset: str = "arithmetic"  # a local .jsonl / .parquet file, or arithmetic (the embedded task)
+    prompt_field: str = "prompt"  # dataset field holding the question
+    answer_field: str = "answer"  # dataset field holding the gold answer
+    template: str = "auto"  # r1 (<think> reasoning, \boxed{} answer), chat (r1 through the tokenizer's chat template), plain, a string with {prompt}; auto = plain for arithmetic, r1 otherwise
+    reward: str = "auto"  # exact_match or math_verify (both read the last \boxed{}); auto = exact_match for arithmetic, math_verify otherwise
+    max_prompt_tokens: int = 0  # refuse prompts longer than this many tokens; 0 = no limit
+    dtype: str = "auto"  # float32, bfloat16 or float16 for the trained model; auto = bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # cpu, cuda or cuda:N; auto = cuda when available
+    cpu_threads: int = 0  # torch CPU threads; 0 = 1 for the demo model (its ops are too small to share out), else torch's default
+    kernel_backend: str = "auto"  # erpo_kernels backend: auto (Triton on CUDA, PyTorch elsewhere), triton or torch
+
+    # ---- run directory
+    run_dir: str = "runs/demo"  # where config.yaml, metrics.jsonl, the plot, the reference cache and checkpoints go
+    resume: str = ""  # a run directory to continue from its latest checkpoint (same data order and RNG)
+    save_every: int = 50  # checkpoint every N steps (and always at the last step); 0 = only at the end
+    keep_checkpoints: int = 2  # newest checkpoints kept; 0 = keep all
+    ref_cache: str = ""  # reference-cache file; empty = <run_dir>/ref_cache.safetensors (built when missing)
+    progress: bool = True  # show a progress bar
+    cache_dir: str = ".cache/erpo"  # where the demo model's warm start is cached
+
+    # ---- embedded demo (model=tiny, dataset=arithmetic)
+    task_max_operand: int = 49  # arithmetic task: a + b with a, b in [0, task_max_operand]
+    task_train_size: int = 1500  # arithmetic training problems
+    task_eval_size: int = 200  # arithmetic held-out problems (eval)
+    tiny_hidden_size: int = 64  # demo model width
+    tiny_layers: int = 2  # demo model depth
+    warmstart_steps: int = 1000  # supervised warm-start steps of the demo model (cached)
+    warmstart_lr: float = 3e-3  # warm-start learning rate
+    warmstart_unboxed: float = 0.7  # fraction of warm-start demonstrations answering without \boxed{} (no reward: RL has a format to learn)
+    warmstart_batch_size: int = 64  # warm-start batch size
+
+    # ---- evaluation (erpo-method.md section 8; `erpo eval`)
+    eval_dataset: str = ""  # evaluation file; empty = the arithmetic held-out split, or `dataset`
+    eval_checkpoints: List[str] = field(default_factory=list)  # what `erpo eval` scores: checkpoint, run or model dirs; empty = the run's latest checkpoint
+    eval_temperatures: List[float] = field(default_factory=lambda: list(EVAL_TEMPERATURES))  # sampling temperatures
+    eval_n_samples: int = 8  # samples per problem and temperature (Avg@n, Pass@k)
+    eval_k_values: List[int] = field(default_factory=lambda: [1, 4, 8])  # k of Pass@k (each <= eval_n_samples)
+    eval_max_new_tokens: int = 0  # response length at evaluation; 0 = max_new_tokens
+    eval_batch_size: int = 256  # sequences per generate call at evaluation
+    eval_limit: int = 0  # evaluate the first N problems only; 0 = all
+
+    # ------------------------------------------------------------------ helpers
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def is_demo_model(self) -> bool:
+        return self.model == "tiny"
+
+    @property
+    def is_demo_task(self) -> bool:
+        return self.dataset == "arithmetic"
+
+    @property
+    def resolved_template(self) -> str:
+        if self.template == "auto":
+            return "plain" if self.is_demo_task else "r1"
+        return self.template
+
+    @property
+    def resolved_reward(self) -> str:
+        if self.reward == "auto":
+            return "exact_match" if self.is_demo_task else "math_verify"
+        return self.reward
+
+    @property
+    def ref_cache_path(self) -> str:
+        return self.ref_cache or os.path.join(self.run_dir, "ref_cache.safetensors")
+
+    def validate(self) -> None:
+        """ConfigError (one line: the key, what is wrong, how to fix it) on the first bad value."""
+        choice("algorithm", self.algorithm, ("erpo", "grpo"))
+        choice("query_weighting", self.query_weighting, ("prevalence", "softmax", "none"))
+        choice("adv_norm", self.adv_norm, ("std", "none"))
+        choice("loss_agg", self.loss_agg, ("token-mean", "seq-mean-token-mean"))
+        choice("lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
+        choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        choice("kernel_backend", self.kernel_backend, ("auto", "triton", "torch"))
+        choice("reward", self.reward, ("auto", "exact_match", "math_verify"))
+        if self.rollout_backend != "hf":
+            raise ConfigError(
+                f"rollout_backend={self.rollout_backend!r} is not available in this version; use rollout_backend=hf"
+            )
+        if not (self.device == "auto" or self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise ConfigError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
+        for name in ("alpha", "beta", "gamma", "weight_decay", "max_grad_norm", "eps_low", "eps_high"):
+            at_least(name, getattr(self, name), 0.0)
+        for name in ("temperature", "weight_temperature", "kl_guard", "lr", "warmstart_lr"):
+            positive(name, getattr(self, name))
+        if not self.eps_low < 1:
+            raise ConfigError(f"eps_low={self.eps_low} must be < 1 (the lower clip 1 - eps_low must stay positive)")
+        if not self.dual_clip > 1:
+            raise ConfigError(f"dual_clip={self.dual_clip} must be > 1")
+        if not (0.0 <= self.w_min <= 1.0 <= self.w_max):
+            raise ConfigError(f"w_min={self.w_min}, w_max={self.w_max}: need 0 <= w_min <= 1 <= w_max (weights have mean 1)")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name}={getattr(self, name)} must lie in [0, 1)")
+        for name in ("bins", "queries_per_step", "max_new_tokens", "steps", "task_train_size", "task_eval_size",
+                     "tiny_hidden_size", "tiny_layers", "warmstart_batch_size", "eval_n_samples", "eval_batch_size"):
+            at_least(name, getattr(self, name), 1)
+        for name in ("cpu_threads", "rollout_batch_size", "warmup_steps", "save_every", "keep_checkpoints", "max_prompt_tokens",
+                     "warmstart_steps", "eval_max_new_tokens", "eval_limit", "task_max_operand"):
+            at_least(name, getattr(self, name), 0)
+        if not 0.0 <= self.warmstart_unboxed < 1.0:
+            raise ConfigError(f"warmstart_unboxed={self.warmstart_unboxed} must lie in [0, 1)")
+        if self.group_size < 1:
+            raise ConfigError(f"group_size={self.group_size} must be >= 1")
+        if self.group_size == 1:
+            what = "the unbiased std of one reward is undefined" if self.adv_norm == "std" else "R - mean(R) is always 0"
+            raise ConfigError(
+                f"group_size=1 with adv_norm={self.adv_norm}: group advantages need at least 2 responses per query "
+                f"({what}); set group_size=2 or more"
+            )
+        if self.tiny_hidden_size % 4 != 0:
+            raise ConfigError(f"tiny_hidden_size={self.tiny_hidden_size} must be a multiple of 4 (4 attention heads)")
+        if self.template not in ("auto", "r1", "chat", "plain") and "{prompt}" not in self.template:
+            raise ConfigError(
+                f"template={self.template!r} is not r1, chat, plain or auto, and has no {{prompt}} placeholder"
+            )
+        if not self.eval_temperatures or any(not (isinstance(t, (int, float)) and t > 0) for t in self.eval_temperatures):
+            raise ConfigError(f"eval_temperatures={self.eval_temperatures}: need a non-empty list of positive numbers (greedy Pass@1 is always reported)")
+        if not self.eval_k_values or any(int(k) < 1 or int(k) > self.eval_n_samples for k in self.eval_k_values):
+            raise ConfigError(
+                f"eval_k_values={self.eval_k_values}: each k must lie in [1, eval_n_samples={self.eval_n_samples}]"
+            )
+        if not self.run_dir:
+            raise ConfigError("run_dir is empty; give the run a directory, e.g. run_dir=runs/my-run")
+
+
+def choice(name: str, value: Any, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value), allowed, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}{hint}")
+
+
+def at_least(name: str, value: float, low: float) -> None:
+    if not value >= low or value != value or value == float("inf"):
+        raise ConfigError(f"{name}={value} must be finite and >= {low}")
+
+
+def positive(name: str, value: float) -> None:
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{name}={value} must be positive and finite")
+
+
+# ---------------------------------------------------------------------- loading
+
+FIELDS: Dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def field_comments() -> Dict[str, str]:
+    """{field name: its one-line comment}, read from this file's source."""
+    comments: Dict[str, str] = {}
+    for line in inspect.getsource(TrainConfig).splitlines():
+        match = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.*)$", line)
+        if match and match.group(1) in FIELDS:
+            comments[match.group(1)] = match.group(2).strip()
+    return comments
+
+
+def help_text() -> str:
+    """Every key with its default and comment, grouped as in the dataclass."""
+    comments = field_comments()
+    default = TrainConfig()
+    width = max(len(n) for n in FIELDS)
+    lines = []
+    for name in FIELDS:
+        value = getattr(default, name)
+        shown = ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
+        lines.append(f"  {name:<{width}}  {comments.get(name, '')} [default: {shown}]")
+    return "\n".join(lines)
+
+
+# Names other trainers (TRL's GRPOConfig, verl) use for our keys: suggested, not accepted.
+ALIASES = {
+    "learning_rate": "lr", "num_generations": "group_size", "n_samples": "group_size", "rollout_n": "group_size",
+    "max_completion_length": "max_new_tokens", "response_length": "max_new_tokens", "max_steps": "steps",
+    "output_dir": "run_dir", "model_name_or_path": "model", "kl_coef": "beta", "epsilon": "eps_low",
+    "epsilon_high": "eps_high", "clip_ratio_low": "eps_low", "clip_ratio_high": "eps_high",
+    "loss_agg_mode": "loss_agg", "save_steps": "save_every", "train_batch_size": "queries_per_step",
+    "dataset_name": "dataset", "reward_funcs": "reward",
+}
+
+
+def unknown_key_error(key: str, where: str = "") -> ConfigError:
+    close = [ALIASES[key]] if key in ALIASES else difflib.get_close_matches(key, list(FIELDS), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else "; `erpo train --help` lists the keys"
+    return ConfigError(f"unknown config key {key!r}{where}{hint}")
+
+
+def _field_type(name: str) -> str:
+    annotation = FIELDS[name].type
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+
+
+def coerce(name: str, value: Any) -> Any:
+    """`value` (from YAML or a key=value string) converted to the type of field `name`."""
+    kind = _field_type(name)
+    if isinstance(value, str) and kind != "str":
+        text = value.strip()
+        if kind.startswith("List") and text and not text.startswith("["):
+            value = [v for v in text.split(",") if v.strip()]
+        else:
+            try:
+                value = yaml.safe_load(text) if text else None
+            except yaml.YAMLError:
+                raise ConfigError(f"{name}={value!r} is not a valid {kind}") from None
+    try:
+        if kind == "str":
+            return "" if value is None else str(value)
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            raise TypeError
+        if kind == "int":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+                raise TypeError
+            return int(value)
+        if kind == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise TypeError
+            return float(value)
+        if kind.startswith("List"):
+            if value is None:
+                return []
+            if not isinstance(value, (list, tuple)):
+                value = [value]
+            inner = kind[len("List["):-1]
+            if inner == "str":
+                return [str(v).strip() for v in value]
+            conv = int if inner == "int" else float
+            out = []
+            for v in value:
+                v = yaml.safe_load(v) if isinstance(v, str) else v
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or (conv is int and int(v) != v):
+                    raise TypeError
+                out.append(conv(v))
+            return out
+    except (TypeError, ValueError):
+        pass
+    example = {"bool": "true or false", "int": "an integer", "float": "a number"}.get(kind, "a comma-separated list")
+    raise ConfigError(f"{name}={value!r} is not {example}")
+
+
+def parse_overrides(items: Sequence[str]) -> Dict[str, Any]:
+    """["key=value", ...] -> {key: typed value}; unknown keys and missing '=' are ConfigErrors."""
+    out: Dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"expected key=value, got {item!r} (e.g. steps=100)")
+        key, value = item.split("=", 1)
+        key = key.strip().replace("-", "_")
+        if key not in FIELDS:
+            raise unknown_key_error(key)
+        out[key] = coerce(key, value)
+    return out
+
+
+def read_yaml(path: str) -> Dict[str, Any]:
+    """A config file -> {key: typed value}; unknown keys name the file."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of key: value")
+    out = {}
+    for key, value in data.items():
+        key = str(key)
+        if key not in FIELDS:
+            raise unknown_key_error(key, f" in {path}")
+        out[key] = coerce(key, value)
+    return out
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Tuple[TrainConfig, Dict[str, Any]]:
+    """(config, the explicitly given values): defaults <- YAML file <- key=value overrides.
+
+    The config is not validated here (resume merges it with the saved one first).
+    """
+    given: Dict[str, Any] = {}
+    if path:
+        given.update(read_yaml(path))
+    given.update(parse_overrides(overrides))
+    return TrainConfig(**given), given
+
+
+def save_config(cfg: TrainConfig, path: str) -> None:
+    """Write the resolved config as YAML (atomically)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    os.replace(tmp, path)
+
+
+# Keys that may change when a run is resumed: they do not alter what steps 1..k computed.
+RESUMABLE_KEYS = frozenset(
+    {"steps", "save_every", "keep_checkpoints", "progress", "resume", "run_dir"}
+    | {name for name in FIELDS if name.startswith("eval_")}
+)
+
+
+def merge_for_resume(saved: Dict[str, Any], given: Dict[str, Any]) -> TrainConfig:
+    """The saved run's config with the given overrides; changing a key that would break
+    exact continuation (anything but steps, save_every, keep_checkpoints, progress and
+    eval settings) is a ConfigError."""
+    merged = {}
+    for key, value in saved.items():
+        if key not in FIELDS:
+            raise unknown_key_error(key, " in the saved config.yaml")
+        merged[key] = coerce(key, value)
+    for key, value in given.items():
+        if key in RESUMABLE_KEYS or merged.get(key) == value:
+            merged[key] = value
+            continue
+        raise ConfigError(
+            f"{key} cannot change when resuming (saved {merged.get(key)!r}, given {value!r}): exact continuation "
+            f"needs the same value; start a new run with a different run_dir instead"
+        )
+    return TrainConfig(**merged)

@@ -1,0 +1,211 @@
+"""Datasets, prompt templates and the data order.
+
+A dataset is a list of Example(prompt, answer): the embedded arithmetic task, or a
+local JSONL / JSON / Parquet file with a prompt and an answer field. A template turns
+the question into the text the model sees. The data order is a pure function of
+(seed, step), so a resumed run draws exactly the batches the uninterrupted one would.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from .config import ConfigError, ErpoError, TrainConfig
+
+
+class DataError(ErpoError):
+    """A missing or malformed dataset."""
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str  # the question, before the template
+    answer: str  # the gold answer the reward compares against
+
+
+# The paper's format: reasoning inside <think></think>, the final answer inside \boxed{}.
+R1_INSTRUCTION = (
+    "The assistant answers the user's question. It first reasons step by step inside "
+    "<think> </think>, then writes the final answer inside \\boxed{}."
+)
+R1_TEMPLATE = R1_INSTRUCTION + "\nUser: {prompt}\nAssistant: <think>"
+
+
+# ---------------------------------------------------------------------- the embedded task
+
+
+def arithmetic_split(max_operand: int, train_size: int, eval_size: int, seed: int) -> Tuple[List[Example], List[Example]]:
+    """Disjoint (train, eval) sets of "a+b=" -> "a + b" problems, a, b in [0, max_operand].
+
+    The pairs are shuffled with `seed`; eval takes the first `eval_size`, train the next
+    `train_size`.
+    """
+    n_pairs = (max_operand + 1) ** 2
+    if train_size + eval_size > n_pairs:
+        raise ConfigError(
+            f"task_train_size={train_size} + task_eval_size={eval_size} exceeds the {n_pairs} distinct problems of "
+            f"task_max_operand={max_operand}; raise task_max_operand or lower the sizes"
+        )
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n_pairs, generator=g).tolist()
+    side = max_operand + 1
+    problems = [Example(f"{k // side}+{k % side}=", str(k // side + k % side)) for k in order[: eval_size + train_size]]
+    return problems[eval_size:], problems[:eval_size]
+
+
+# ---------------------------------------------------------------------- files
+
+
+def _read_records(path: str) -> List[Dict[str, Any]]:
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".jsonl":
+        records = []
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"dataset {path} line {line_no} is not valid JSON ({exc.msg})") from None
+        return records
+    if ext == ".json":
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"dataset {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(data, list):
+            raise DataError(f"dataset {path} must hold a JSON list of records (or use .jsonl, one record a line)")
+        return data
+    if ext == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            try:
+                import pandas as pd
+            except ImportError:
+                raise DataError(f"reading {path} needs pyarrow: pip install pyarrow (or convert it to .jsonl)") from None
+            return pd.read_parquet(path).to_dict(orient="records")
+        return pq.read_table(path).to_pylist()
+    raise DataError(f"dataset {path}: unsupported file type {ext or '(none)'}; use .jsonl, .json or .parquet")
+
+
+def read_examples(path: str, prompt_field: str, answer_field: str) -> List[Example]:
+    """Examples from a local file; a missing file, field or empty set is a DataError."""
+    if not os.path.exists(path):
+        raise DataError(f"dataset {path!r} does not exist (give a local .jsonl/.parquet file, or dataset=arithmetic)")
+    if os.path.isdir(path):
+        raise DataError(f"dataset {path!r} is a directory; give one .jsonl, .json or .parquet file")
+    records = _read_records(path)
+    if not records:
+        raise DataError(f"dataset {path} holds no records")
+    examples = []
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise DataError(f"dataset {path} record {i} is not an object with fields")
+        for key, flag in ((prompt_field, "prompt_field"), (answer_field, "answer_field")):
+            if key not in rec or rec[key] is None:
+                fields = ", ".join(sorted(map(str, rec))) or "none"
+                raise DataError(
+                    f"dataset {path} record {i} has no {key!r} field (its fields: {fields}); "
+                    f"set {flag}=NAME to the field that holds it"
+                )
+        examples.append(Example(str(rec[prompt_field]), str(rec[answer_field])))
+    return examples
+
+
+def load_examples(cfg: TrainConfig, split: str = "train") -> List[Example]:
+    """The training ("train") or evaluation ("eval") examples the config names."""
+    if split == "eval" and cfg.eval_dataset:
+        return read_examples(cfg.eval_dataset, cfg.prompt_field, cfg.answer_field)
+    if cfg.is_demo_task:
+        train, held_out = arithmetic_split(cfg.task_max_operand, cfg.task_train_size, cfg.task_eval_size, cfg.seed)
+        return train if split == "train" else held_out
+    return read_examples(cfg.dataset, cfg.prompt_field, cfg.answer_field)
+
+
+def examples_fingerprint(examples: Sequence[Example]) -> str:
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(json.dumps([ex.prompt, ex.answer]).encode())
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------- templates
+
+
+def render_prompt(template: str, question: str, tokenizer: Any = None) -> str:
+    """The text the model sees for `question` under `template` (r1, chat, plain or a {prompt} string)."""
+    if template == "plain":
+        return question
+    if template == "r1":
+        return R1_TEMPLATE.replace("{prompt}", question)
+    if template == "chat":
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("template=chat needs a tokenizer with a chat template; use template=r1 instead")
+        messages = [{"role": "user", "content": f"{question}\n\n{R1_INSTRUCTION}"}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return template.replace("{prompt}", question)
+
+
+def template_text(template: str) -> str:
+    """The template as stored in the reference cache metadata (what changes l_0 when it changes)."""
+    return {"r1": R1_TEMPLATE, "chat": "chat:" + R1_INSTRUCTION}.get(template, template)
+
+
+def encode_prompts(tokenizer: Any, examples: Sequence[Example], template: str) -> List[List[int]]:
+    """Prompt token ids of each example (the tokenizer's special tokens, e.g. BOS, included;
+    a chat template already carries its own)."""
+    add_special = template != "chat"
+    texts = [render_prompt(template, ex.prompt, tokenizer) for ex in examples]
+    ids = tokenizer(texts, add_special_tokens=add_special)["input_ids"]
+    return [list(map(int, x)) for x in ids]
+
+
+def check_prompts(prompt_ids: Sequence[Sequence[int]], examples: Sequence[Example], max_tokens: int) -> None:
+    """DataError naming the first prompt that scores no token or is too long."""
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) < 2:
+            raise DataError(
+                f"query {i} ({examples[i].prompt!r}) has {len(ids)} prompt token(s), so its log-likelihood scores "
+                f"nothing; use a longer template (template=r1) or a tokenizer that adds BOS"
+            )
+        if max_tokens and len(ids) > max_tokens:
+            raise DataError(
+                f"query {i} ({examples[i].prompt[:40]!r}...) has {len(ids)} prompt tokens, more than "
+                f"max_prompt_tokens={max_tokens}; raise max_prompt_tokens (0 = no limit) or filter the dataset"
+            )
+
+
+# ---------------------------------------------------------------------- data order
+
+
+def batches_per_epoch(num_examples: int, queries_per_step: int) -> int:
+    if num_examples < queries_per_step:
+        raise DataError(
+            f"the dataset has {num_examples} queries but queries_per_step={queries_per_step}; "
+            f"lower queries_per_step or use a larger dataset"
+        )
+    return num_examples // queries_per_step
+
+
+def step_indices(num_examples: int, queries_per_step: int, step: int, seed: int) -> List[int]:
+    """The m dataset indices of step `step` (1-based): epoch e is a permutation seeded by
+    (seed, e), cut into batches of m (the remainder is dropped); no query repeats in a step."""
+    per_epoch = batches_per_epoch(num_examples, queries_per_step)
+    epoch, k = divmod(step - 1, per_epoch)
+    g = torch.Generator().manual_seed(derived_seed(seed, "epoch", epoch))
+    order = torch.randperm(num_examples, generator=g)
+    return order[k * queries_per_step:(k + 1) * queries_per_step].tolist()
+
+
+def derived_seed(seed: int, *parts: Any) -> int:
+    """A 63-bit seed derived from `seed` and a purpose, e.g. derived_seed(0, "rollout", 7)."""
+    digest = hashlib.sha256(json.dumps([seed, *parts]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

@@ -1,0 +1,172 @@
+"""Packing: m prompts x G responses -> one row space of N rows (the layout of
+erpo_kernels.objective.PackedLossBatch), and the forward pass to hidden states.
+
+Sequence b = prompt_b | response_b starts at row r (seq_cu_seqlens[b]); T prompt
+tokens, L response tokens:
+    rows [r, r+T-1)       prompt span: row t targets token t+1 at inverse temperature 1;
+                          ignore_index on every copy of a group but the first
+    rows [r+T-1, r+T+L)   response span: rows score y_1..y_L at 1/tau; the last row
+                          has nothing to predict (ignore_index)
+position_ids restart at 0 in every sequence; targets never cross a sequence boundary.
+
+`forward_hidden` runs the model's base (decoder without lm_head) on a right-padded
+[B, Lmax] batch and gathers the packed rows back, so every row's hidden state is the
+one of its sequence alone; the logits are never formed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+
+from erpo_kernels.objective import PackedLossBatch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class PackedSequences:
+    """Row-space tensors of B packed sequences (N rows in all), on CPU until .to()."""
+
+    input_ids: torch.Tensor  # [N] int64 token at each row
+    position_ids: torch.Tensor  # [N] int64 position within its own sequence
+    seq_cu_seqlens: torch.Tensor  # [B + 1] int64 sequence boundaries
+    span_cu_seqlens: torch.Tensor  # [2B + 1] int64 prompt_0, response_0, prompt_1, ... boundaries
+    targets: torch.Tensor  # [N] int64 next token within the sequence, or ignore_index
+    inv_temperature: torch.Tensor  # [N] fp32: 1 on prompt rows, 1/tau on response rows
+    group_index: torch.Tensor  # [B] int64 query of each sequence
+    is_response: torch.Tensor  # [N] bool rows of response spans
+    ignore_index: int = IGNORE_INDEX
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.group_index.shape[0])
+
+    def to(self, device: Any) -> "PackedSequences":
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return PackedSequences(**moved)
+
+    def loss_batch(
+        self,
+        advantages: torch.Tensor,
+        ref_query_logp: torch.Tensor,
+        query_weights: torch.Tensor,
+        ref_logp: Optional[torch.Tensor] = None,
+    ) -> PackedLossBatch:
+        """The objective's batch: advantages [B], ref_query_logp [m], query_weights [m], ref_logp [N] or None."""
+        dev = self.targets.device
+        return PackedLossBatch(
+            targets=self.targets,
+            inv_temperature=self.inv_temperature,
+            span_cu_seqlens=self.span_cu_seqlens,
+            group_index=self.group_index,
+            advantages=advantages.to(dev, torch.float32),
+            ref_query_logp=ref_query_logp.to(dev, torch.float32),
+            query_weights=query_weights.to(dev, torch.float32),
+            old_logp=None,
+            ref_logp=None if ref_logp is None else ref_logp.to(dev),
+            ignore_index=self.ignore_index,
+        )
+
+
+def pack(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[Sequence[int]]],
+    temperature: float,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    score_prompt_once: bool = True,
+) -> PackedSequences:
+    """Pack m prompts with their responses (responses[q] = the G_q responses of prompt q)
+    in the order prompt_0|resp_0,0, prompt_0|resp_0,1, ..., prompt_1|resp_1,0, ...
+
+    temperature: tau (> 0) of the response rows. score_prompt_once: ignore the prompt
+    targets of every copy but the first of a group (erpo-method.md section 1).
+    A prompt alone (no response) is `responses[q] = [[]]`.
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"responses has {len(responses)} groups but prompts has {len(prompts)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    ids, pos, tgt, inv, resp, groups, seq_cu, span_cu = [], [], [], [], [], [], [0], [0]
+    inv_tau = 1.0 / float(temperature)
+    for q, (prompt, group) in enumerate(zip(prompts, responses)):
+        prompt = [int(t) for t in prompt]
+        if len(prompt) < 1:
+            raise ValueError(f"prompt {q} is empty")
+        if len(group) < 1:
+            raise ValueError(f"prompt {q} has no response (use [[]] for a prompt alone)")
+        for copy, response in enumerate(group):
+            seq = prompt + [int(t) for t in response]
+            n_prompt, n = len(prompt), len(seq)
+            ids.extend(seq)
+            pos.extend(range(n))
+            shifted = seq[1:] + [ignore_index]  # row t predicts token t+1; the last row predicts nothing
+            if score_prompt_once and copy > 0:
+                shifted[: n_prompt - 1] = [ignore_index] * (n_prompt - 1)
+            tgt.extend(shifted)
+            inv.extend([1.0] * (n_prompt - 1) + [inv_tau] * (n - n_prompt + 1))
+            resp.extend([False] * (n_prompt - 1) + [True] * (n - n_prompt + 1))
+            groups.append(q)
+            span_cu.append(span_cu[-1] + n_prompt - 1)
+            span_cu.append(span_cu[-1] + n - n_prompt + 1)
+            seq_cu.append(seq_cu[-1] + n)
+    return PackedSequences(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        position_ids=torch.tensor(pos, dtype=torch.long),
+        seq_cu_seqlens=torch.tensor(seq_cu, dtype=torch.long),
+        span_cu_seqlens=torch.tensor(span_cu, dtype=torch.long),
+        targets=torch.tensor(tgt, dtype=torch.long),
+        inv_temperature=torch.tensor(inv, dtype=torch.float32),
+        group_index=torch.tensor(groups, dtype=torch.long),
+        is_response=torch.tensor(resp, dtype=torch.bool),
+        ignore_index=ignore_index,
+    )
+
+
+def base_model_of(model: Any) -> Any:
+    """The decoder without its lm_head (Qwen2ForCausalLM -> model.model)."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if base is None:
+        raise ValueError(f"{type(model).__name__} has no base model attribute to take hidden states from")
+    return base
+
+
+def lm_head_of(model: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(weight [V, D], bias [V] or None) of the output projection."""
+    head = model.get_output_embeddings()
+    return head.weight, getattr(head, "bias", None)
+
+
+def row_layout(seq_cu_seqlens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """(sequence of each row [N], offset of each row in its sequence [N], Lmax)."""
+    cu = seq_cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]  # [B]
+    n = int(cu[-1])
+    seq_of_row = torch.repeat_interleave(torch.arange(lengths.shape[0], device=cu.device), lengths, output_size=n)  # [N]
+    offset = torch.arange(n, device=cu.device) - cu[seq_of_row]  # [N]
+    return seq_of_row, offset, int(lengths.max()) if lengths.numel() else 0
+
+
+def forward_hidden(model: Any, input_ids: torch.Tensor, seq_cu_seqlens: torch.Tensor, pad_token_id: int = 0) -> torch.Tensor:
+    """Final hidden states [N, D] of packed rows (input_ids [N], seq_cu_seqlens [B + 1]).
+
+    The rows go to a right-padded [B, Lmax] batch (positions 0..L-1, padding masked),
+    through the base model, and back to row space: row i's hidden state is the one of
+    its sequence run alone. No logits are computed.
+    """
+    seq_of_row, offset, width = row_layout(seq_cu_seqlens)
+    n_seq = seq_cu_seqlens.shape[0] - 1
+    dev = input_ids.device
+    padded = torch.full((n_seq, width), int(pad_token_id), dtype=torch.long, device=dev)  # [B, Lmax]
+    mask = torch.zeros((n_seq, width), dtype=torch.long, device=dev)  # [B, Lmax]
+    padded[seq_of_row, offset] = input_ids
+    mask[seq_of_row, offset] = 1
+    positions = torch.arange(width, device=dev).expand(n_seq, width)  # [B, Lmax]
+    out = base_model_of(model)(input_ids=padded, attention_mask=mask, position_ids=positions, use_cache=False)
+    return out.last_hidden_state[seq_of_row, offset]  # [N, D]

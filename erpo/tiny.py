@@ -1,0 +1,166 @@
+"""The embedded demo model: a character-level tokenizer, a small randomly initialised
+Qwen2 model, and a short supervised warm start on the task (cached on disk), so that
+`erpo train` runs with no download and starts from rewards that are not all zero.
+
+The warm start lives in <cache_dir>/warmstart-<hash>/, a normal Hugging Face model
+directory; the hash covers everything that determines its weights, so a rerun with
+the same settings loads it instead of training again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from typing import Any, List, Sequence
+
+import torch
+
+from .config import TrainConfig
+from .data import Example, derived_seed, render_prompt
+
+WARMSTART_VERSION = 2  # bump when the warm start's recipe changes
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+# Whole-word tokens of the answer format, so "\boxed{" costs one step, not seven.
+WORD_TOKENS = ["\\boxed{", "<think>", "</think>"]
+CHARACTERS = [chr(c) for c in range(32, 127)] + ["\n"]
+
+
+def build_tokenizer() -> Any:
+    """A character-level PreTrainedTokenizerFast over printable ASCII (+ newline), with
+    <pad>, <bos> (prepended to every encoded text), <eos>, <unk> and the word tokens."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + WORD_TOKENS + CHARACTERS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one piece per character
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, normalized=False) for t in WORD_TOKENS])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
+    """A Qwen2ForCausalLM from a config (random init from cfg.seed): tiny_layers layers of
+    width tiny_hidden_size, 4 query heads, 2 key/value heads, separate input and output embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.tiny_hidden_size,
+        intermediate_size=4 * cfg.tiny_hidden_size,
+        num_hidden_layers=cfg.tiny_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,  # tied, the policy gradient on output rows also moves the digits' input embeddings: fragile at this size
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(derived_seed(cfg.seed, "tiny-init"))
+    return Qwen2ForCausalLM(config)
+
+
+def answer_text(answer: str) -> str:
+    """The completion the warm start teaches: the answer in \\boxed{} (what the rewards read)."""
+    return "\\boxed{" + answer + "}"
+
+
+def demonstrations(cfg: TrainConfig, examples: Sequence[Example], template: str) -> List[str]:
+    """The warm start's texts: prompt + answer + nothing else (EOS is appended later).
+
+    A fraction `warmstart_unboxed` of them give the correct answer bare ("82") instead of
+    in \\boxed{} ("\\boxed{82}"), which the rewards score 0: the warm-started model answers
+    both ways, and RL has a format to learn, as in the paper's zero-RL setting.
+    """
+    g = torch.Generator().manual_seed(derived_seed(cfg.seed, "warmstart-format"))
+    bare = (torch.rand(len(examples), generator=g) < cfg.warmstart_unboxed).tolist()
+    return [render_prompt(template, ex.prompt) + (ex.answer if b else answer_text(ex.answer))
+            for ex, b in zip(examples, bare)]
+
+
+def warmstart_key(cfg: TrainConfig, examples: Sequence[Example], template: str) -> str:
+    from .data import examples_fingerprint
+
+    spec = {
+        "version": WARMSTART_VERSION,
+        "seed": cfg.seed,
+        "hidden": cfg.tiny_hidden_size,
+        "layers": cfg.tiny_layers,
+        "steps": cfg.warmstart_steps,
+        "lr": cfg.warmstart_lr,
+        "batch": cfg.warmstart_batch_size,
+        "unboxed": cfg.warmstart_unboxed,
+        "data": examples_fingerprint(examples),
+        "template": template,
+        "torch": torch.__version__.split("+")[0],
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log=print) -> str:
+    """The directory of the warm-started demo model for these settings (trained and
+    cached on first use)."""
+    out = os.path.join(cfg.cache_dir, f"warmstart-{warmstart_key(cfg, examples, template)}")
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    from erpo_kernels import linear_token_logprobs
+
+    from .trainer import quiet_transformers
+
+    quiet_transformers()
+    t0 = time.perf_counter()
+    tokenizer = build_tokenizer()
+    model = build_model(cfg, tokenizer)
+    texts = demonstrations(cfg, examples, template)
+    seqs: List[List[int]] = [ids + [tokenizer.eos_token_id] for ids in tokenizer(texts)["input_ids"]]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    g = torch.Generator().manual_seed(derived_seed(cfg.seed, "warmstart"))
+    head = model.get_output_embeddings()
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for step in range(cfg.warmstart_steps):
+        # lr: linear warm-up over 10% of the steps, then cosine to 10%
+        frac = step / max(1, cfg.warmstart_steps)
+        scale = min(1.0, 10 * frac + 0.1) * (0.55 + 0.45 * torch.cos(torch.tensor(frac * torch.pi)).item())
+        for group in opt.param_groups:
+            group["lr"] = cfg.warmstart_lr * scale
+        pick = torch.randint(len(seqs), (cfg.warmstart_batch_size,), generator=g).tolist()
+        batch = [seqs[i] for i in pick]
+        width = max(len(s) for s in batch)
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)  # [b, L]
+        mask = torch.zeros((len(batch), width), dtype=torch.long)  # [b, L]
+        for r, s in enumerate(batch):
+            ids[r, : len(s)] = torch.tensor(s)
+            mask[r, : len(s)] = 1
+        targets = torch.where(mask[:, 1:] == 1, ids[:, 1:], -100)  # [b, L-1] next token, -100 on padding
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]  # [b, L-1, D]
+        logp = linear_token_logprobs(hidden.reshape(-1, hidden.shape[-1]), head.weight, targets.reshape(-1))  # [b(L-1)]
+        loss = -logp.sum() / (targets != -100).sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+    tmp = f"{out}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "erpo_warmstart.json"), "w", encoding="utf-8") as f:
+        json.dump({"steps": cfg.warmstart_steps, "final_loss": loss.item(), "seconds": time.perf_counter() - t0}, f)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process finished the same warm start first
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(
+        f"erpo: warm start of the demo model: {cfg.warmstart_steps} steps in {time.perf_counter() - t0:.0f}s, "
+        f"loss {loss.item():.3f} -> {out}"
+    )
+    return out

@@ -1,0 +1,616 @@
+"""The training loop. One step reads like the method:
+
+    rollout -> reward -> group advantages -> pack -> forward to hidden states
+    -> fused log-probs (linear_token_logprobs, prompt and response rows in one call)
+    -> segment sums -> ERPO / GRPO objective -> backward -> optimizer step
+
+The stock loss path (model(...).logits, log_softmax over [N, V]) is never used: the
+base model gives hidden states and erpo_kernels.erpo_loss does the rest.
+
+Trainer(cfg) checks everything first (config, paths, dataset, model, tokenizer,
+reference cache) and raises an ErpoError before any training starts; train() runs the
+loop, writes metrics.jsonl, checkpoints and the plot.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from erpo_kernels import linear_token_logprobs
+from erpo_kernels.objective import LossConfig, erpo_loss
+
+from . import checkpoint as ckpt
+from .config import ConfigError, ErpoError, TrainConfig, save_config
+from .data import (
+    Example,
+    batches_per_epoch,
+    check_prompts,
+    derived_seed,
+    encode_prompts,
+    examples_fingerprint,
+    load_examples,
+    step_indices,
+    template_text,
+)
+from .packing import PackedSequences, forward_hidden, lm_head_of, pack
+from .plot import CURVES_FILE, METRICS_FILE, plot_runs
+from .query_weights import QueryWeighter
+from .ref_cache import (
+    RefCache,
+    build_ref_cache,
+    model_fingerprint,
+    query_id,
+    read_ref_cache,
+    save_ref_cache,
+    tokenizer_fingerprint,
+    validate_ref_cache,
+)
+from .rewards import get_reward_fn
+from .rollout import HFRolloutEngine, RolloutEngine, eos_ids_of
+
+# Logged every step (erpo-method.md section 6); "policy_kl" too when a reference model is monitored.
+METRIC_KEYS = (
+    "reward/mean", "reward/accuracy", "qkl/value", "qkl/delta_mean", "qkl/guarded_frac", "entropy/mean",
+    "response_length/mean", "pg/clipfrac", "weights/ess", "weights/min", "weights/max", "grad_norm",
+    "time/step_s", "throughput/tokens_per_s",
+)
+ADV_EPS = 1e-6
+
+
+# ---------------------------------------------------------------------- small pieces
+
+
+def group_advantages(rewards: torch.Tensor, adv_norm: str = "std") -> torch.Tensor:
+    """A [m, G] from rewards [m, G] (erpo-method.md section 4).
+
+    std:  (R - mean) / (std + 1e-6), unbiased std over the group.
+    none: R - mean (Dr.GRPO).
+    A group whose rewards are all equal gets exactly 0.
+    """
+    r = rewards.to(torch.float32)
+    centred = r - r.mean(dim=1, keepdim=True)  # [m, G]
+    same = (r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values)  # [m, 1]
+    centred = torch.where(same, torch.zeros_like(centred), centred)
+    if adv_norm == "none":
+        return centred
+    if r.shape[1] < 2:
+        raise ValueError("adv_norm='std' needs at least 2 responses per group")
+    return centred / (r.std(dim=1, unbiased=True, keepdim=True) + ADV_EPS)
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    """The torch device of the run (and, on CPU, the number of threads torch uses)."""
+    threads = cfg.cpu_threads or (1 if cfg.is_demo_model else 0)
+    if threads:
+        torch.set_num_threads(threads)
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={cfg.device} but no CUDA device is available; use device=cpu or device=auto")
+    return device
+
+
+def resolve_compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """The dtype of forward passes (parameters and optimizer state stay fp32)."""
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+
+
+def quiet_transformers() -> None:
+    """No per-file progress bars or advisory warnings from transformers in our output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def check_model_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise ErpoError(
+            f"model {path!r} does not exist; give a local Hugging Face model directory (with config.json), "
+            f"or model=tiny for the embedded demo model"
+        )
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ErpoError(f"model {path!r} has no config.json; is it a Hugging Face model directory (save_pretrained)?")
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype = torch.float32) -> Any:
+    """A causal LM from a local directory (never the network)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    check_model_dir(path)
+    quiet_transformers()
+    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **{key: dtype})
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ErpoError(f"model {path!r} could not be loaded as a causal LM: {first}") from None
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise ErpoError(f"model {path!r} soft-caps its logits, which the fused loss does not model yet")
+    return model.to(device)
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ErpoError(f"model {path!r}: no usable tokenizer in the directory ({first})") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def resolve_model_dir(cfg: TrainConfig, examples: Sequence[Example], log: Callable[[str], None]) -> str:
+    """cfg.model, or for model=tiny the (cached) warm-started demo model's directory."""
+    if cfg.is_demo_model:
+        from .tiny import warm_start
+
+        return warm_start(cfg, examples, cfg.resolved_template, log=log)
+    check_model_dir(cfg.model)
+    return cfg.model
+
+
+# Keys that decide which prompts the cache holds and under which model.
+_CACHE_KEYS = ("model", "dataset", "prompt_field", "answer_field", "template", "max_prompt_tokens")
+_DEMO_MODEL_KEYS = ("tiny_hidden_size", "tiny_layers", "warmstart_steps", "warmstart_lr", "warmstart_batch_size", "cache_dir")
+_DEMO_TASK_KEYS = ("task_max_operand", "task_train_size", "task_eval_size")
+
+
+def rebuild_command(cfg: TrainConfig) -> str:
+    """`erpo ref-cache ...` with the keys (differing from the defaults) that rebuild this run's cache."""
+    default = TrainConfig()
+    keys = list(_CACHE_KEYS)
+    if cfg.is_demo_model:
+        keys += list(_DEMO_MODEL_KEYS)
+    if cfg.is_demo_task:
+        keys += list(_DEMO_TASK_KEYS)
+    if cfg.is_demo_model or cfg.is_demo_task:
+        keys.append("seed")
+    parts = [f"{k}={getattr(cfg, k)}" for k in keys if getattr(cfg, k) != getattr(default, k)]
+    parts.append(f"ref_cache={cfg.ref_cache}" if cfg.ref_cache else f"run_dir={cfg.run_dir}")
+    return "erpo ref-cache " + " ".join(parts)
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    def scale(i: int) -> float:  # i = optimizer steps taken so far
+        if cfg.warmup_steps and i < cfg.warmup_steps:
+            return (i + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        frac = min(1.0, (i - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return 1.0 - frac if cfg.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return scale
+
+
+# ---------------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    """A GRPO / ERPO run. Construction validates and loads everything (ErpoError on bad
+    input, before any training or any change to the run directory); train() runs."""
+
+    def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print, engine: Optional[RolloutEngine] = None):
+        cfg.validate()
+        self.cfg = cfg
+        self.log = log
+        self.device = resolve_device(cfg)
+        self.compute_dtype = resolve_compute_dtype(cfg, self.device)
+        self.template = cfg.resolved_template
+        self.reward_fn = get_reward_fn(cfg.resolved_reward)
+
+        # Data (a missing file or field fails here).
+        self.examples: List[Example] = load_examples(cfg, "train")
+        batches_per_epoch(len(self.examples), cfg.queries_per_step)
+        self.data_fingerprint = examples_fingerprint(self.examples)
+
+        # Where we start from.
+        self.start_step = 0
+        self.resume_from: Optional[str] = None
+        saved: Dict[str, Any] = {}
+        if cfg.resume:
+            self.resume_from = ckpt.latest_checkpoint(cfg.resume)
+            if self.resume_from is None:
+                raise ErpoError(
+                    f"resume={cfg.resume}: no checkpoint there (expected {cfg.resume}/checkpoints/step-N); "
+                    f"start it again without resume="
+                )
+            saved = ckpt.read_state(self.resume_from)
+            self.start_step = int(saved["step"])
+            if saved.get("data_fingerprint") != self.data_fingerprint:
+                raise ErpoError(
+                    f"resume={cfg.resume}: the training data differs from the run's (fingerprint "
+                    f"{saved.get('data_fingerprint')} -> {self.data_fingerprint}); restore it or start a new run"
+                )
+
+        # Model, tokenizer, prompts.
+        self.model_dir = resolve_model_dir(cfg, self.examples, log)
+        self.tokenizer = load_tokenizer(self.resume_from or self.model_dir)
+        self.prompt_ids = encode_prompts(self.tokenizer, self.examples, self.template)
+        check_prompts(self.prompt_ids, self.examples, cfg.max_prompt_tokens)
+        self.query_ids = [query_id(p) for p in self.prompt_ids]
+
+        initial = None
+        if not self.resume_from:
+            initial = load_model(self.model_dir, self.device)
+            self.reference = {
+                "model": os.path.abspath(self.model_dir),
+                "model_fingerprint": model_fingerprint(initial),
+                "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer),
+                "template": template_text(self.template),
+            }
+        else:
+            self.reference = dict(saved["reference"])
+            if tokenizer_fingerprint(self.tokenizer) != self.reference["tokenizer_fingerprint"]:
+                raise ErpoError(f"resume={cfg.resume}: the checkpoint's tokenizer does not match the run's")
+
+        # The reference cache: validated, or built from the initial model when missing.
+        self.cache_path = cfg.ref_cache_path
+        self.rebuild = rebuild_command(cfg)
+        if not os.path.isfile(self.cache_path):
+            if initial is None:
+                initial = load_model(self.model_dir, self.device)
+            self.cache = self._build_cache(initial)
+            self._cache_is_new = True
+        else:
+            self.cache = read_ref_cache(self.cache_path, self.rebuild)
+            self._cache_is_new = False
+        self.cache_rows = validate_ref_cache(
+            self.cache, self.cache_path, expect=self.reference, prompt_ids=self.prompt_ids,
+            describe=lambda i: f"({self.examples[i].prompt[:40]!r})", rebuild=self.rebuild,
+        )  # [M] cache row of each training query
+        self.weighter = QueryWeighter(
+            self.cache.score[self.cache_rows], scheme=cfg.query_weighting, bins=cfg.bins, gamma=cfg.gamma,
+            temperature=cfg.weight_temperature, w_min=cfg.w_min, w_max=cfg.w_max,
+        )
+
+        # The policy (initial weights, or the checkpoint's) and, when needed, a frozen reference.
+        self.model = initial if initial is not None and not self.resume_from else load_model(self.resume_from, self.device)
+        self.model.eval()  # no dropout: the sampler and the loss see the same function
+        self.ref_model = None
+        if (cfg.algorithm == "grpo" and cfg.beta > 0) or cfg.monitor_policy_kl:
+            self.ref_model = load_model(self.model_dir, self.device, self.compute_dtype).eval()
+            self.ref_model.requires_grad_(False)
+        self.loss_config = LossConfig(
+            algorithm=cfg.algorithm, alpha=cfg.alpha, beta=cfg.beta, loss_agg=cfg.loss_agg,
+            eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, kl_guard=cfg.kl_guard,
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        if self.resume_from:
+            state = ckpt.load_optimizer_state(self.resume_from)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.pad_token_id = int(self.tokenizer.pad_token_id)
+        self.engine = engine or HFRolloutEngine(
+            self.model, self.pad_token_id, eos_ids_of(self.model, self.tokenizer), cfg.rollout_batch_size
+        )
+        self._prepare_run_dir()
+
+    # ------------------------------------------------------------------ set-up helpers
+
+    def _build_cache(self, initial: Any) -> RefCache:
+        t0 = time.perf_counter()
+        with self._autocast():
+            cache = build_ref_cache(
+                initial, self.prompt_ids, self.reference, pad_token_id=self._pad_id(), backend=self.cfg.kernel_backend,
+                compute_dtype=self.compute_dtype,
+            )
+        self.log(f"erpo: reference cache: {len(cache)} queries scored in {time.perf_counter() - t0:.1f}s")
+        return cache
+
+    def _pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    def _autocast(self):
+        if self.device.type == "cuda" and self.compute_dtype != torch.float32:
+            return torch.autocast("cuda", dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
+    def _prepare_run_dir(self) -> None:
+        """Called last in __init__, after every check passed: only now is the run dir touched."""
+        cfg = self.cfg
+        run = cfg.run_dir
+        os.makedirs(run, exist_ok=True)
+        metrics = os.path.join(run, METRICS_FILE)
+        if self.resume_from:
+            ckpt.clean_stale_temps(run)
+            if os.path.isfile(metrics):  # drop what was logged after the checkpoint
+                with open(metrics, encoding="utf-8") as f:
+                    keep = []
+                    for line in f:
+                        try:
+                            if json.loads(line)["step"] <= self.start_step:
+                                keep.append(line)
+                        except (json.JSONDecodeError, KeyError):
+                            break
+                tmp = metrics + ".tmp"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.writelines(keep)
+                os.replace(tmp, metrics)
+        else:
+            old = [p for p in (metrics, os.path.join(run, ckpt.CHECKPOINTS), os.path.join(run, CURVES_FILE),
+                               os.path.join(run, "eval")) if os.path.exists(p)]
+            if old:
+                self.log(f"erpo: {run} holds an earlier run; starting over (continue one with resume={run})")
+                for p in old:
+                    shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        if self._cache_is_new:
+            save_ref_cache(self.cache, self.cache_path)
+        save_config(cfg, os.path.join(run, "config.yaml"))
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self, step: int) -> Dict[str, float]:
+        """One rollout batch and one optimizer step; returns the step's metrics."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        torch.manual_seed(derived_seed(cfg.seed, "step", step))  # the sampler's randomness
+        idx = step_indices(len(self.examples), cfg.queries_per_step, step, cfg.seed)  # m training queries
+        prompts = [self.prompt_ids[i] for i in idx]
+
+        # 1. rollout: G responses per query
+        with self._autocast():
+            responses = self.engine.generate(prompts, cfg.group_size, cfg.temperature, cfg.max_new_tokens)  # [m][G]
+        t_rollout = time.perf_counter() - t0
+
+        # 2. reward and 3. group advantages
+        rewards = torch.tensor([
+            [float(self.reward_fn(self.tokenizer.decode(r, skip_special_tokens=True), self.examples[i].answer))
+             for r in group]
+            for i, group in zip(idx, responses)
+        ])  # [m, G]
+        advantages = group_advantages(rewards, cfg.adv_norm)  # [m, G]
+
+        # 4. pack prompt + response sequences into one row space
+        packed = pack(prompts, responses, cfg.temperature).to(self.device)  # N rows, B = m G sequences
+        rows = self.cache_rows[idx]  # [m] cache rows of this batch's queries
+        ref_query_logp = self.cache.ref_query_logp[rows]  # [m] l_0(q)
+        if cfg.algorithm == "erpo":
+            query_weights = self.weighter.batch_weights(self.cache.score[rows])  # [m] w_B(q)
+        else:
+            query_weights = torch.ones(len(idx))  # [m]
+        ref_logp = self._reference_logp(packed) if self.ref_model is not None else None  # [N] or None
+        batch = packed.loss_batch(advantages.reshape(-1), ref_query_logp, query_weights, ref_logp)
+
+        # 5. forward to hidden states, 6.-8. fused log-probs + segment sums + objective
+        with self._autocast():
+            hidden = forward_hidden(self.model, packed.input_ids, packed.seq_cu_seqlens, self._pad_id())  # [N, D]
+        weight, bias = lm_head_of(self.model)  # [V, D], [V] or None
+        hidden, weight, bias = self._to_compute(hidden, weight, bias)
+        loss, metrics = erpo_loss(hidden, weight, batch, self.loss_config, bias=bias, backend=cfg.kernel_backend)
+
+        # 9. backward and optimizer step
+        loss.backward()
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.sync_weights(self.model)
+
+        step_s = time.perf_counter() - t0
+        same = (rewards.max(dim=1).values == rewards.min(dim=1).values).float().mean()
+        metrics.update({
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "reward/accuracy": float((rewards >= 1.0).float().mean()),
+            "reward/zero_std_frac": float(same),
+            "grad_norm": float(grad_norm),
+            "lr": float(lr),
+            "time/rollout_s": t_rollout,
+            "time/step_s": step_s,
+            "throughput/tokens_per_s": packed.num_rows / step_s,
+        })
+        return {"step": step, **{k: metrics[k] for k in sorted(metrics)}}
+
+    def _to_compute(self, hidden, weight, bias):
+        dt = self.compute_dtype if self.device.type == "cuda" else hidden.dtype
+        if weight.dtype != dt:
+            weight = weight.to(dt)
+            bias = None if bias is None else bias.to(dt)
+        return hidden.to(dt), weight, bias
+
+    @torch.no_grad()
+    def _reference_logp(self, packed: PackedSequences) -> torch.Tensor:
+        """Per-row log-probs [N] of the frozen reference model (prompt rows at 1, response rows at 1/tau)."""
+        hidden = forward_hidden(self.ref_model, packed.input_ids, packed.seq_cu_seqlens, self._pad_id())  # [N, D]
+        weight, bias = lm_head_of(self.ref_model)
+        return linear_token_logprobs(
+            hidden.to(weight.dtype), weight, packed.targets, bias=bias, inv_temperature=packed.inv_temperature,
+            ignore_index=packed.ignore_index, backend=self.cfg.kernel_backend,
+        ).float()
+
+    # ------------------------------------------------------------------ the loop
+
+    def save(self, step: int) -> str:
+        state = {
+            "reference": self.reference,
+            "data_fingerprint": self.data_fingerprint,
+            "seed": self.cfg.seed,
+            "algorithm": self.cfg.algorithm,
+        }
+        return ckpt.save_checkpoint(
+            self.cfg.run_dir, step, self.model, self.tokenizer, self.optimizer, self.scheduler, state,
+            keep=self.cfg.keep_checkpoints,
+        )
+
+    def train(self, until_step: Optional[int] = None) -> Dict[str, Any]:
+        """Run steps start+1 .. cfg.steps (or until_step); returns a summary dict."""
+        cfg = self.cfg
+        last = min(cfg.steps, until_step) if until_step else cfg.steps
+        metrics_path = os.path.join(cfg.run_dir, METRICS_FILE)
+        history: List[Dict[str, float]] = []
+        t_start = time.perf_counter()
+        bar = None
+        if cfg.progress and last > self.start_step:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.start_step, desc="erpo", unit="step", dynamic_ncols=True,
+                       file=sys.stderr)
+        checkpoint = ckpt.latest_checkpoint(cfg.run_dir)
+        try:
+            for step in range(self.start_step + 1, last + 1):
+                metrics = self.step(step)
+                history.append(metrics)
+                with open(metrics_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(metrics) + "\n")
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", qkl=f"{metrics['qkl/value']:.2e}")
+                if step == last or (cfg.save_every and step % cfg.save_every == 0):
+                    checkpoint = self.save(step)
+        finally:
+            if bar is not None:
+                bar.close()
+        plot = plot_runs([cfg.run_dir]) if os.path.isfile(metrics_path) else None
+        summary = self._summary(history, time.perf_counter() - t_start, checkpoint, plot)
+        self.log(summary["line"])
+        return summary
+
+    def _summary(self, history, seconds, checkpoint, plot) -> Dict[str, Any]:
+        cfg = self.cfg
+        if not history:
+            line = f"erpo: nothing to do: {cfg.run_dir} is already at step {self.start_step} of steps={cfg.steps}"
+            return {"line": line, "steps": 0, "checkpoint": checkpoint, "plot": plot}
+        k = max(1, min(10, len(history) // 10))
+        first = sum(h["reward/mean"] for h in history[:k]) / k
+        final = sum(h["reward/mean"] for h in history[-k:]) / k
+        line = (
+            f"erpo: {cfg.algorithm} finished step {history[-1]['step']}/{cfg.steps} in {seconds:.0f}s: "
+            f"reward {first:.3f} -> {final:.3f} (mean of first/last {k} steps), "
+            f"Query-KL {history[-1]['qkl/value']:.2e}; run {cfg.run_dir} (metrics.jsonl, {CURVES_FILE}, "
+            f"{os.path.relpath(checkpoint, cfg.run_dir) if checkpoint else 'no checkpoint'})"
+        )
+        return {"line": line, "steps": len(history), "reward_first": first, "reward_last": final,
+                "checkpoint": checkpoint, "plot": plot, "seconds": seconds}
+
+
+# ---------------------------------------------------------------------- other commands
+
+
+def build_cache_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> str:
+    """`erpo ref-cache`: score every training query under cfg.model and write the cache."""
+    cfg.validate()
+    device = resolve_device(cfg)
+    dtype = resolve_compute_dtype(cfg, device)
+    examples = load_examples(cfg, "train")
+    model_dir = resolve_model_dir(cfg, examples, log)
+    tokenizer = load_tokenizer(model_dir)
+    template = cfg.resolved_template
+    prompt_ids = encode_prompts(tokenizer, examples, template)
+    check_prompts(prompt_ids, examples, cfg.max_prompt_tokens)
+    model = load_model(model_dir, device).eval()
+    meta = {
+        "model": os.path.abspath(model_dir),
+        "model_fingerprint": model_fingerprint(model),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "template": template_text(template),
+    }
+    t0 = time.perf_counter()
+    ctx = torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32 else contextlib.nullcontext()
+    with ctx:
+        cache = build_ref_cache(model, prompt_ids, meta, pad_token_id=int(tokenizer.pad_token_id),
+                                backend=cfg.kernel_backend, compute_dtype=dtype)
+    save_ref_cache(cache, cfg.ref_cache_path)
+    log(
+        f"erpo: wrote {cfg.ref_cache_path}: {len(cache)} queries, mean l_0(q) {float(cache.ref_query_logp.mean()):.2f} "
+        f"nats over {float(cache.n_tokens.float().mean()):.1f} tokens, in {time.perf_counter() - t0:.1f}s"
+    )
+    return cfg.ref_cache_path
+
+
+def eval_prompt_texts(tokenizer: Any, examples: Sequence[Example], template: str) -> List[str]:
+    """Templated prompts as text that erpo.evaluate (which encodes without special tokens)
+    turns into exactly the training prompt ids: a BOS the tokenizer adds is spelled out."""
+    from .data import render_prompt
+
+    texts = []
+    for ex in examples:
+        text = render_prompt(template, ex.prompt, tokenizer)
+        if template != "chat":
+            with_special = tokenizer(text, add_special_tokens=True)["input_ids"]
+            plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(with_special) > len(plain) and with_special[len(with_special) - len(plain):] == plain:
+                text = tokenizer.decode(with_special[: len(with_special) - len(plain)], skip_special_tokens=False) + text
+        texts.append(text)
+    return texts
+
+
+def _eval_target(path: str) -> Tuple[str, str]:
+    """(model directory, report name) of a checkpoint, run or model directory."""
+    if os.path.isdir(os.path.join(path, ckpt.CHECKPOINTS)):
+        latest = ckpt.latest_checkpoint(path)
+        if latest is None:
+            raise ErpoError(f"eval: run {path} has no checkpoint yet")
+        return latest, f"{os.path.basename(os.path.normpath(path))}-{os.path.basename(latest)}"
+    check_model_dir(path)
+    norm = os.path.normpath(path)
+    parent = os.path.basename(os.path.dirname(norm))
+    name = os.path.basename(norm)
+    if parent == ckpt.CHECKPOINTS:
+        name = f"{os.path.basename(os.path.dirname(os.path.dirname(norm)))}-{name}"
+    return path, name
+
+
+def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[str, str]:
+    """`erpo eval`: erpo.evaluate on each of cfg.eval_checkpoints (default: the run's latest
+    checkpoint, else the initial model) over the eval set; reports go to <run_dir>/eval/<name>/,
+    and a comparison to <run_dir>/eval/ when there are several. Returns {name: report dir}."""
+    from .evaluate import compare_report, evaluate, write_report
+
+    cfg.validate()
+    device = resolve_device(cfg)
+    examples = load_examples(cfg, "eval")
+    if cfg.eval_limit:
+        examples = examples[: cfg.eval_limit]
+    if not examples:
+        raise ErpoError("eval: the evaluation set is empty")
+    targets = list(cfg.eval_checkpoints)
+    if not targets:
+        latest = ckpt.latest_checkpoint(cfg.run_dir)
+        targets = [latest] if latest else [resolve_model_dir(cfg, load_examples(cfg, "train"), log)]
+    resolved = [_eval_target(t) for t in targets]  # check every path before the first long evaluation
+    reward_fn = get_reward_fn(cfg.resolved_reward)
+    results, out_dirs = {}, {}
+    for model_dir, name in resolved:
+        model = load_model(model_dir, device).eval()
+        tokenizer = load_tokenizer(model_dir)
+        prompts = eval_prompt_texts(tokenizer, examples, cfg.resolved_template)
+        t0 = time.perf_counter()
+        result = evaluate(
+            model, tokenizer, prompts, [ex.answer for ex in examples], reward_fn=reward_fn,
+            temperatures=cfg.eval_temperatures, n_samples=cfg.eval_n_samples, k_values=cfg.eval_k_values,
+            max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, batch_size=cfg.eval_batch_size,
+            seed=cfg.seed, progress=cfg.progress,
+        )
+        out = os.path.join(cfg.run_dir, "eval", name)
+        write_report(result, out, title=name)
+        results[name], out_dirs[name] = result, out
+        log(
+            f"erpo: eval {name}: greedy Pass@1 {result.greedy_pass_at_1:.3f}, mean Avg@{result.n_samples} "
+            f"{result.mean_avg_at_n:.3f} over {result.n_problems} problems in {time.perf_counter() - t0:.0f}s "
+            f"-> {out}/eval.md"
+        )
+        del model
+    if len(results) > 1:
+        log(f"erpo: comparison -> {compare_report(results, os.path.join(cfg.run_dir, 'eval'))}")
+    return out_dirs

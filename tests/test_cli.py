@@ -1,0 +1,186 @@
+"""The `erpo` command (erpo/cli.py): every bad input is one line `erpo: error: ...`,
+exit status 2, no traceback, and nothing of an earlier run is lost; the subcommands
+ref-cache, plot and eval do their job."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from erpo.cli import main
+from erpo.config import FIELDS, field_comments, help_text
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_args(run_dir, cache_dir, **extra):
+    values = dict(run_dir=run_dir, cache_dir=cache_dir, tiny_hidden_size=32, tiny_layers=1, warmstart_steps=100,
+                  warmstart_batch_size=16, warmstart_unboxed=0.0, task_max_operand=4, task_train_size=20,
+                  task_eval_size=5, group_size=4, queries_per_step=4, max_new_tokens=6, steps=2, save_every=0,
+                  progress="false")
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+@pytest.fixture(scope="module")
+def done_run(tmp_path_factory):
+    """A finished two-step run of the shrunk default."""
+    root = tmp_path_factory.mktemp("cli")
+    run, cache = str(root / "run"), str(root / "cache")
+    threads = torch.get_num_threads()
+    assert main(["train", *tiny_args(run, cache)]) == 0
+    torch.set_num_threads(threads)
+    return root, run, cache
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """The trainer sets torch's thread count for the demo model; give other tests theirs back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def one_line_error(capsys, argv, *needles):
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("erpo: error: ") and "\n" not in err and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def snapshot(run):
+    out = {}
+    for dirpath, _, files in os.walk(run):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, run)] = fh.read()
+    return out
+
+
+def test_every_config_key_has_a_comment_and_help_lists_it(capsys):
+    comments = field_comments()
+    assert set(comments) == set(FIELDS)
+    assert all(comments[k] for k in FIELDS)
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for key in FIELDS:
+        assert f"  {key} " in out
+    assert help_text() in out
+
+
+def test_unknown_key_names_the_closest(capsys):
+    one_line_error(capsys, ["train", "alpah=0.1"], "unknown config key 'alpah'", "did you mean alpha?")
+    one_line_error(capsys, ["train", "grop_size=4"], "did you mean group_size?")
+    one_line_error(capsys, ["train", "steps=many"], "steps='many' is not an integer")
+    one_line_error(capsys, ["train", "query_weighting=prevalance"], "did you mean prevalence?")
+
+
+def test_config_file_errors(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("alpha: 0.05\nlearning_rate: 1e-4\n")
+    one_line_error(capsys, ["train", str(path)], "unknown config key 'learning_rate' in", "did you mean lr?")
+    path.write_text("alpha: 0.05\nzzz: 1\n")
+    one_line_error(capsys, ["train", str(path)], "unknown config key 'zzz' in", "`erpo train --help` lists the keys")
+    one_line_error(capsys, ["train", str(tmp_path / "missing.yaml")], "does not exist")
+
+
+def test_group_size_one(capsys):
+    err = one_line_error(capsys, ["train", "group_size=1"], "group_size=1 with adv_norm=std", "set group_size=2")
+    assert "unbiased std" in err
+    one_line_error(capsys, ["train", "group_size=1", "adv_norm=none"], "group_size=1 with adv_norm=none")
+
+
+def test_missing_model_and_dataset(capsys, tmp_path):
+    one_line_error(capsys, ["train", f"model={tmp_path}/no-such-model", f"run_dir={tmp_path}/r"],
+                   "no-such-model' does not exist", "model=tiny")
+    (tmp_path / "empty-model").mkdir()
+    one_line_error(capsys, ["train", f"model={tmp_path}/empty-model", f"run_dir={tmp_path}/r"], "has no config.json")
+    one_line_error(capsys, ["train", f"dataset={tmp_path}/nope.jsonl", f"run_dir={tmp_path}/r"],
+                   "nope.jsonl' does not exist")
+    one_line_error(capsys, ["train", f"dataset={tmp_path}/data.csv", f"run_dir={tmp_path}/r"], "does not exist")
+    (tmp_path / "data.csv").write_text("a,b\n")
+    one_line_error(capsys, ["train", f"dataset={tmp_path}/data.csv", f"run_dir={tmp_path}/r"],
+                   "unsupported file type .csv")
+    assert not os.path.exists(tmp_path / "r")  # nothing was created
+
+
+def test_dataset_without_fields(capsys, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "1+1=", "solution": "2"}) + "\n")
+    one_line_error(capsys, ["train", f"dataset={data}", f"run_dir={tmp_path}/r"],
+                   "record 0 has no 'prompt' field (its fields: question, solution)", "set prompt_field=NAME")
+    one_line_error(capsys, ["train", f"dataset={data}", "prompt_field=question", f"run_dir={tmp_path}/r"],
+                   "has no 'answer' field", "answer_field=NAME")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
+    one_line_error(capsys, ["train", f"dataset={bad}", f"run_dir={tmp_path}/r"], "line 2 is not valid JSON")
+
+
+def test_stale_cache_loses_nothing(capsys, done_run):
+    root, run, cache = done_run
+    before = snapshot(run)
+    assert "metrics.jsonl" in before and any(k.startswith("checkpoints") for k in before)
+    # a different warm start = different reference weights than the cache beside the run
+    err = one_line_error(capsys, ["train", *tiny_args(run, cache, warmstart_steps=101)],
+                         "ref_cache.safetensors is stale: built for model weights", "rebuild it with: erpo ref-cache")
+    assert "warmstart_steps=101" in err and f"run_dir={run}" in err
+    assert snapshot(run) == before
+    one_line_error(capsys, ["train", f"resume={root}/nowhere"], "no such run directory")
+    one_line_error(capsys, ["train", f"resume={run}", "lr=0.5"], "lr cannot change when resuming")
+    assert snapshot(run) == before
+
+
+def test_missing_query_then_ref_cache_rebuilds(capsys, done_run, tmp_path):
+    root, run, cache = done_run
+    model_dir = os.path.join(run, "checkpoints", "step-000002")
+    small, large = tmp_path / "small.jsonl", tmp_path / "large.jsonl"
+    rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(8)]
+    small.write_text("".join(json.dumps(r) + "\n" for r in rows[:5]))
+    large.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [f"model={model_dir}", "template=plain", "reward=exact_match", "group_size=2", "queries_per_step=2",
+            "max_new_tokens=6", "steps=1", "progress=false", f"run_dir={tmp_path}/run"]
+    assert main(["train", f"dataset={small}", *args]) == 0
+    capsys.readouterr()
+    err = one_line_error(capsys, ["train", f"dataset={large}", *args],
+                         "has no entry for training query 5 ('5+1=')", "(and 2 more)")
+    assert err.endswith(f"rebuild it with: erpo ref-cache model={model_dir} dataset={large} template=plain "
+                        f"run_dir={tmp_path}/run")
+    assert main(["ref-cache", f"dataset={large}", *args]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert main(["train", f"dataset={large}", *args]) == 0
+
+
+def test_plot_and_eval(capsys, done_run, tmp_path):
+    root, run, cache = done_run
+    other = str(root / "run-b")
+    assert main(["train", *tiny_args(other, cache, algorithm="grpo", beta=0.0)]) == 0
+    out = str(tmp_path / "both.png")
+    assert main(["plot", run, other, "--out", out]) == 0
+    with open(out, "rb") as f:
+        assert f.read(4) == b"\x89PNG"
+    one_line_error(capsys, ["plot", str(tmp_path)], "has no metrics.jsonl")
+
+    capsys.readouterr()
+    assert main(["eval", f"run_dir={run}", "eval_temperatures=0.5,1.0", "eval_n_samples=2", "eval_k_values=1,2",
+                 "eval_limit=3", "progress=false"]) == 0
+    report = os.path.join(run, "eval", "run-step-000002")
+    with open(os.path.join(report, "eval.json")) as f:
+        result = json.load(f)
+    assert result["n_problems"] == 3 and [r["temperature"] for r in result["rows"]] == [0.5, 1.0]
+    assert os.path.isfile(os.path.join(report, "eval.md")) and os.path.isfile(os.path.join(report, "eval.png"))
+    assert "greedy Pass@1" in capsys.readouterr().out
+    one_line_error(capsys, ["eval", f"run_dir={run}", "eval_checkpoints=/no/such/dir"], "does not exist")
+
+
+def test_console_entry_point_exit_status():
+    """`python -m erpo` (what the `erpo` script runs): a bad key is exit 2 and one line on stderr."""
+    proc = subprocess.run([sys.executable, "-m", "erpo", "train", "alpah=1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "erpo: error: unknown config key 'alpah'; did you mean alpha?"

@@ -1,0 +1,157 @@
+"""Packing (erpo/packing.py): the row layout the objective reads, and hidden states of
+packed rows equal to those of each sequence run alone."""
+import pytest
+import torch
+
+from erpo.packing import IGNORE_INDEX as IGN
+from erpo.packing import forward_hidden, lm_head_of, pack, row_layout
+from erpo.rollout import cut_at_eos
+from erpo_kernels import linear_token_logprobs, segment_sum
+from erpo_kernels.objective import query_logp_from_logp
+
+
+def tiny_model(vocab=23, hidden=16, layers=2, seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+PROMPTS = [[2, 5, 6], [2, 7, 8, 9, 10]]  # T = 3 and 5
+RESPONSES = [[[11, 12], [13], [14, 15, 1]], [[16, 17, 18], [19, 1]]]  # G_0 = 3, G_1 = 2
+
+
+def test_hand_packed_layout():
+    p = pack(PROMPTS[:1], RESPONSES[:1], temperature=0.5)
+    # three copies of [2 5 6 | r]: 5, 4 and 6 rows
+    assert p.input_ids.tolist() == [2, 5, 6, 11, 12, 2, 5, 6, 13, 2, 5, 6, 14, 15, 1]
+    assert p.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
+    assert p.seq_cu_seqlens.tolist() == [0, 5, 9, 15]
+    # copy 0 scores its prompt (5, 6), copies 1 and 2 ignore their prompt rows
+    assert p.targets.tolist() == [5, 6, 11, 12, IGN, IGN, IGN, 13, IGN, IGN, IGN, 14, 15, 1, IGN]
+    # prompt span T - 1 = 2 rows, response span L + 1 rows
+    assert p.span_cu_seqlens.tolist() == [0, 2, 5, 7, 9, 11, 15]
+    assert p.inv_temperature.tolist() == [1, 1, 2, 2, 2, 1, 1, 2, 2, 1, 1, 2, 2, 2, 2]
+    assert p.group_index.tolist() == [0, 0, 0]
+    assert p.is_response.tolist() == [False, False, True, True, True] + [False, False, True, True] + [False, False] + [True] * 4
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_targets_never_cross_sequences(once):
+    p = pack(PROMPTS, RESPONSES, temperature=0.7, score_prompt_once=once)
+    cu = p.seq_cu_seqlens.tolist()
+    seen = [0, 0]
+    b = 0
+    for q, group in enumerate(RESPONSES):
+        for copy, resp in enumerate(group):
+            seq = PROMPTS[q] + resp
+            start, end = cu[b], cu[b + 1]
+            assert p.input_ids[start:end].tolist() == seq
+            tg = p.targets[start:end].tolist()
+            assert tg[-1] == IGN  # the last row predicts nothing
+            for t in range(len(seq) - 1):
+                prompt_row = t < len(PROMPTS[q]) - 1
+                if prompt_row and once and copy > 0:
+                    assert tg[t] == IGN
+                else:
+                    assert tg[t] == seq[t + 1]
+            seen[q] += 1
+            b += 1
+    assert seen == [3, 2]
+    assert p.group_index.tolist() == [0, 0, 0, 1, 1]
+    # spans alternate prompt/response, each sequence's two spans tile it
+    span = p.span_cu_seqlens.tolist()
+    assert span[0::2] == cu
+    inv = p.inv_temperature
+    is_resp = p.is_response
+    assert inv[is_resp].tolist() == pytest.approx([1 / 0.7] * int(is_resp.sum()))
+    assert inv[~is_resp].tolist() == [1.0] * int((~is_resp).sum())
+
+
+def test_prompt_scored_once_per_group_gives_the_same_query_logp():
+    model = tiny_model()
+    once = pack(PROMPTS, RESPONSES, 0.8, score_prompt_once=True)
+    every = pack(PROMPTS, RESPONSES, 0.8, score_prompt_once=False)
+    w, _ = lm_head_of(model)
+    with torch.no_grad():
+        hidden = forward_hidden(model, once.input_ids, once.seq_cu_seqlens)
+    lp_once = linear_token_logprobs(hidden, w, once.targets, inv_temperature=once.inv_temperature)
+    lp_every = linear_token_logprobs(hidden, w, every.targets, inv_temperature=every.inv_temperature)
+    n = torch.zeros(2)
+    batch = once.loss_batch(torch.zeros(5), n, torch.ones(2))
+    batch_every = every.loss_batch(torch.zeros(5), n, torch.ones(2))
+    q_once = query_logp_from_logp(lp_once, batch)
+    q_every = query_logp_from_logp(lp_every, batch_every)
+    torch.testing.assert_close(q_once, q_every, rtol=1e-5, atol=1e-5)
+    # and it is the prompt's own log-likelihood at temperature 1
+    for q, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0].double()  # test-only reference
+        ref = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].sum()
+        assert q_once[q].item() == pytest.approx(float(ref), abs=1e-4)
+
+
+def test_hidden_states_equal_each_sequence_alone():
+    model = tiny_model(layers=2)
+    p = pack(PROMPTS, RESPONSES, 1.0)
+    with torch.no_grad():
+        hidden = forward_hidden(model, p.input_ids, p.seq_cu_seqlens, pad_token_id=0)  # [N, D]
+        assert hidden.shape == (p.num_rows, 16)
+        cu = p.seq_cu_seqlens.tolist()
+        for b in range(p.num_sequences):
+            alone = model.model(input_ids=p.input_ids[cu[b]:cu[b + 1]][None]).last_hidden_state[0]
+            torch.testing.assert_close(hidden[cu[b]:cu[b + 1]], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_response_logprobs_match_the_sampler():
+    """The rows the loss scores at 1/tau are the sampler's distribution: generate's own
+    logits (left-padded batch, KV cache) give the same log-probs of the sampled tokens."""
+    model = tiny_model(layers=2, seed=3)
+    tau = 0.7
+    prompts = [[2, 5, 6, 7], [2, 8]]
+    width = 4
+    ids = torch.tensor([[2, 5, 6, 7], [0, 0, 2, 8]])
+    mask = (ids != 0).long()
+    torch.manual_seed(0)
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=tau, top_k=0, top_p=1.0,
+                         max_new_tokens=5, pad_token_id=0, eos_token_id=[1], output_logits=True,
+                         return_dict_in_generate=True)
+    responses = [[cut_at_eos(out.sequences[i, width:].tolist(), [1])] for i in range(2)]
+    p = pack(prompts, responses, tau)
+    w, _ = lm_head_of(model)
+    with torch.no_grad():
+        hidden = forward_hidden(model, p.input_ids, p.seq_cu_seqlens)
+    lp = linear_token_logprobs(hidden, w, p.targets, inv_temperature=p.inv_temperature)
+    for i in range(2):
+        r = responses[i][0]
+        sampler = [torch.log_softmax(out.logits[t][i].double() / tau, -1)[r[t]].item() for t in range(len(r))]
+        start = int(p.span_cu_seqlens[2 * i + 1])
+        assert lp[start:start + len(r)].tolist() == pytest.approx(sampler, abs=1e-5)
+
+
+def test_prompt_alone_and_segment_sums():
+    p = pack([[2, 5, 6]], [[[]]], 1.0)
+    assert p.targets.tolist() == [5, 6, IGN]
+    assert p.span_cu_seqlens.tolist() == [0, 2, 3]
+    vals = torch.tensor([1.0, 2.0, 4.0])
+    assert segment_sum(vals, p.span_cu_seqlens).tolist() == [3.0, 4.0]
+    seq, off, width = row_layout(p.seq_cu_seqlens)
+    assert seq.tolist() == [0, 0, 0] and off.tolist() == [0, 1, 2] and width == 3
+
+
+def test_bad_pack_input():
+    with pytest.raises(ValueError, match="responses"):
+        pack([[1, 2]], [], 1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        pack([[1, 2]], [[[3]]], 0.0)
+    with pytest.raises(ValueError, match="no response"):
+        pack([[1, 2]], [[]], 1.0)
+
+
+def test_cut_at_eos():
+    assert cut_at_eos([5, 6, 1, 0, 0], [1]) == [5, 6, 1]
+    assert cut_at_eos([5, 6, 7], [1]) == [5, 6, 7]
+    assert cut_at_eos([3, 9, 4], [9, 4]) == [3, 9]

@@ -1,0 +1,266 @@
+"""The trainer (erpo/trainer.py): advantages, exact resume (2 + resume + 2 == 4, bit for
+bit), an interrupted save, a short end-to-end run of the embedded default, the GRPO
+path, and the README's hand-written-loop example."""
+import json
+import os
+
+import pytest
+import torch
+
+from erpo import checkpoint as ckpt
+from erpo.cli import resolve_config
+from erpo.config import TrainConfig
+from erpo.trainer import METRIC_KEYS, Trainer, group_advantages
+
+TIMING = ("time/", "throughput/")
+
+
+def tiny(tmp_path, cache_dir, name="run", **overrides):
+    """The embedded default shrunk to a few seconds."""
+    values = dict(
+        run_dir=str(tmp_path / name), cache_dir=str(cache_dir), tiny_hidden_size=32, tiny_layers=1,
+        warmstart_steps=100, warmstart_batch_size=16, warmstart_unboxed=0.0, task_max_operand=4,
+        task_train_size=20, task_eval_size=5,
+        group_size=4, queries_per_step=4, max_new_tokens=6, steps=4, save_every=0, progress=False, lr=1e-3,
+        warmup_steps=1,
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("warmstart-cache")
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """The trainer sets torch's thread count for the demo model; give other tests theirs back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def quiet(_msg):
+    pass
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def untimed(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def assert_same_params(a, b):
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        assert torch.equal(pa[name], pb[name]), name
+
+
+# ---------------------------------------------------------------------- advantages
+
+
+def test_group_advantages():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.3, 0.3, 0.3, 0.3], [2.0, 0.0, 1.0, 1.0]])
+    a = group_advantages(r, "std")
+    assert torch.equal(a[1], torch.zeros(4))  # identical rewards: exactly 0
+    expected = (r[0] - 0.5) / (r[0].std(unbiased=True) + 1e-6)
+    torch.testing.assert_close(a[0], expected)
+    torch.testing.assert_close(a[2], (r[2] - 1.0) / (r[2].std(unbiased=True) + 1e-6))
+    d = group_advantages(r, "none")  # Dr.GRPO: no std
+    torch.testing.assert_close(d[0], r[0] - 0.5)
+    assert torch.equal(d[1], torch.zeros(4))
+    with pytest.raises(ValueError, match="2 responses"):
+        group_advantages(torch.ones(3, 1), "std")
+
+
+# ---------------------------------------------------------------------- resume
+
+
+def test_resume_is_bit_exact(tmp_path, cache_dir):
+    full = Trainer(tiny(tmp_path, cache_dir, "full", warmup_steps=3), log=quiet)
+    full.train()
+
+    first = Trainer(tiny(tmp_path, cache_dir, "split", steps=2, warmup_steps=3), log=quiet)
+    first.train()
+    assert ckpt.latest_checkpoint(first.cfg.run_dir).endswith("step-000002")
+    cfg = resolve_config([f"resume={first.cfg.run_dir}", "steps=4"])
+    assert cfg.run_dir == first.cfg.run_dir and cfg.steps == 4 and cfg.lr == first.cfg.lr
+    second = Trainer(cfg, log=quiet)
+    assert second.start_step == 2
+    second.train()
+
+    assert_same_params(full.model, second.model)
+    a, b = read_metrics(full.cfg.run_dir), read_metrics(first.cfg.run_dir)
+    # not vacuous: the policy learned something (rewards differ within groups, weights moved)
+    assert any(r["reward/zero_std_frac"] < 1 for r in a[2:]) and all(r["grad_norm"] > 0 for r in a)
+    initial = Trainer(tiny(tmp_path, cache_dir, "initial", steps=1), log=quiet).model
+    assert any(not torch.equal(p, q) for p, q in zip(initial.parameters(), full.model.parameters()))
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert untimed(a) == untimed(b)
+    # the optimizer state carried over exactly too
+    sa = full.optimizer.state_dict()["state"]
+    sb = second.optimizer.state_dict()["state"]
+    for k in sa:
+        assert torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"])
+
+
+def test_interrupted_save_leaves_the_last_checkpoint_intact(tmp_path, cache_dir, monkeypatch):
+    reference = Trainer(tiny(tmp_path, cache_dir, "ref", steps=3), log=quiet)
+    reference.train()
+
+    cfg = tiny(tmp_path, cache_dir, "cut", steps=3, save_every=1)
+    real_save = torch.save
+
+    def dying_save(obj, path, *args, **kwargs):
+        if ".tmp-step-000003" in str(path):
+            raise KeyboardInterrupt  # killed while writing checkpoint 3
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg, log=quiet).train()
+    monkeypatch.undo()
+    root = os.path.join(cfg.run_dir, "checkpoints")
+    assert sorted(os.listdir(root))[0].startswith(".tmp-step-000003")  # the half-written one
+    assert ckpt.latest_checkpoint(cfg.run_dir).endswith("step-000002")
+    assert ckpt.read_state(ckpt.latest_checkpoint(cfg.run_dir))["step"] == 2
+    assert len(read_metrics(cfg.run_dir)) == 3  # step 3 was logged before the save died
+
+    resumed = Trainer(resolve_config([f"resume={cfg.run_dir}"]), log=quiet)
+    assert resumed.start_step == 2
+    assert len(read_metrics(cfg.run_dir)) == 2  # what followed the checkpoint is dropped
+    assert not any(n.startswith(".tmp") for n in os.listdir(root))
+    resumed.train()
+    assert_same_params(reference.model, resumed.model)
+    assert untimed(read_metrics(cfg.run_dir)) == untimed(read_metrics(reference.cfg.run_dir))
+
+
+# ---------------------------------------------------------------------- end to end
+
+
+def test_end_to_end_default_run(tmp_path, cache_dir):
+    cfg = tiny(tmp_path, cache_dir, "e2e", steps=3, save_every=2, keep_checkpoints=0)
+    lines = []
+    summary = Trainer(cfg, log=lines.append).train()
+    run = cfg.run_dir
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        missing = [k for k in METRIC_KEYS if k not in r]
+        assert not missing, missing
+        assert "policy_kl" not in r  # no reference model is monitored
+        assert all(v == v for v in r.values()), r  # no NaN
+        assert 0.0 <= r["reward/accuracy"] <= 1.0 and r["weights/min"] >= 0.1 - 1e-6
+        assert r["response_length/mean"] > 0 and r["throughput/tokens_per_s"] > 0
+    assert [s for s, _ in ckpt.checkpoint_dirs(run)] == [2, 3]
+    with open(os.path.join(run, "curves.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.isfile(os.path.join(run, "config.yaml"))
+    assert os.path.isfile(os.path.join(run, "ref_cache.safetensors"))
+    assert summary["plot"] == os.path.join(run, "curves.png")
+    assert lines[-1].startswith("erpo: erpo finished step 3/3") and "\n" not in lines[-1]
+    # a checkpoint is a plain Hugging Face model directory
+    from transformers import AutoModelForCausalLM
+
+    last = ckpt.latest_checkpoint(run)
+    reloaded = AutoModelForCausalLM.from_pretrained(last)
+    trainer_model = Trainer(resolve_config([f"resume={run}"]), log=quiet).model
+    assert_same_params(reloaded, trainer_model)
+
+
+def test_grpo_with_reference_model_and_local_files(tmp_path, cache_dir):
+    """GRPO with beta > 0 forwards a frozen reference each step (policy_kl logged); the
+    model is a local HF directory and the data a local JSONL file."""
+    warm = Trainer(tiny(tmp_path, cache_dir, "warm", steps=1), log=quiet)
+    data = tmp_path / "data.jsonl"
+    with open(data, "w") as f:
+        for a in range(12):
+            f.write(json.dumps({"question": f"{a}+{a}=", "solution": str(2 * a)}) + "\n")
+    cfg = tiny(tmp_path, cache_dir, "grpo", steps=2, algorithm="grpo", beta=0.05, model=warm.model_dir,
+               dataset=str(data), prompt_field="question", answer_field="solution", template="plain",
+               reward="exact_match")
+    t = Trainer(cfg, log=quiet)
+    assert t.ref_model is not None
+    t.train()
+    rows = read_metrics(cfg.run_dir)
+    assert all("policy_kl" in r and r["policy_kl"] >= 0 for r in rows)
+    assert rows[0]["policy_kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
+    assert all(r["weights/ess"] == 1.0 for r in rows)  # GRPO weights every query 1
+
+
+# ---------------------------------------------------------------------- the README example
+
+
+def test_readme_hand_written_loop(tmp_path, cache_dir):
+    warm = Trainer(tiny(tmp_path, cache_dir, "warm2", steps=1), log=quiet)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(warm.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(warm.model_dir)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    # ---- README: swapping the ERPO objective into a hand-written loop ----
+    import torch
+    from erpo.packing import forward_hidden, pack
+    from erpo.rewards import get_reward_fn
+    from erpo_kernels.objective import LossConfig, erpo_loss
+
+    questions, answers = ["3+4=", "12+9="], ["7", "21"]
+    G, tau = 4, 1.0
+    reward_fn = get_reward_fn("exact_match")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    prompts = [tokenizer(q)["input_ids"] for q in questions]  # m prompts
+    responses = []  # responses[q] = G sampled token lists
+    for p in prompts:
+        out = model.generate(torch.tensor([p] * G), do_sample=True, temperature=tau, top_k=0, top_p=1.0,
+                             max_new_tokens=8, pad_token_id=tokenizer.pad_token_id)
+        responses.append([row[len(p):].tolist() for row in out])
+    responses = [[r[: r.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in r else r for r in group]
+                 for group in responses]  # cut at EOS
+    rewards = torch.tensor([[reward_fn(tokenizer.decode(r, skip_special_tokens=True), a) for r in group]
+                            for group, a in zip(responses, answers)])  # [m, G]
+    advantages = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)  # [m, G]
+
+    packed = pack(prompts, responses, temperature=tau)  # one row space; prompt rows scored once per group
+    batch = packed.loss_batch(
+        advantages=advantages.reshape(-1),  # [B = m * G]
+        ref_query_logp=torch.tensor([-9.0, -12.0]),  # [m] l_0(q), from `erpo ref-cache` in a real run
+        query_weights=torch.ones(2),  # [m] w_B(q); erpo.query_weights.QueryWeighter computes them
+    )
+    hidden = forward_hidden(model, packed.input_ids, packed.seq_cu_seqlens)  # [N, D]; no logits
+    loss, metrics = erpo_loss(hidden, model.lm_head.weight, batch, LossConfig(algorithm="erpo", alpha=0.01))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    # ---- end of the README example ----
+
+    assert torch.isfinite(loss)
+    for key in ("loss", "pg/loss", "qkl/value", "weights/ess", "entropy/mean", "response_length/mean"):
+        assert key in metrics
+    assert metrics["qkl/value"] > 0  # l_theta(q) is not the made-up l_0(q)
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(query_weighting="none"),  # ablation: Query-KL only
+    dict(alpha=0.0),  # ablation: weights only
+    dict(query_weighting="softmax", loss_agg="seq-mean-token-mean", adv_norm="none", monitor_policy_kl=True),
+])
+def test_ablations_and_options_run(tmp_path, cache_dir, overrides):
+    cfg = tiny(tmp_path, cache_dir, "abl", steps=2, **overrides)
+    Trainer(cfg, log=quiet).train()
+    rows = read_metrics(cfg.run_dir)
+    assert len(rows) == 2 and all(k in rows[-1] for k in METRIC_KEYS)
+    if overrides.get("query_weighting") == "none":
+        assert all(r["weights/ess"] == 1.0 and r["weights/min"] == 1.0 for r in rows)
+    else:
+        assert any(r["weights/ess"] < 1.0 for r in rows)  # reference-derived weights are not flat
+    if overrides.get("alpha") == 0.0:
+        assert all(r["loss"] == pytest.approx(r["pg/loss"], abs=1e-7) for r in rows)  # no Query-KL term
+    assert ("policy_kl" in rows[-1]) == bool(overrides.get("monitor_policy_kl"))
