@@ -1,0 +1,33 @@
+"""Local datasets: JSONL, JSON and Parquet files with prompt and answer fields."""
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from erpo.data import DataError, read_examples
+
+ROWS = [{"question": "1+2=", "gold": 3, "extra": "x"}, {"question": "4+4=", "gold": "8", "extra": None}]
+
+
+def _write(tmp_path, ext):
+    path = tmp_path / f"d.{ext}"
+    if ext == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    elif ext == "json":
+        path.write_text(json.dumps(ROWS))
+    else:
+        pq.write_table(pa.Table.from_pylist([{k: str(v) if v is not None else None for k, v in r.items()} for r in ROWS]), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "json", "parquet"])
+def test_every_format_reads_the_same_examples(tmp_path, ext):
+    examples = read_examples(_write(tmp_path, ext), "question", "gold")
+    assert [(e.prompt, e.answer) for e in examples] == [("1+2=", "3"), ("4+4=", "8")]
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "parquet"])
+def test_missing_field_names_it_and_the_fix(tmp_path, ext):
+    with pytest.raises(DataError, match="has no 'prompt' field.*set prompt_field=NAME"):
+        read_examples(_write(tmp_path, ext), "prompt", "gold")
