@@ -2,9 +2,9 @@
 float64) and the path `backend="auto"` takes where Triton cannot compile.
 
 They are memory-bounded: work is done in row chunks, and the autograd Functions save
-only per-row statistics (log-sum-exp, entropy), recomputing each chunk's softmax in
-backward. Peak extra memory is a few chunk x V buffers plus the gradient itself, never
-a second [N, V] fp32 copy.
+only the inputs and the per-row entropy, recomputing each chunk's softmax in backward
+with the same fused PyTorch op as the forward. Peak extra memory is a few chunk x V
+buffers plus the gradient itself, never a second [N, V] fp32 copy.
 
 Math shared with the kernels, per row with s = inv_T * z (z the logits):
     lse = log sum_j exp(s_j),  p_j = exp(s_j - lse)
@@ -33,61 +33,75 @@ def chunk_rows_for(vocab: int, chunk_rows: Optional[int] = None) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, vocab))
 
 
+def _scaled(z: torch.Tensor, it: torch.Tensor, mx: Optional[torch.Tensor]) -> torch.Tensor:
+    """The scaled logits of a chunk: z itself when every inverse temperature is 1
+    (log_softmax shifts by the max exactly), else (z - M) * inv_T with M the row max,
+    subtracted before scaling so logits of magnitude 1e4 keep full accuracy."""
+    if mx is None:
+        return z
+    return (z - mx[:, None]).mul_(it)
+
+
+def _row_shift(z: torch.Tensor, it: torch.Tensor) -> Optional[torch.Tensor]:
+    """The row max M used by _scaled, or None when the chunk needs no scaling."""
+    if bool((it == 1).all()):
+        return None
+    mx = z.max(dim=-1).values
+    return torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # a row of -inf (ignored) stays nan-free
+
+
 def _rows_forward(
     z: torch.Tensor, it: torch.Tensor, tgt: torch.Tensor, valid: torch.Tensor, want_entropy: bool
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """z [c, V] raw logits (compute dtype), it [c, 1] inverse temperatures ->
-    row max [c], shifted lse [c], logp [c], entropy [c] or None.
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """z [c, V] raw logits (compute dtype, read only), it [c, 1] inverse temperatures ->
+    logp [c], entropy [c] or None.
 
-    The row max is subtracted before scaling (exact for the logits that carry the
-    probability), so logits of magnitude 1e4 keep full accuracy; the entropy is
-    -sum p log p, a sum of non-negative terms. Rows with valid == False get logp = 0
-    and entropy = 0.
+    The entropy is -sum p log p, a sum of non-negative terms. Rows with valid == False
+    get logp = 0 and entropy = 0.
     """
-    mx = z.max(dim=-1).values
-    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # a row of -inf (ignored) stays nan-free
-    s = (z - mx[:, None]).mul_(it)  # [c, V] scaled logits, max 0
-    lse = torch.logsumexp(s, dim=-1)
-    logp = s.gather(1, tgt[:, None]).squeeze(1) - lse
+    log_p = torch.log_softmax(_scaled(z, it, _row_shift(z, it)), dim=-1)  # [c, V]
+    logp = log_p.gather(1, tgt[:, None]).squeeze(1)
     logp = torch.where(valid, logp, torch.zeros_like(logp))
     entropy = None
     if want_entropy:
-        s.sub_(lse[:, None])  # log p
         # -p log p is 0 * -inf = nan where a logit is -inf: those terms are 0.
-        plogp = torch.exp(s).mul_(s).nan_to_num_(nan=0.0)
+        plogp = torch.exp(log_p).mul_(log_p).nan_to_num_(nan=0.0)
         entropy = -plogp.sum(dim=-1)
         entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
         del plogp
-    return mx, lse, logp, entropy
+    return logp, entropy
 
 
 def _rows_grad(
     z: torch.Tensor,
     it: torch.Tensor,
     tgt: torch.Tensor,
-    mx: torch.Tensor,
-    lse: torch.Tensor,
+    valid: torch.Tensor,
     entropy: Optional[torch.Tensor],
     g_logp: torch.Tensor,
     g_entropy: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    """dL/dz [c, V] of one chunk (z raw logits, overwritten).
+    """dL/dz [c, V] of one chunk (z read only), recomputing the softmax exactly as the
+    forward did.
 
-    g_logp and g_entropy are already zero on ignored rows; rows with lse = -inf (all
-    logits -inf, only allowed on ignored rows) get a zero gradient.
+    g_logp and g_entropy are already zero on ignored rows, whose gradient is 0 (also
+    when all their logits are -inf).
     """
-    logp = z.sub_(mx[:, None]).mul_(it).sub_(lse[:, None])  # log p
-    p = torch.exp(logp)
-    grad = p.mul_(-g_logp[:, None])  # -g_logp * p
-    if g_entropy is not None:
-        # -g_H * p * (log p + H), with p log p = 0 where p = 0
-        term = torch.exp(logp).mul_(logp.add_(entropy[:, None]))
-        term = torch.nan_to_num_(term, nan=0.0)
-        grad.sub_(term.mul_(g_entropy[:, None]))
-        del term
+    mx = _row_shift(z, it)
+    s = _scaled(z, it, mx)
+    if g_entropy is None:
+        grad = torch.softmax(s, dim=-1).mul_(-g_logp[:, None])  # -g_logp * p
+    else:
+        # -p (g_logp + g_H (log p + H)), with p log p = 0 where p = 0
+        log_p = torch.log_softmax(s, dim=-1)
+        p = torch.exp(log_p)
+        grad = log_p.add_(entropy[:, None]).mul_(g_entropy[:, None]).add_(g_logp[:, None]).mul_(p).neg_()
+        grad.masked_fill_(p == 0, 0.0)
+        del p
     grad.scatter_add_(1, tgt[:, None], g_logp[:, None])
-    grad.masked_fill_(torch.isinf(lse)[:, None], 0.0)
-    return grad.mul_(it)
+    if not bool(valid.all()):
+        grad.masked_fill_(~valid[:, None], 0.0)
+    return grad if mx is None else grad.mul_(it)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -96,8 +110,6 @@ class _TokenLogprobs(torch.autograd.Function):
         n, vocab = logits.shape
         cdt = compute_dtype(logits.dtype)
         logp = torch.empty(n, dtype=cdt, device=logits.device)
-        mx = torch.empty(n, dtype=cdt, device=logits.device)
-        lse = torch.empty(n, dtype=cdt, device=logits.device)
         entropy = torch.empty(n, dtype=cdt, device=logits.device) if return_entropy else None
         valid = targets != ignore_index
         tgt = torch.where(valid, targets, torch.zeros_like(targets)).long()
@@ -105,13 +117,11 @@ class _TokenLogprobs(torch.autograd.Function):
         for a in range(0, n, step):
             b = min(n, a + step)
             z = logits[a:b].to(cdt)  # [c, V]
-            mx[a:b], lse[a:b], logp[a:b], h = _rows_forward(
-                z, inv_t[a:b, None].to(cdt), tgt[a:b], valid[a:b], return_entropy
-            )
+            logp[a:b], h = _rows_forward(z, inv_t[a:b, None].to(cdt), tgt[a:b], valid[a:b], return_entropy)
             if return_entropy:
                 entropy[a:b] = h
             del z
-        ctx.save_for_backward(logits, tgt, valid, inv_t, mx, lse, entropy if return_entropy else lse)
+        ctx.save_for_backward(logits, tgt, valid, inv_t, entropy if return_entropy else logp)
         ctx.return_entropy = return_entropy
         ctx.inplace_backward = inplace_backward
         ctx.step = step
@@ -121,25 +131,23 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        logits, tgt, valid, inv_t, mx, lse, entropy = ctx.saved_tensors
+        logits, tgt, valid, inv_t, entropy = ctx.saved_tensors
         if not ctx.return_entropy:
             entropy, g_entropy = None, None
         n = logits.shape[0]
-        cdt = lse.dtype
-        if g_logp is None:
-            g_logp = torch.zeros(n, dtype=cdt, device=logits.device)
-        g_logp = torch.where(valid, g_logp.to(cdt), torch.zeros_like(lse))
+        cdt = compute_dtype(logits.dtype)
+        zeros = torch.zeros(n, dtype=cdt, device=logits.device)
+        g_logp = zeros if g_logp is None else torch.where(valid, g_logp.to(cdt), zeros)
         if g_entropy is not None:
-            g_entropy = torch.where(valid, g_entropy.to(cdt), torch.zeros_like(lse))
+            g_entropy = torch.where(valid, g_entropy.to(cdt), zeros)
         grad = logits if ctx.inplace_backward else torch.empty_like(logits)
         for a in range(0, n, ctx.step):
             b = min(n, a + ctx.step)
             it = inv_t[a:b, None].to(cdt)
-            z = logits[a:b].to(cdt, copy=True)  # overwritten below; logits may be the output buffer
             ge = g_entropy[a:b] if g_entropy is not None else None
             h = entropy[a:b] if entropy is not None else None
-            grad[a:b] = _rows_grad(z, it, tgt[a:b], mx[a:b], lse[a:b], h, g_logp[a:b], ge)
-            del z
+            # computed in full before it is written: logits may be the output buffer
+            grad[a:b] = _rows_grad(logits[a:b].to(cdt), it, tgt[a:b], valid[a:b], h, g_logp[a:b], ge)
         return grad, None, None, None, None, None, None
 
 
@@ -172,8 +180,6 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         cdt = compute_dtype(hidden.dtype)
         logp = torch.zeros(n, dtype=cdt, device=hidden.device)
         entropy = torch.zeros(n, dtype=cdt, device=hidden.device) if return_entropy else None
-        mx = torch.zeros(n, dtype=cdt, device=hidden.device)
-        lse = torch.zeros(n, dtype=cdt, device=hidden.device)
         # Ignored rows are compacted away: they cost nothing.
         rows = (targets != ignore_index).nonzero().squeeze(1)
         tgt = targets[rows].long()
@@ -186,11 +192,11 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             if b_ is not None:
                 z += b_
             ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
-            mx[r], lse[r], logp[r], h = _rows_forward(z, inv_t[r, None].to(cdt), tgt[a : a + step], ones, return_entropy)
+            logp[r], h = _rows_forward(z, inv_t[r, None].to(cdt), tgt[a : a + step], ones, return_entropy)
             if return_entropy:
                 entropy[r] = h
             del z
-        ctx.save_for_backward(hidden, weight, bias, rows, tgt, inv_t, mx, lse, entropy if return_entropy else lse)
+        ctx.save_for_backward(hidden, weight, bias, rows, tgt, inv_t, entropy if return_entropy else logp)
         ctx.has_bias = bias is not None
         ctx.return_entropy = return_entropy
         ctx.step = step
@@ -198,17 +204,17 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        hidden, weight, bias, rows, tgt, inv_t, mx, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, rows, tgt, inv_t, entropy = ctx.saved_tensors
         if not ctx.return_entropy:
             entropy, g_entropy = None, None
-        cdt = lse.dtype
+        cdt = compute_dtype(hidden.dtype)
         w = weight.to(cdt)
         b_ = bias.to(cdt) if ctx.has_bias else None
         d_hidden = torch.zeros_like(hidden)
         d_weight = torch.zeros_like(w)
         d_bias = torch.zeros(weight.shape[0], dtype=cdt, device=weight.device) if ctx.has_bias else None
         if g_logp is None:
-            g_logp = torch.zeros_like(lse)
+            g_logp = torch.zeros(hidden.shape[0], dtype=cdt, device=hidden.device)
         for a in range(0, rows.numel(), ctx.step):
             r = rows[a : a + ctx.step]
             x = hidden[r].to(cdt)
@@ -218,9 +224,10 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             it = inv_t[r, None].to(cdt)
             ge = g_entropy[r].to(cdt) if g_entropy is not None else None
             h = entropy[r] if entropy is not None else None
-            g = _rows_grad(z, it, tgt[a : a + ctx.step], mx[r], lse[r], h, g_logp[r].to(cdt), ge)  # dL/dz [c, V]
+            ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
+            g = _rows_grad(z, it, tgt[a : a + ctx.step], ones, h, g_logp[r].to(cdt), ge)  # dL/dz [c, V]
             d_hidden[r] = (g @ w).to(hidden.dtype)
-            d_weight += g.T @ x
+            d_weight.addmm_(g.T, x)
             if d_bias is not None:
                 d_bias += g.sum(0)
             del z, g
