@@ -24,13 +24,18 @@ from ._utils import compute_dtype, row_inv_temperature
 # Elements of one chunk's [rows, V] fp32 work buffer (~16 MB). The reference keeps
 # about four such buffers alive at once.
 CHUNK_ELEMENTS = 1 << 22
+# linear_token_logprobs adds each chunk's share into d_weight [V, D], a full read and
+# write of it per chunk: its chunks are 4x larger (~64 MB) so that traffic stays small
+# next to the matmuls.
+LINEAR_CHUNK_ELEMENTS = 1 << 24
 
 
-def chunk_rows_for(vocab: int, chunk_rows: Optional[int] = None) -> int:
-    """Rows per chunk so that a [rows, vocab] buffer holds about CHUNK_ELEMENTS values."""
+def chunk_rows_for(vocab: int, chunk_rows: Optional[int] = None, elements: Optional[int] = None) -> int:
+    """Rows per chunk so that a [rows, vocab] buffer holds about `elements` values
+    (CHUNK_ELEMENTS when None)."""
     if chunk_rows is not None:
         return max(1, int(chunk_rows))
-    return max(1, CHUNK_ELEMENTS // max(1, vocab))
+    return max(1, (elements or CHUNK_ELEMENTS) // max(1, vocab))
 
 
 def _scaled(z: torch.Tensor, it: torch.Tensor, mx: Optional[torch.Tensor]) -> torch.Tensor:
@@ -183,7 +188,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         # Ignored rows are compacted away: they cost nothing.
         rows = (targets != ignore_index).nonzero().squeeze(1)
         tgt = targets[rows].long()
-        step = chunk_rows_for(vocab, chunk_rows)
+        step = chunk_rows_for(vocab, chunk_rows, LINEAR_CHUNK_ELEMENTS)  # module globals, read per call
         w = weight.to(cdt)
         b_ = bias.to(cdt) if bias is not None else None
         for a in range(0, rows.numel(), step):

@@ -8,8 +8,8 @@ once and reports peak RSS minus the RSS before the work. The reference must stay
 below a quarter of N x V x 4 bytes; in the same test the plain PyTorch log_softmax path
 must exceed that bound, which shows the measurement can see an [N, V] buffer.
 
-Sizes: the reference's work chunk is shrunk (CHUNK_ELEMENTS = 64k values, 256 KB of
-fp32) so that N x V x 4 = 128 MB dwarfs it at a shape that runs in seconds on 2 cores;
+Sizes: the reference's work chunks are shrunk (CHUNK_ELEMENTS and LINEAR_CHUNK_ELEMENTS
+= 64k values, 256 KB of fp32) so that N x V x 4 = 128 MB dwarfs it at a shape that runs in seconds on 2 cores;
 the default chunk (4M values) would need N x V in the billions to be dwarfed as much.
 glibc's malloc is pinned to mmap every block >= 1 MB (MALLOC_MMAP_THRESHOLD_) so that
 freed tensors leave the resident set at once and RSS tracks live tensors, not the
@@ -34,7 +34,7 @@ import torch
 torch.set_num_threads(1)
 import erpo_kernels
 from erpo_kernels import reference
-reference.CHUNK_ELEMENTS = 1 << 16
+reference.CHUNK_ELEMENTS = reference.LINEAR_CHUNK_ELEMENTS = 1 << 16
 N, V, D = {n}, {v}, {d}
 
 def vm(field):
