@@ -1,0 +1,18 @@
+"""bench: speed and memory of the erpo_kernels ops and of a whole training step.
+
+    python -m bench kernels --device cpu|cuda [--quick]   # ops vs PyTorch and the peers
+    python -m bench step    --device cpu|cuda [--quick]   # one GRPO/ERPO training step
+    python -m bench report                                 # README table + plots from bench/results/*.json
+    python -m bench merge FILE.json                        # fold a results file (e.g. from a GPU run) in
+
+Definitions used everywhere (and written into every results file):
+  speed   median wall time over repeats after warm-up; CUDA events on GPU,
+          time.perf_counter on CPU.
+  memory  peak extra memory of the measured region: on GPU the peak of
+          torch.cuda.max_memory_allocated during the region minus
+          torch.cuda.memory_allocated just before it; on CPU, in a fresh subprocess per
+          measurement, the peak resident set size (VmHWM, reset just before the region)
+          minus the resident set size just before it.
+"""
+
+__all__ = ["kernels", "step", "report", "peers", "measure"]

@@ -1,0 +1,167 @@
+"""Command line of the benchmark suite; see bench/__init__.py."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from .measure import RESULTS_DIR
+
+
+def _csv(text: Optional[str]) -> Optional[List[str]]:
+    return [t.strip() for t in text.split(",") if t.strip()] if text else None
+
+
+def _ints(text: Optional[str]) -> Optional[List[int]]:
+    return [int(t) for t in _csv(text)] if text else None
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--quick", action="store_true", help="the small preset (a few minutes)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up runs before measuring")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs (the median is reported)")
+    p.add_argument("--out-dir", default=str(RESULTS_DIR), help="where <machine>.json and the plot go")
+    p.add_argument("--machine", default=None, help="results file name (default: derived from the device)")
+    p.add_argument("--budget-s", type=float, default=None, help="start no new case after this many seconds")
+    p.add_argument("--worker-timeout-s", type=float, default=1800.0, help="CPU: limit of one measurement")
+    p.add_argument("--no-report", action="store_true", help="do not regenerate the plot / README table")
+
+
+def _defaults(args: argparse.Namespace, cuda: tuple, cpu: tuple) -> None:
+    warm, reps = cuda if args.device == "cuda" else cpu
+    if args.warmup is None:
+        args.warmup = warm
+    if args.repeats is None:
+        args.repeats = reps
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_worker"]:  # one CPU measurement in a fresh process (bench/measure.py)
+        return _worker(argv[1], json.loads(argv[2]))
+
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    k = sub.add_parser("kernels", help="token_logprobs / linear_token_logprobs vs PyTorch and the peers")
+    _common(k)
+    k.add_argument("--target", action="store_true",
+                   help="the CPU target case: token_logprobs, N=4096, V=151936, fp32 "
+                   "(one process holds ~10 GB at its peak)")
+    k.add_argument("--ops", default=None, help="comma list: token_logprobs,linear_token_logprobs")
+    k.add_argument("--peers", default=None, help="comma list (default: all; absent ones are listed)")
+    k.add_argument("--passes", default="forward,backward,both")
+    k.add_argument("--models", default=None, help="comma list of model shapes (with --n)")
+    k.add_argument("--n", default=None, help="comma list of token counts N (replaces the preset's shapes)")
+    k.add_argument("--dtypes", default=None, help="comma list: fp32,bf16,fp16 (with --n)")
+    k.add_argument("--d", type=int, default=None, help="override D of the chosen models (tiny tests)")
+    k.add_argument("--v", type=int, default=None, help="override V of the chosen models (tiny tests)")
+
+    s = sub.add_parser("step", help="a whole GRPO/ERPO training step, fused vs stock")
+    _common(s)
+    s.add_argument("--variants", default=",".join(("erpo-fused", "erpo-stock", "grpo-stock", "grpo-fused")))
+    s.add_argument("--model", default=None, help="qwen2.5-0.5b, qwen2.5-1.5b or tiny (replaces the preset)")
+    s.add_argument("--layers", type=int, default=None, help="override the depth (CPU: keep it small)")
+    s.add_argument("--queries", type=int, default=4, help="m (with --model)")
+    s.add_argument("--group", type=int, default=4, help="G (with --model)")
+    s.add_argument("--prompt-len", type=int, default=32, help="T (with --model)")
+    s.add_argument("--response-len", type=int, default=32, help="L (with --model)")
+    s.add_argument("--tau", type=float, default=1.0, help="rollout temperature (with --model)")
+    s.add_argument("--dtype", default=None, help="fp32 or bf16 (default: fp32 on CPU, bf16 on CUDA)")
+
+    r = sub.add_parser("report", help="regenerate the README table and the plots from bench/results/*.json")
+    r.add_argument("--out-dir", default=str(RESULTS_DIR))
+    r.add_argument("--print", action="store_true", help="also print the generated section")
+
+    mg = sub.add_parser("merge", help="fold the runs of a results file into bench/results/<machine>.json")
+    mg.add_argument("file")
+    mg.add_argument("--out-dir", default=str(RESULTS_DIR))
+
+    args = parser.parse_args(argv)
+    if args.command == "report":
+        from . import report
+
+        report.regenerate(args.out_dir, echo=args.print)
+        return 0
+    if args.command == "merge":
+        from . import report
+
+        report.merge(args.file, args.out_dir)
+        report.regenerate(args.out_dir)
+        return 0
+    if args.command == "kernels":
+        return _kernels(args)
+    return _step(args)
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    from . import kernels
+    from .peers import OPS
+
+    _defaults(args, cuda=(3, 10) if not args.quick else (2, 5), cpu=(1, 3) if not args.quick else (0, 2))
+    if args.target and args.device != "cpu":
+        raise SystemExit("--target is the CPU target case; use --device cpu")
+    if args.n:
+        ops = _csv(args.ops) or list(OPS)
+        models = _csv(args.models) or ["qwen2.5-1.5b"]
+        dtypes = _csv(args.dtypes) or (["bf16"] if args.device == "cuda" else ["fp32"])
+        bad = [m for m in models if m not in kernels.MODELS]
+        if bad:
+            raise SystemExit(f"unknown model(s) {bad}; known: {list(kernels.MODELS)}")
+        cases = kernels.custom_cases(ops, models, _ints(args.n), dtypes, args.d, args.v)
+    else:
+        cases = kernels.preset_cases(args.device, args.quick, args.target)
+        if args.ops:
+            cases = [c for c in cases if c.op in _csv(args.ops)]
+    peers = _csv(args.peers)
+    if args.target and peers is None:
+        peers = ["erpo", "erpo-inplace", "eager", "eager-ce", "trl"]
+    elif args.device == "cpu" and args.quick and peers is None:
+        peers = list(kernels.CPU_QUICK_PEERS)
+    passes = _csv(args.passes)
+    bad = [p for p in passes if p not in kernels.PASSES]
+    if bad:
+        raise SystemExit(f"unknown pass(es) {bad}; known: {list(kernels.PASSES)}")
+    kernels.run(
+        device=args.device, cases=cases, peers=peers, passes=passes, warmup=args.warmup, repeats=args.repeats,
+        out_dir=args.out_dir, machine=args.machine, budget_s=args.budget_s,
+        worker_timeout_s=args.worker_timeout_s, args=vars(args), make_report=not args.no_report,
+    )
+    return 0
+
+
+def _step(args: argparse.Namespace) -> int:
+    from . import step
+
+    _defaults(args, cuda=(2, 5), cpu=(1, 2) if args.quick else (1, 3))
+    dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    if args.model:
+        if args.model not in step.MODELS:
+            raise SystemExit(f"unknown model {args.model!r}; known: {list(step.MODELS)}")
+        cases = [step.StepCase(args.model, args.layers, args.queries, args.group, args.prompt_len,
+                               args.response_len, args.tau, dtype)]
+    else:
+        cases = step.preset_cases(args.device, args.quick)
+    step.run(
+        device=args.device, cases=cases, variants=_csv(args.variants), warmup=args.warmup, repeats=args.repeats,
+        out_dir=args.out_dir, machine=args.machine, budget_s=args.budget_s,
+        worker_timeout_s=args.worker_timeout_s, args=vars(args), make_report=not args.no_report,
+    )
+    return 0
+
+
+def _worker(kind: str, spec: dict) -> int:
+    if kind == "kernels":
+        from .kernels import worker
+    elif kind == "step":
+        from .step import worker
+    else:
+        raise SystemExit(f"unknown worker kind {kind!r}")
+    print(json.dumps(worker(spec)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

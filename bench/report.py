@@ -1,0 +1,442 @@
+"""Results files, the README table and the plots: all generated from bench/results/*.json.
+
+A results file is bench/results/<machine>.json = {"machine": name, "runs": [run, ...]}; every
+`bench kernels` / `bench step` run appends one run (metadata + records). The README table and
+the plots use, for each (op, peer, shape, dtype, pass) or (model, tokens, variant), the
+newest record of each machine. Nothing in them is typed by hand: `python -m bench report`
+rewrites the README between the markers below.
+"""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from .measure import RESULTS_DIR, REPO
+
+README = REPO / "README.md"
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+PEER_ORDER = ("eager", "eager-ce", "compile", "trl", "liger", "cce", "flash-attn", "erpo-inplace")
+PASS_LABEL = {"forward": "fwd", "backward": "bwd", "both": "fwd+bwd"}
+# The CPU target of the benchmark issue (measured, never asserted).
+CPU_TARGET = {"op": "token_logprobs", "N": 4096, "V": 151936, "dtype": "fp32", "mem": 0.35, "time": 1.0}
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def results_path(out_dir: str | os.PathLike, machine: str) -> Path:
+    return Path(out_dir) / f"{machine}.json"
+
+
+def load(path: str | os.PathLike) -> Dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        return {"machine": p.stem, "runs": []}
+    data = json.loads(p.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise ValueError(f"{p}: not a bench results file (expected an object with a 'runs' list)")
+    return data
+
+
+def _write(path: Path, data: Dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def append_run(out_dir: str | os.PathLike, machine: str, run: Dict[str, Any], replace_last: bool = False) -> Path:
+    """Append `run` to <out_dir>/<machine>.json (or update it in place when it is already there)."""
+    path = results_path(out_dir, machine)
+    data = load(path)
+    data["machine"] = machine
+    run.setdefault("run_id", uuid.uuid4().hex[:12])
+    runs = [r for r in data["runs"] if r.get("run_id") != run["run_id"]] if replace_last else data["runs"]
+    runs.append(run)
+    data["runs"] = runs
+    _write(path, data)
+    return path
+
+
+def merge(src: str | os.PathLike, out_dir: str | os.PathLike = RESULTS_DIR) -> Path:
+    """Fold the runs of a results file (e.g. one written on a GPU machine under $OUT) into out_dir."""
+    data = load(src)
+    if not data["runs"]:
+        raise SystemExit(f"{src}: no runs to merge")
+    path = results_path(out_dir, data["machine"])
+    have = load(path)
+    have["machine"] = data["machine"]
+    ids = {r.get("run_id") for r in have["runs"]}
+    added = [r for r in data["runs"] if r.get("run_id") not in ids]
+    have["runs"].extend(added)
+    _write(path, have)
+    print(f"merged {len(added)} run(s) into {path}")
+    return path
+
+
+def all_results(out_dir: str | os.PathLike = RESULTS_DIR) -> Dict[str, Dict[str, Any]]:
+    out = {}
+    for p in sorted(Path(out_dir).glob("*.json")):
+        try:
+            data = load(p)
+        except (ValueError, json.JSONDecodeError) as e:
+            print(f"skipping {p}: {e}")
+            continue
+        if data["runs"]:
+            out[data.get("machine") or p.stem] = data
+    return out
+
+
+# ----------------------------------------------------------------------------- newest records
+
+
+def _shape_key(shape: Dict[str, Any]) -> Tuple:
+    return (shape.get("model"), shape.get("N"), shape.get("D"), shape.get("V"))
+
+
+def latest_kernel_records(data: Dict[str, Any]) -> Tuple[Dict[Tuple, Dict[str, Any]], Dict[str, Any]]:
+    """Newest record per (op, peer, shape, dtype, pass), and the newest kernels run (for metadata)."""
+    recs: Dict[Tuple, Dict[str, Any]] = {}
+    last_run: Dict[str, Any] = {}
+    for run in data["runs"]:
+        if run.get("command") != "kernels":
+            continue
+        last_run = run
+        for r in run.get("results", []):
+            key = (r["op"], r["peer"], _shape_key(r["shape"]), r["dtype"], r["pass"])
+            recs[key] = {**r, "_run": run}
+    return recs, last_run
+
+
+def latest_step_records(data: Dict[str, Any]) -> Tuple[Dict[Tuple, Dict[str, Any]], Dict[str, Any]]:
+    recs: Dict[Tuple, Dict[str, Any]] = {}
+    last_run: Dict[str, Any] = {}
+    for run in data["runs"]:
+        if run.get("command") != "step":
+            continue
+        last_run = run
+        for r in run.get("results", []):
+            recs[(r["model"], r["tokens"], r["variant"])] = {**r, "_run": run}
+    return recs, last_run
+
+
+def _absent(data: Dict[str, Any]) -> Dict[str, str]:
+    """Peers absent in the newest kernels run, with the reason."""
+    _, run = latest_kernel_records(data)
+    return {a["peer"]: a["reason"] for a in run.get("absent_peers", [])}
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _fmt_shape(shape: Dict[str, Any]) -> str:
+    dims = [f"N={shape['N']}"]
+    if shape.get("D") is not None:
+        dims.append(f"D={shape['D']}")
+    dims.append(f"V={shape['V']}")
+    return f"{shape.get('model', '')} " + " ".join(dims)
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> str:
+    if a is None or b is None or b == 0:
+        return "?"
+    return f"{a / b:.2f}x"
+
+
+OURS = ("erpo", "erpo-inplace")  # our variants: rows of the kernel table; every other peer is a column
+
+
+def kernel_table(data: Dict[str, Any], pass_name: str = "both") -> List[str]:
+    """One row per (op, shape, dtype, our variant): our time and memory, then ours / each peer's."""
+    recs, run = latest_kernel_records(data)
+    if not recs:
+        return []
+    absent = _absent(data)
+    peers_seen = {k[1] for k in recs}
+    peers = [p for p in PEER_ORDER if p not in OURS and (p in peers_seen or p in absent)]
+    cases = []
+    for (op, peer, shape, dtype, p), r in recs.items():
+        if p == pass_name and (op, shape, dtype) not in [c[:3] for c in cases]:
+            cases.append((op, shape, dtype, r["shape"]))
+    lines = [
+        "| op | shape | dtype | ours | ms | MiB | " + " | ".join(f"vs {p}" for p in peers) + " |",
+        "|" + "---|" * (6 + len(peers)),
+    ]
+    for op, shape_key, dtype, shape in cases:
+        for variant in OURS:
+            ours = recs.get((op, variant, shape_key, dtype, pass_name))
+            if ours is None:
+                continue
+            ok = ours.get("status") == "ok"
+            row = [op, _fmt_shape(shape), dtype, variant,
+                   f"{ours['median_ms']:.2f}" if ok else ours.get("status", "?"),
+                   f"{ours['peak_extra_mb']:.0f}" if ok else "-"]
+            for p in peers:
+                r = recs.get((op, p, shape_key, dtype, pass_name))
+                if r is None:
+                    row.append("absent" if p in absent else "-")
+                elif r.get("status") != "ok":
+                    row.append(r.get("status", "?"))
+                elif not ok:
+                    row.append("-")
+                else:
+                    row.append(f"{_ratio(ours['median_ms'], r['median_ms'])} / "
+                               f"{_ratio(ours['peak_extra_mb'], r['peak_extra_mb'])}")
+            lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def target_lines(data: Dict[str, Any]) -> List[str]:
+    """The CPU target (token_logprobs, N = 4096, V = 151936, fp32, forward + backward, vs eager)."""
+    recs, run = latest_kernel_records(data)
+    if run.get("device") != "cpu":
+        return []
+    t = CPU_TARGET
+    out = []
+    for variant in OURS:
+        parts = []
+        for p in ("both", "forward", "backward"):
+            for (op, peer, shape, dtype, ps), r in recs.items():
+                if (op, peer, dtype, ps, shape[1], shape[3]) != (t["op"], variant, t["dtype"], p, t["N"], t["V"]):
+                    continue
+                rm, rt = r.get("ratio_mem_vs_eager"), r.get("ratio_time_vs_eager")
+                if rm is None or rt is None:
+                    continue
+                if p == "both":
+                    parts.append(f"peak extra memory {rr(rm)} of eager's (target <= {t['mem']}x: "
+                                 f"**{'met' if rm <= t['mem'] else 'missed'}**), time {rr(rt)} of eager's "
+                                 f"(target <= {t['time']}x: **{'met' if rt <= t['time'] else 'missed'}**)")
+                else:
+                    parts.append(f"{PASS_LABEL[p]} alone: memory {rr(rm)}, time {rr(rt)}")
+        if parts:
+            out.append(f"- CPU target, token_logprobs N=4096 V=151936 fp32, forward + backward, {variant}: "
+                       + "; ".join(parts) + ".")
+    return out
+
+
+def rr(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def roofline_lines(data: Dict[str, Any]) -> List[str]:
+    recs, run = latest_kernel_records(data)
+    ceil = run.get("ceilings")
+    if not ceil:
+        return []
+    out = [f"Roofline of erpo (measured ceilings: copy {ceil['copy_gbps']:.0f} GB/s, dense bf16 matmul "
+           f"{ceil['bf16_matmul_tflops']:.0f} TFLOP/s; {run['models']['roofline_bytes']}; "
+           f"{run['models']['roofline_flops']}):", "",
+           "| op | shape | dtype | pass | achieved | fraction of ceiling |", "|---|---|---|---|---|---|"]
+    for (op, peer, shape, dtype, p), r in recs.items():
+        rf = r.get("roofline")
+        if peer != "erpo" or not rf:
+            continue
+        if "achieved_gbps" in rf:
+            ach, frac = f"{rf['achieved_gbps']:.0f} GB/s", rf["fraction_of_copy_bw"]
+        else:
+            ach, frac = f"{rf['achieved_tflops']:.0f} TFLOP/s", rf.get("fraction_of_bf16_matmul")
+        out.append(f"| {op} | {_fmt_shape(r['shape'])} | {dtype} | {PASS_LABEL[p]} | {ach} | "
+                   + (f"{frac:.0%}" if frac is not None else "-") + " |")
+    return out
+
+
+def step_table(data: Dict[str, Any]) -> List[str]:
+    recs, run = latest_step_records(data)
+    if not recs:
+        return []
+    lines = ["| model | tokens | variant | step ms | peak extra MiB (step) | peak extra MiB (fwd+bwd) | "
+             "resident before MiB | time vs erpo-stock | fwd+bwd memory vs erpo-stock |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (model, tokens, variant), r in recs.items():
+        base = recs.get((model, tokens, "erpo-stock"))
+        ok = r.get("status") == "ok"
+        bok = base is not None and base.get("status") == "ok"
+        lines.append(
+            f"| {model} | {tokens} | {variant} | "
+            + (f"{r['median_ms']:.1f} | {r['peak_extra_mb']:.0f} | {_num(r.get('peak_extra_fwd_bwd_mb'))} | "
+               f"{r['before_mb']:.0f} | " if ok else f"{r.get('status')} | - | - | - | ")
+            + (f"{_ratio(r['median_ms'], base['median_ms'])} | "
+               f"{_ratio(r.get('peak_extra_fwd_bwd_mb'), base.get('peak_extra_fwd_bwd_mb'))} |"
+               if ok and bok else "- | - |")
+        )
+    return lines
+
+
+def _meta(run: Dict[str, Any]) -> str:
+    v = run.get("versions", {})
+    return (f"{run.get('device_name')}; torch {v.get('torch')}, triton {v.get('triton')}, "
+            f"commit {str(run.get('commit'))[:12]}, {run.get('timestamp')}")
+
+
+def markdown(results: Dict[str, Dict[str, Any]]) -> str:
+    """The README section: one block per machine."""
+    out = [
+        "Generated by `python -m bench report` from `bench/results/*.json` (newest record of each case); do not "
+        "edit by hand.",
+        "",
+        "Kernel table: forward + backward of each op (forward and backward alone are in the JSON). `ms` / "
+        "`MiB`: our median time and peak extra memory (`erpo`: the default call, Triton on CUDA and the chunked "
+        "PyTorch reference on CPU; `erpo-inplace`: inplace_backward=True); each `vs <peer>` cell is *our time / "
+        "peer time* and *our memory / peer memory* (below 1x: ours is faster / leaner). Memory is the peak "
+        "allocated during the op minus the allocation before it (CPU: peak RSS minus RSS before it, one "
+        "subprocess per measurement). `absent`: not installed or cannot run on that device; `oom`: out of "
+        "memory; `-`: not measured in that case.",
+    ]
+    for machine, data in results.items():
+        recs, krun = latest_kernel_records(data)
+        srecs, srun = latest_step_records(data)
+        out += ["", f"### {machine}", ""]
+        if krun:
+            out += [f"Kernels: {_meta(krun)}.", ""]
+            labels = {p: lab for p, lab in krun.get("peers", {}).items() if p not in OURS}
+            if labels:
+                out += ["Peers: " + "; ".join(f"`{p}` = {lab}" for p, lab in labels.items()) + ".", ""]
+            absent = _absent(data)
+            if absent:
+                out += ["Absent peers: " + "; ".join(f"`{p}` ({why})" for p, why in absent.items()) + ".", ""]
+            out += kernel_table(data)
+            tl = target_lines(data)
+            if tl:
+                out += [""] + tl
+            rl = roofline_lines(data)
+            if rl:
+                out += [""] + rl
+        if srun:
+            out += ["", f"Training step ({srun.get('step_definition', '')}): {_meta(srun)}.", ""]
+            out += step_table(data)
+        if (Path(RESULTS_DIR) / f"{machine}.png").exists():
+            out += ["", f"![{machine}](bench/results/{machine}.png)"]
+    return "\n".join(out) + "\n"
+
+
+def write_readme(text: str, readme: Path = README) -> bool:
+    """Replace what lies between the markers; False (and nothing written) when they are missing."""
+    if not readme.exists():
+        return False
+    body = readme.read_text()
+    a, b = body.find(START), body.find(END)
+    if a < 0 or b < a:
+        return False
+    new = body[: a + len(START)] + "\n" + text + body[b:]
+    if new != body:
+        readme.write_text(new)
+    return True
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def plot(machine: str, data: Dict[str, Any], out_dir: str | os.PathLike) -> Optional[Path]:
+    """<out_dir>/<machine>.png: per op, time and peak extra memory of forward + backward relative to
+    PyTorch eager (= 1, lower is better) for each case and peer; the training step, if measured."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return None
+    recs, _ = latest_kernel_records(data)
+    srecs, _ = latest_step_records(data)
+    ops = sorted({k[0] for k in recs if k[4] == "both"}, reverse=True)
+    rows = len(ops) + (1 if srecs else 0)
+    if rows == 0:
+        return None
+    fig, axes = plt.subplots(rows, 2, figsize=(14, 4.4 * rows), squeeze=False)
+    for i, op in enumerate(ops):
+        cases = []
+        for (o, peer, shape, dtype, p), r in recs.items():
+            if o == op and p == "both" and (shape, dtype) not in [c[:2] for c in cases]:
+                cases.append((shape, dtype, r["shape"]))
+        peers = [p for p in ("erpo",) + PEER_ORDER if any(k[0] == op and k[1] == p for k in recs)]
+        width = 0.8 / max(1, len(peers))
+        panels = (("ratio_time_vs_eager", "time"), ("ratio_mem_vs_eager", "peak extra memory"))
+        for j, (field, what) in enumerate(panels):
+            ax = axes[i][j]
+            for k, peer in enumerate(peers):
+                xs, ys = [], []
+                for c, (shape, dtype, _) in enumerate(cases):
+                    r = recs.get((op, peer, shape, dtype, "both"))
+                    if r and r.get("status") == "ok" and r.get(field) is not None:
+                        xs.append(c + k * width)
+                        ys.append(r[field])
+                ax.bar(xs, ys, width=width, label=peer)
+            ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+            ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
+            ax.set_xticklabels([f"{_fmt_shape(s)}\n{d}" for _, d, s in cases], fontsize=7)
+            ax.set_ylabel(f"{what} / eager's")
+            ax.set_title(f"{op}, forward + backward: {what} relative to PyTorch eager (lower is better)", fontsize=9)
+            ax.legend(fontsize=7)
+    if srecs:
+        keys = list(srecs)
+        labels = [f"{m} N={t}\n{v}" for m, t, v in keys]
+        fields = (("median_ms", "step time, ms"), ("peak_extra_fwd_bwd_mb", "peak extra of forward + backward, MiB"))
+        for j, (field, unit) in enumerate(fields):
+            ax = axes[rows - 1][j]
+            ys = [srecs[k].get(field) or 0 for k in keys]
+            ax.bar(range(len(keys)), ys, color=["C0" if "fused" in k[2] else "C1" for k in keys])
+            ax.set_xticks(range(len(keys)))
+            ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
+            ax.set_ylabel(unit)
+            ax.set_title(f"training step (blue: erpo kernels, orange: stock logits path)", fontsize=9)
+    fig.suptitle(f"{machine}: bench/results/{machine}.json", fontsize=10)
+    fig.tight_layout()
+    path = Path(out_dir) / f"{machine}.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- summaries
+
+
+def kernels_summary(run: Dict[str, Any]) -> str:
+    lines = [f"== bench kernels on {run['device_name']} ({run.get('elapsed_s', '?')} s) =="]
+    for r in run["results"]:
+        if r["peer"] == "erpo" or r["peer"] == "eager":
+            if r.get("status") == "ok":
+                extra = ""
+                if r["peer"] == "erpo":
+                    extra = (f"  vs eager: time {_r(r.get('ratio_time_vs_eager'))}, "
+                             f"memory {_r(r.get('ratio_mem_vs_eager'))}")
+                lines.append(f"  {r['op']:<22} {_fmt_shape(r['shape']):<38} {r['dtype']:<5} {r['pass']:<9} "
+                             f"{r['peer']:<6} {r['median_ms']:>10.2f} ms {r['peak_extra_mb']:>9.1f} MiB{extra}")
+            else:
+                lines.append(f"  {r['op']:<22} {_fmt_shape(r['shape']):<38} {r['dtype']:<5} {r['pass']:<9} "
+                             f"{r['peer']:<6} {r.get('status')}")
+    if run.get("skipped_cases"):
+        lines.append(f"  skipped {len(run['skipped_cases'])} (case, peer) measurement group(s): "
+                     f"{run['skipped_cases'][0]['reason']}")
+    return "\n".join(lines)
+
+
+def regenerate(out_dir: str | os.PathLike = RESULTS_DIR, readme: Path = README, echo: bool = False) -> str:
+    """Plots for every results file in out_dir; the README section when out_dir is bench/results.
+
+    The section is printed when `echo`, or when the README has no markers to receive it.
+    """
+    results = all_results(out_dir)
+    for machine, data in results.items():
+        plot(machine, data, out_dir)
+    text = markdown(results)
+    if Path(out_dir).resolve() == Path(RESULTS_DIR).resolve():
+        if write_readme(text, readme):
+            print(f"README.md: section between {START} and {END} regenerated")
+        else:
+            print(f"README.md has no {START} ... {END} markers: nothing written; the section is:\n")
+            echo = True
+    if echo:
+        print(text)
+    return text
+
+
+def _num(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def _r(x: Optional[float]) -> str:
+    return "?" if x is None else f"{x:.2f}x"

@@ -1,0 +1,300 @@
+"""`python -m bench step`: one whole RL training step of a Qwen2.5-shaped model.
+
+The model is transformers' Qwen2ForCausalLM built from a Qwen2Config with random weights
+(no download). One step = forward (+ the reference model's forward, GRPO) + loss + backward
++ AdamW step (zero_grad with set_to_none runs before it, untimed), on a batch of m queries x G responses, each sequence a
+T-token prompt and an L-token response (N = m G (T + L) rows, laid out as
+erpo_kernels.objective.PackedLossBatch describes). Variants:
+
+  erpo-fused   hidden states -> erpo_kernels.erpo_loss (linear_token_logprobs + entropy,
+               never an [N, V] tensor)
+  erpo-stock   logits [N, V] -> log_softmax(fp32, / tau) + gather (entropy under no_grad,
+               chunked) -> erpo_kernels.erpo_loss_from_logp: the same loss math
+  grpo-stock   the GRPO objective (beta k3 per response token): a reference-model forward
+               (no_grad, stock log-probs) + the stock policy path
+  grpo-fused   the same with our kernels for both the reference and the policy
+Time and peak extra memory are defined in bench/measure.py; "resident before" is what the
+step starts from (weights, optimizer state, the reference model for GRPO). Two peaks are
+recorded: of the whole step, and of forward + loss + backward alone (read just before the
+optimizer step), since at small N the AdamW step's temporaries can set the whole-step peak.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from . import report
+from .measure import MIB, Measurement, guarded, machine_name, measure, peak_rss_bytes, run_header, run_worker
+
+VARIANTS = ("erpo-fused", "erpo-stock", "grpo-stock", "grpo-fused")
+STEP_DEFINITION = (
+    "forward (+ reference forward for grpo) + loss + backward + AdamW step, timed; zero_grad(set_to_none) "
+    "before it, untimed; m queries x G responses, T prompt + L response tokens each"
+)
+
+# Qwen2.5 architectures (public configs); random weights, so only the shapes matter.
+MODELS: Dict[str, Dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    # for the smoke test only
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True),
+}
+
+
+@dataclass(frozen=True)
+class StepCase:
+    model: str
+    layers: Optional[int]  # None: the model's own depth
+    queries: int  # m
+    group: int  # G
+    prompt_len: int  # T
+    response_len: int  # L
+    tau: float
+    dtype: str
+
+    @property
+    def tokens(self) -> int:
+        return self.queries * self.group * (self.prompt_len + self.response_len)
+
+    def label(self) -> str:
+        return self.model + (f"/{self.layers}L" if self.layers is not None else "")
+
+
+def preset_cases(device: str, quick: bool) -> List[StepCase]:
+    if device == "cuda":
+        cases = [StepCase("qwen2.5-0.5b", None, 4, 8, 128, 384, 1.0, "bf16")]  # N = 16384
+        if not quick:
+            cases.append(StepCase("qwen2.5-1.5b", None, 4, 8, 128, 384, 1.0, "bf16"))
+            cases.append(StepCase("qwen2.5-0.5b", None, 8, 8, 128, 384, 1.0, "bf16"))  # N = 32768
+        return cases
+    if quick:  # CPU: the real width and vocabulary, two layers, 256 tokens
+        return [StepCase("qwen2.5-0.5b", 2, 2, 2, 32, 32, 1.0, "fp32")]
+    return [StepCase("qwen2.5-0.5b", 4, 2, 4, 32, 32, 1.0, "fp32")]
+
+
+# ----------------------------------------------------------------------------- model and batch
+
+
+def build_model(case: StepCase, device: str, seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    kw = dict(MODELS[case.model])
+    if case.layers is not None:
+        kw["num_hidden_layers"] = case.layers
+    config = Qwen2Config(**kw, use_cache=False)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[case.dtype]
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM._from_config(config, dtype=dtype)
+    return model
+
+
+def make_batch(case: StepCase, vocab: int, device: str, seed: int = 0):
+    """input_ids [B, S] and the PackedLossBatch of their N = B S rows (B = m G, S = T + L)."""
+    from erpo_kernels.objective import PackedLossBatch
+
+    g = torch.Generator().manual_seed(seed)
+    m, G, T, L = case.queries, case.group, case.prompt_len, case.response_len
+    B, S = m * G, T + L
+    ignore = -100
+    prompts = torch.randint(0, vocab, (m, T), generator=g)  # [m, T]
+    ids = torch.randint(0, vocab, (B, S), generator=g)  # [B, S]
+    ids[:, :T] = prompts.repeat_interleave(G, dim=0)  # the G copies of a query share its prompt
+    targets = torch.full((B, S), ignore, dtype=torch.long)
+    targets[:, : S - 1] = ids[:, 1:]  # row t scores token t + 1 of its own sequence
+    copy = torch.arange(B) % G
+    targets[copy != 0, : T - 1] = ignore  # the prompt is scored once per group
+    inv_t = torch.ones(B, S)
+    inv_t[:, T - 1 :] = 1.0 / case.tau  # response rows at 1 / tau
+    starts = torch.arange(B) * S
+    cu = torch.stack([starts, starts + T - 1], dim=1).reshape(-1)  # prompt_b, response_b starts
+    cu = torch.cat([cu, torch.tensor([B * S])])  # [2B + 1]
+    rewards = torch.randn(B, generator=g).view(m, G)
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).reshape(B)
+    ref_q = -(T - 1) * math.log(vocab) + torch.randn(m, generator=g)  # near l_theta of a random model
+    w = 0.5 + torch.rand(m, generator=g)
+    batch = PackedLossBatch(
+        targets=targets.reshape(-1).to(device),
+        inv_temperature=inv_t.reshape(-1).to(device),
+        span_cu_seqlens=cu.to(device),
+        group_index=(torch.arange(B) // G).to(device),
+        advantages=adv.float().to(device),
+        ref_query_logp=ref_q.float().to(device),
+        query_weights=(w / w.mean()).float().to(device),
+        ignore_index=ignore,
+    )
+    return ids.to(device), batch
+
+
+def stock_logprobs(logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, ignore_index: int = -100):
+    """The usual path: logits [N, V] -> logp [N] (fp32 log_softmax of logits / tau, gather) and
+    the entropy [N] under no_grad, in row chunks (metric only)."""
+    lp_all = torch.log_softmax(logits.float() * inv_t[:, None], dim=-1)  # [N, V] fp32
+    tgt = targets.clamp(min=0)  # ignored rows read column 0; the loss masks them
+    logp = lp_all.gather(1, tgt[:, None]).squeeze(1)  # [N]
+    with torch.no_grad():
+        ent = torch.empty_like(logp)
+        step = max(1, (1 << 22) // logits.shape[1])
+        for a in range(0, logits.shape[0], step):
+            c = lp_all[a : a + step]
+            ent[a : a + step] = -(c.exp() * c).sum(-1)
+    return logp, ent
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def make_step(case: StepCase, variant: str, device: str):
+    """(model, optimizer, step function, N, peaks) of one variant.
+
+    The step function returns the loss metrics; `peaks` collects the device's peak memory
+    read after each step's backward (before the optimizer step).
+    """
+    import erpo_kernels
+    from erpo_kernels.objective import LossConfig, erpo_loss, erpo_loss_from_logp
+
+    model = build_model(case, device, seed=0)
+    model.train()
+    vocab = model.config.vocab_size
+    ids, batch = make_batch(case, vocab, device)
+    n = ids.numel()
+    ref = None
+    if variant.startswith("grpo"):
+        ref = build_model(case, device, seed=1).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+    config = LossConfig(algorithm="grpo" if variant.startswith("grpo") else "erpo")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    fused = variant.endswith("fused")
+    peaks: List[int] = []
+
+    def ref_logp() -> torch.Tensor:
+        with torch.no_grad():
+            if fused:
+                h = ref.model(input_ids=ids).last_hidden_state.reshape(n, -1)  # [N, D]
+                return erpo_kernels.linear_token_logprobs(
+                    h, ref.lm_head.weight, batch.targets, inv_temperature=batch.inv_temperature)
+            logits = ref(input_ids=ids).logits.reshape(n, -1)  # [N, V]
+            return stock_logprobs(logits, batch.targets, batch.inv_temperature)[0]
+
+    def step():
+        if ref is not None:
+            batch.ref_logp = ref_logp()
+        if fused:
+            hidden = model.model(input_ids=ids).last_hidden_state.reshape(n, -1)  # [N, D]
+            loss, metrics = erpo_loss(hidden, model.lm_head.weight, batch, config)
+        else:
+            logits = model(input_ids=ids).logits.reshape(n, -1)  # [N, V]
+            logp, ent = stock_logprobs(logits, batch.targets, batch.inv_temperature)
+            del logits
+            loss, metrics = erpo_loss_from_logp(logp, batch, config, entropy=ent)
+        loss.backward()
+        peaks.append(_current_peak(device))  # the peak of forward + loss + backward, before the optimizer
+        opt.step()
+        batch.ref_logp = None
+        return metrics
+
+    return model, opt, step, n, peaks
+
+
+def _current_peak(device: str) -> int:
+    return torch.cuda.max_memory_allocated() if device == "cuda" else peak_rss_bytes()
+
+
+def measure_variant(case: StepCase, variant: str, device: str, warmup: int, repeats: int) -> Measurement:
+    model, opt, step, n, peaks = make_step(case, variant, device)
+    last: Dict[str, Any] = {}
+    warmup = max(1, warmup)  # the first step creates the optimizer state
+
+    def prepare():
+        opt.zero_grad(set_to_none=True)
+
+    def region(_):
+        last.update(step())
+
+    m = measure(prepare, region, device=device, warmup=warmup, repeats=repeats)
+    if peaks and m.before_mb is not None:  # peaks[-1] was read during the memory run (the last one)
+        m.extra["peak_extra_fwd_bwd_mb"] = round(max(0.0, peaks[-1] / MIB - m.before_mb), 2)
+    m.extra["loss"] = last.get("loss")
+    m.extra["finite"] = bool(all(math.isfinite(v) for v in last.values())) if last else False
+    m.extra["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 1)
+    if m.median_ms:
+        m.extra["tokens_per_s"] = round(n / (m.median_ms * 1e-3), 1)
+    return m
+
+
+def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Entry point of a CPU step measurement subprocess (python -m bench _worker step SPEC)."""
+    case = StepCase(**spec["case"])
+    return guarded(
+        lambda: measure_variant(case, spec["variant"], "cpu", spec["warmup"], spec["repeats"]), "cpu"
+    ).to_dict()
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def run(
+    *,
+    device: str,
+    cases: List[StepCase],
+    variants: Sequence[str],
+    warmup: int,
+    repeats: int,
+    out_dir: str,
+    machine: Optional[str],
+    budget_s: Optional[float],
+    worker_timeout_s: float,
+    args: Dict[str, Any],
+    make_report: bool = True,
+) -> Dict[str, Any]:
+    t_start = time.monotonic()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"unknown variant(s) {bad}; known: {list(VARIANTS)}")
+    name = machine_name(device, machine)
+    header = run_header("step", device, name, args)
+    header["step_definition"] = STEP_DEFINITION
+    run_rec: Dict[str, Any] = {**header, "results": [], "skipped_cases": []}
+    path = report.append_run(out_dir, name, run_rec)
+    print(f"[bench step] {header['device_name']}; results -> {path}")
+    for case in cases:
+        for variant in variants:
+            if budget_s is not None and time.monotonic() - t_start > budget_s:
+                run_rec["skipped_cases"].append(
+                    {"case": asdict(case), "variant": variant, "reason": f"time budget {budget_s:.0f} s spent"})
+                continue
+            if device == "cuda":
+                m = guarded(lambda: measure_variant(case, variant, device, warmup, repeats), device).to_dict()
+                gc.collect()
+                torch.cuda.empty_cache()  # the next variant builds its models on an empty cache
+            else:
+                spec = {"case": asdict(case), "variant": variant, "warmup": warmup, "repeats": repeats}
+                m = run_worker("step", spec, worker_timeout_s)
+            rec = {"model": case.label(), "tokens": case.tokens, "variant": variant, "case": asdict(case), **m}
+            run_rec["results"].append(rec)
+            report.append_run(out_dir, name, run_rec, replace_last=True)
+            if rec.get("status") == "ok":
+                print(f"  {case.label():<16} N={case.tokens:<6} {variant:<11} {rec['median_ms']:>10.1f} ms "
+                      f"{rec['peak_extra_mb']:>9.0f} MiB extra, fwd+bwd {rec.get('peak_extra_fwd_bwd_mb')} MiB "
+                      f"(resident before {rec['before_mb']:.0f} MiB) "
+                      f"loss {rec.get('loss')}", flush=True)
+            else:
+                print(f"  {case.label():<16} N={case.tokens:<6} {variant:<11} {rec.get('status')}: {rec.get('error')}",
+                      flush=True)
+    run_rec["elapsed_s"] = round(time.monotonic() - t_start, 1)
+    report.append_run(out_dir, name, run_rec, replace_last=True)
+    print("\n".join(report.step_table({"runs": [run_rec]})))
+    if make_report:
+        report.regenerate(out_dir)
+    return run_rec

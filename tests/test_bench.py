@@ -1,0 +1,128 @@
+"""Smoke test of the benchmark suite: the CLI at tiny shapes, the results file's structure,
+the generated README section and the merge. No timing is asserted (numbers belong in bench/).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import report
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_KEYS = {"command", "machine", "device", "device_name", "versions", "commit", "timestamp", "definitions", "results"}
+RECORD_KEYS = {"op", "peer", "shape", "dtype", "pass", "median_ms", "peak_extra_mb", "status",
+               "ratio_time_vs_eager", "ratio_mem_vs_eager"}
+
+
+def _bench(args, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the CPU suite measures the PyTorch paths
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", *args, "--out-dir", str(tmp_path), "--machine", "smoke"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def kernels_run(tmp_path_factory):
+    """One tiny `bench kernels` run on CPU: both ops, ours and eager, two passes, liger asked for."""
+    out = tmp_path_factory.mktemp("bench")
+    _bench(["kernels", "--device", "cpu", "--n", "19", "--v", "301", "--d", "24", "--peers", "erpo,eager,liger",
+            "--passes", "forward,both", "--warmup", "0", "--repeats", "1", "--no-report"], out)
+    return out, json.loads((out / "smoke.json").read_text())
+
+
+def test_kernels_results_file(kernels_run):
+    _, data = kernels_run
+    assert data["machine"] == "smoke" and len(data["runs"]) == 1
+    run = data["runs"][0]
+    assert RUN_KEYS <= set(run)
+    assert run["device"] == "cpu" and run["versions"]["torch"] == torch.__version__
+    assert "triton" in run["versions"] and "peers" in run["versions"]
+    # liger needs CUDA: listed as absent with the reason, never measured
+    assert [a["peer"] for a in run["absent_peers"]] == ["liger"]
+    assert run["absent_peers"][0]["reason"]
+    recs = run["results"]
+    keys = {(r["op"], r["peer"], r["pass"]) for r in recs}
+    assert keys == {(op, peer, p) for op in ("token_logprobs", "linear_token_logprobs")
+                    for peer in ("erpo", "eager") for p in ("forward", "both")}
+    for r in recs:
+        assert RECORD_KEYS <= set(r), r
+        assert r["status"] == "ok", r
+        assert r["median_ms"] > 0 and r["peak_extra_mb"] >= 0
+        assert r["shape"]["N"] == 19 and r["shape"]["V"] == 301 and r["dtype"] == "fp32"
+        assert ("D" in r["shape"]) == (r["op"] == "linear_token_logprobs")
+        if r["peer"] == "eager":
+            assert r["ratio_time_vs_eager"] == 1.0
+        if r["pass"] == "forward":  # the op's output matches the float64 reference of the same inputs
+            assert r["max_abs_err"] < 1e-4, r
+
+
+def test_report_and_merge(kernels_run, tmp_path):
+    out, data = kernels_run
+    text = report.markdown(report.all_results(out))
+    assert "### smoke" in text
+    table = [line for line in text.splitlines() if line.startswith("| token_logprobs") or
+             line.startswith("| linear_token_logprobs")]
+    assert len(table) == 2
+    assert all("absent" in line for line in table)  # the liger column
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n{report.START}\nold table\n{report.END}\ntail\n")
+    assert report.write_readme(text, readme)
+    body = readme.read_text()
+    assert body.startswith("# title\n") and body.endswith(f"{report.END}\ntail\n")
+    assert "old table" not in body and "### smoke" in body
+    no_markers = tmp_path / "OTHER.md"
+    no_markers.write_text("nothing\n")
+    assert not report.write_readme(text, no_markers) and no_markers.read_text() == "nothing\n"
+    merged = tmp_path / "merged"
+    report.merge(out / "smoke.json", merged)
+    report.merge(out / "smoke.json", merged)  # the same run twice is kept once
+    assert len(json.loads((merged / "smoke.json").read_text())["runs"]) == 1
+    assert report.plot("smoke", data, merged).exists()
+
+
+def test_cpu_memory_measure_sees_allocations():
+    """The CPU memory definition (peak RSS minus RSS before) sees what the region allocates: one
+    64 MiB buffer; four 8 MiB buffers after a warm-up that made and freed the same (the size
+    glibc serves from its heap). In a subprocess: the measurement reconfigures its allocator."""
+    code = (
+        "import json, torch\n"
+        "from bench.measure import measure\n"
+        "def chunks(_):\n"
+        "    keep = [torch.ones(1 << 21) for _ in range(4)]\n"
+        "    return keep\n"
+        "big = measure(lambda: None, lambda _: torch.ones(1 << 24), device='cpu', warmup=1, repeats=1)\n"
+        "small = measure(lambda: None, chunks, device='cpu', warmup=1, repeats=1)\n"
+        "print(json.dumps([big.peak_extra_mb, small.peak_extra_mb]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    big, small = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 60 <= big <= 200, big
+    assert 28 <= small <= 100, small
+
+
+def test_step_tiny(tmp_path):
+    pytest.importorskip("transformers")
+    _bench(["step", "--device", "cpu", "--model", "tiny", "--queries", "2", "--group", "2", "--prompt-len", "6",
+            "--response-len", "5", "--variants", "erpo-fused,erpo-stock", "--warmup", "1", "--repeats", "1",
+            "--no-report"], tmp_path)
+    run = json.loads((tmp_path / "smoke.json").read_text())["runs"][0]
+    assert run["command"] == "step" and RUN_KEYS <= set(run)
+    recs = {r["variant"]: r for r in run["results"]}
+    assert set(recs) == {"erpo-fused", "erpo-stock"}
+    for r in recs.values():
+        assert r["status"] == "ok" and r["finite"], r
+        assert r["tokens"] == 2 * 2 * (6 + 5) and r["median_ms"] > 0
+    # the fused path and the stock path compute the same loss from the same weights and batch
+    assert recs["erpo-fused"]["loss"] == pytest.approx(recs["erpo-stock"]["loss"], rel=1e-4, abs=1e-6)
