@@ -34,14 +34,18 @@ def _split_args(args: Sequence[str]) -> Tuple[Optional[str], List[str]]:
 
 
 def resolve_config(args: Sequence[str], command: str = "train") -> TrainConfig:
-    """Defaults <- config file <- overrides. With resume=RUN the base is RUN/config.yaml;
-    for `eval` without a config file, <run_dir>/config.yaml when there is one."""
+    """Defaults <- config file <- overrides. With resume=RUN (train only) the base is
+    RUN/config.yaml; for `eval` without a config file, <run_dir>/config.yaml when there is one."""
     path, overrides = _split_args(args)
     cfg, given = load_config(path, overrides)
-    if command == "eval" and path is None and os.path.isfile(os.path.join(cfg.run_dir, "config.yaml")):
-        saved = read_yaml(os.path.join(cfg.run_dir, "config.yaml"))
-        saved.update(given)
-        cfg = TrainConfig(**saved)
+    if command != "train":
+        if any(item.split("=", 1)[0].strip() == "resume" for item in overrides) and cfg.resume:
+            raise ConfigError(f"resume= continues a training run: use it with `erpo train`, not `erpo {command}`")
+        if command == "eval" and path is None and os.path.isfile(os.path.join(cfg.run_dir, "config.yaml")):
+            saved = read_yaml(os.path.join(cfg.run_dir, "config.yaml"))
+            saved.update(given)
+            cfg = TrainConfig(**saved)
+        cfg.resume = ""  # the saved config of a resumed run records resume=; only train resumes
     if cfg.resume:
         saved_path = os.path.join(cfg.resume, "config.yaml")
         if not os.path.isdir(cfg.resume):
@@ -72,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("-h", "--help", action="store_true")
         sp.add_argument("args", nargs="*", metavar="[config.yaml] key=value")
     sp = sub.add_parser("plot", help="plot the curves of one or more runs")
-    sp.add_argument("runs", nargs="+", metavar="RUN")
+    sp.add_argument("runs", nargs="*", metavar="RUN")
     sp.add_argument("--out", default=None, help="PNG path (default: RUN/curves.png, or compare.png beside the runs)")
     return p
 

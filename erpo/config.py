@@ -14,7 +14,7 @@ import inspect
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
@@ -281,6 +281,8 @@ def coerce(name: str, value: Any) -> Any:
         if kind.startswith("List") and text and not text.startswith("["):
             value = [v for v in text.split(",") if v.strip()]
         else:
+            if not text and not kind.startswith("List"):
+                raise ConfigError(f"{name} is empty; give a value (`erpo train --help` shows the default)")
             try:
                 value = yaml.safe_load(text) if text else None
             except yaml.YAMLError:
@@ -318,7 +320,8 @@ def coerce(name: str, value: Any) -> Any:
             return out
     except (TypeError, ValueError):
         pass
-    example = {"bool": "true or false", "int": "an integer", "float": "a number"}.get(kind, "a comma-separated list")
+    example = {"bool": "true or false", "int": "an integer", "float": "a number", "List[int]": "a list of integers",
+               "List[float]": "a list of numbers"}.get(kind, "a list")
     raise ConfigError(f"{name}={value!r} is not {example}")
 
 
@@ -368,12 +371,26 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Tu
     return TrainConfig(**given), given
 
 
+def atomic_write(path: str, data: Union[bytes, Callable[[str], None]]) -> None:
+    """Write `path` through a temp file beside it and a rename: a reader, or a run
+    interrupted mid-write, sees the old file or the new one, never part of one.
+    `data`: the bytes, or a function that writes the file at the path it is given."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        if callable(data):
+            data(tmp)
+        else:
+            with open(tmp, "wb") as f:
+                f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def save_config(cfg: TrainConfig, path: str) -> None:
     """Write the resolved config as YAML (atomically)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-    os.replace(tmp, path)
+    atomic_write(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode("utf-8"))
 
 
 # Keys that may change when a run is resumed: they do not alter what steps 1..k computed.
@@ -386,13 +403,19 @@ RESUMABLE_KEYS = frozenset(
 def merge_for_resume(saved: Dict[str, Any], given: Dict[str, Any]) -> TrainConfig:
     """The saved run's config with the given overrides; changing a key that would break
     exact continuation (anything but steps, save_every, keep_checkpoints, progress and
-    eval settings) is a ConfigError."""
+    eval settings; steps too under a decaying lr_schedule) is a ConfigError."""
     merged = {}
     for key, value in saved.items():
         if key not in FIELDS:
             raise unknown_key_error(key, " in the saved config.yaml")
         merged[key] = coerce(key, value)
     for key, value in given.items():
+        if key == "steps" and value != merged.get(key) and merged.get("lr_schedule", "constant") != "constant":
+            raise ConfigError(
+                f"steps cannot change when resuming a run with lr_schedule={merged['lr_schedule']} (saved "
+                f"{merged.get(key)}, given {value}): the learning rate decays over steps, so the steps already taken "
+                f"would not be those of a {value}-step run; start a new run with a different run_dir instead"
+            )
         if key in RESUMABLE_KEYS or merged.get(key) == value:
             merged[key] = value
             continue

@@ -102,7 +102,11 @@ def read_examples(path: str, prompt_field: str, answer_field: str) -> List[Examp
         raise DataError(f"dataset {path!r} does not exist (give a local .jsonl/.parquet file, or dataset=arithmetic)")
     if os.path.isdir(path):
         raise DataError(f"dataset {path!r} is a directory; give one .jsonl, .json or .parquet file")
-    records = _read_records(path)
+    try:
+        records = _read_records(path)
+    except (OSError, ValueError) as exc:  # unreadable: permissions, not UTF-8, a corrupt Parquet file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"dataset {path} could not be read ({first})") from None
     if not records:
         raise DataError(f"dataset {path} holds no records")
     examples = []

@@ -15,13 +15,16 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
+from .config import EVAL_TEMPERATURES, atomic_write
+from .data import derived_seed
+from .rewards import CORRECT_THRESHOLD
+from .rollout import eos_ids_of, generate_ids
 
 __all__ = [
     "CORRECT_THRESHOLD",
@@ -34,9 +37,7 @@ __all__ = [
     "write_report",
 ]
 
-TEMPERATURES = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0, 1.1, 1.3, 1.5)
-# A sample counts as correct when its reward reaches this (the built-in rewards are 0/1).
-CORRECT_THRESHOLD = 0.5
+TEMPERATURES = tuple(EVAL_TEMPERATURES)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -146,50 +147,7 @@ class EvalResult:
         return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
-# ----------------------------------------------------------------------------- generation
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    """Every token that ends a completion: the tokenizer's EOS and the model's."""
-    ids = []
-    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if source is None:
-            continue
-        for i in source if isinstance(source, (list, tuple)) else [source]:
-            if int(i) not in ids:
-                ids.append(int(i))
-    return ids
-
-
-def _left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> input_ids [B, T_max], attention_mask [B, T_max], padded on the left."""
-    width = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for b, s in enumerate(seqs):
-        if s:
-            input_ids[b, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            attention_mask[b, width - len(s):] = 1
-    return input_ids.to(device), attention_mask.to(device)
-
-
-def _generate(model, tokenizer, seqs: list[list[int]], generation_config, pad_id: int,
-              eos_ids: list[int]) -> list[str]:
-    """One generate call on prompt token lists -> the decoded new text of each."""
-    input_ids, attention_mask = _left_pad(seqs, pad_id, model.device)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                         generation_config=generation_config)   # [B, T_max + new]
-    new = out[:, input_ids.shape[1]:].tolist()                    # [B, <= max_new_tokens]
-    completions = []
-    for tokens in new:
-        cut = next((j for j, t in enumerate(tokens) if t in eos_ids), len(tokens))
-        completions.append(tokenizer.decode(tokens[:cut], skip_special_tokens=True))
-    return completions
-
-
-def _derived_seed(seed: int, index: int) -> int:
-    """A distinct, reproducible torch seed for each (seed, temperature index)."""
-    return (seed * 1_000_003 + index * 7_919 + 17) % (2**63 - 1)
+# ----------------------------------------------------------------------------- evaluation
 
 
 def _check_eval_args(prompts, answers, temperatures, n_samples, k_values, max_new_tokens,
@@ -215,8 +173,8 @@ def _check_eval_args(prompts, answers, temperatures, n_samples, k_values, max_ne
 def evaluate(
     model,
     tokenizer,
-    prompts: list[str],
-    answers: list[str],
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    answers: Sequence[str],
     *,
     reward_fn: Callable[[str, str], float],
     temperatures: Sequence[float] = TEMPERATURES,
@@ -229,74 +187,68 @@ def evaluate(
 ) -> EvalResult:
     """Avg@n and Pass@k at every temperature, and greedy Pass@1 (erpo-method.md s.8).
 
-    ``prompts`` are fully templated strings (tokenised without adding special tokens);
+    ``prompts`` are fully templated strings (tokenised without adding special tokens)
+    or prompt token ids (used as they are, e.g. the training prompts with their BOS);
     ``answers`` the gold answers, scored by ``reward_fn(completion, answer)`` with a
     sample correct when the reward is >= CORRECT_THRESHOLD. ``batch_size`` counts
-    sequences per ``model.generate`` call. The same arguments give the same result
-    (torch RNG seeded per temperature from ``seed``; the caller's RNG state is left as
-    it was). The model's mode, generation_config and the tokenizer are left unchanged.
+    sequences per ``model.generate`` call (erpo.rollout.generate_ids). The same
+    arguments give the same result (torch RNG seeded per temperature from ``seed``; the
+    caller's RNG state is left as it was). The model's mode, generation_config and the
+    tokenizer are left unchanged.
     """
     from tqdm.auto import tqdm
-    from transformers import GenerationConfig
 
     _check_eval_args(prompts, answers, temperatures, n_samples, k_values, max_new_tokens,
                      batch_size, reward_fn)
     k_values = sorted({int(k) for k in k_values})
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = _eos_ids(model, tokenizer)
+    eos_ids = eos_ids_of(model, tokenizer)
     if pad_id is None or not eos_ids:
         raise ValueError("tokenizer: needs an eos token (and a pad token, or eos is used to pad)")
 
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else [int(t) for t in p]
+               for p in prompts]
     empty = [i for i, ids in enumerate(encoded) if not ids]
     if empty:
-        raise ValueError(f"prompts: prompt {empty[0]} tokenises to no tokens")
+        raise ValueError(f"prompts: prompt {empty[0]} has no tokens")
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # similar lengths batch together
     sampled_items = [i for i in order for _ in range(n_samples)]       # problem index of each sequence
     n_chunks = math.ceil(len(order) / batch_size) + len(temperatures) * math.ceil(len(sampled_items) / batch_size)
 
-    common = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids,
-                  bos_token_id=getattr(model.generation_config, "bos_token_id", None),
-                  num_beams=1, num_return_sequences=1, repetition_penalty=1.0, use_cache=True)
-    greedy_config = GenerationConfig(do_sample=False, **common)
-
-    def is_correct(completion: str, problem: int) -> int:
-        return int(float(reward_fn(completion, answers[problem])) >= CORRECT_THRESHOLD)
-
-    def run(items: list[int], config, bar) -> list[int]:
-        """Generate for each problem index in ``items`` (in order) -> correctness of each."""
+    def run(items: list[int], temperature: float, bar) -> list[int]:
+        """Generate for each problem index in ``items`` (in order; temperature 0 = greedy)
+        -> correctness of each."""
         results = []
         for start in range(0, len(items), batch_size):
             chunk = items[start:start + batch_size]
-            texts = _generate(model, tokenizer, [encoded[i] for i in chunk], config, pad_id, eos_ids)
-            results.extend(is_correct(text, i) for text, i in zip(texts, chunk))
+            responses = generate_ids(model, [encoded[i] for i in chunk], temperature=temperature,
+                                     max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_ids=eos_ids)
+            for tokens, i in zip(responses, chunk):
+                if tokens and tokens[-1] in eos_ids:
+                    tokens = tokens[:-1]
+                completion = tokenizer.decode(tokens, skip_special_tokens=True)
+                results.append(int(float(reward_fn(completion, answers[i])) >= CORRECT_THRESHOLD))
             bar.update(1)
         return results
 
     was_training = model.training
-    saved_generation_config = model.generation_config
     on_accelerator = model.device.type != "cpu"
     fork = dict(devices=[model.device] if on_accelerator else [],
                 device_type=model.device.type if on_accelerator else None)
     model.eval()
-    # A neutral config underneath ours: the model's own defaults (top_k, top_p,
-    # repetition_penalty, min_p, ...) must not leak into the protocol.
-    model.generation_config = GenerationConfig()
     try:
-        with torch.no_grad(), torch.random.fork_rng(**fork), \
+        with torch.random.fork_rng(**fork), \
                 tqdm(total=n_chunks, desc="eval", disable=not progress, leave=False) as bar:
             bar.set_postfix_str("greedy")
-            greedy = dict(zip(order, run(order, greedy_config, bar)))
+            greedy = dict(zip(order, run(order, 0.0, bar)))
             greedy_correct = [greedy[i] for i in range(len(prompts))]
 
             rows = []
             for t_index, temperature in enumerate(temperatures):
                 bar.set_postfix_str(f"T={temperature:g}")
-                torch.manual_seed(_derived_seed(seed, t_index))
-                config = GenerationConfig(do_sample=True, temperature=float(temperature), top_p=1.0,
-                                          top_k=0, **common)
+                torch.manual_seed(derived_seed(seed, "eval", t_index))
                 n_correct = [0] * len(prompts)
-                for problem, ok in zip(sampled_items, run(sampled_items, config, bar)):
+                for problem, ok in zip(sampled_items, run(sampled_items, float(temperature), bar)):
                     n_correct[problem] += ok
                 rows.append(TemperatureRow(
                     temperature=float(temperature),
@@ -306,7 +258,6 @@ def evaluate(
                     n_correct=n_correct,
                 ))
     finally:
-        model.generation_config = saved_generation_config
         model.train(was_training)
 
     return EvalResult(
@@ -321,19 +272,6 @@ def evaluate(
 
 
 # ----------------------------------------------------------------------------- reports
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temp file next to ``path``, then rename it over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _fmt(x: float) -> str:
@@ -406,9 +344,9 @@ def write_report(result: EvalResult, out_dir: str | Path, title: str = "") -> di
     payload = result.to_dict()
     if title:
         payload["title"] = title
-    _atomic_write(paths["json"], (json.dumps(payload, indent=2) + "\n").encode("utf-8"))
-    _atomic_write(paths["md"], _eval_markdown(result, title).encode("utf-8"))
-    _atomic_write(paths["png"], _png_bytes(_eval_figure(result, title)))
+    atomic_write(paths["json"], (json.dumps(payload, indent=2) + "\n").encode("utf-8"))
+    atomic_write(paths["md"], _eval_markdown(result, title).encode("utf-8"))
+    atomic_write(paths["png"], _png_bytes(_eval_figure(result, title)))
     return paths
 
 
@@ -441,7 +379,7 @@ def compare_report(results: dict[str, EvalResult], out_dir: str | Path) -> Path:
     ax.set_title("Avg@n vs temperature")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _atomic_write(out / "compare.png", _png_bytes(fig))
+    atomic_write(out / "compare.png", _png_bytes(fig))
 
     temps = sorted({t for r in results.values() for t in r.temperatures})
     by_temp = {name: {row.temperature: row.avg_at_n for row in results[name].rows} for name in names}
@@ -463,5 +401,5 @@ def compare_report(results: dict[str, EvalResult], out_dir: str | Path) -> Path:
     text += "\n## Summary (means over temperatures)\n\n" + _markdown_table(header, rows)
     text += "\n![Avg@n vs temperature](compare.png)\n"
     path = out / "compare.md"
-    _atomic_write(path, text.encode("utf-8"))
+    atomic_write(path, text.encode("utf-8"))
     return path

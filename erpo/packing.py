@@ -15,7 +15,7 @@ one of its sequence alone; the logits are never formed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
@@ -48,8 +48,8 @@ class PackedSequences:
         return int(self.group_index.shape[0])
 
     def to(self, device: Any) -> "PackedSequences":
-        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
-        return PackedSequences(**moved)
+        """A copy with every tensor on `device`."""
+        return replace(self, **{k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)})
 
     def loss_batch(
         self,

@@ -4,12 +4,13 @@
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 from typing import Dict, List, Optional, Sequence
 
-from .config import ErpoError
+from .config import ErpoError, atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
@@ -77,7 +78,7 @@ def plot_runs(run_dirs: Sequence[str], out_path: Optional[str] = None, labels: O
     Each panel shows the raw values faintly and a moving average on top.
     """
     if not run_dirs:
-        raise ErpoError("plot needs at least one run directory")
+        raise ErpoError("plot needs at least one run directory: erpo plot RUN [RUN ...] [--out PNG]")
     runs = [(labels[i] if labels else _label(d), read_metrics(d)) for i, d in enumerate(run_dirs)]
     if out_path is None:
         if len(run_dirs) == 1:
@@ -118,8 +119,8 @@ def plot_runs(run_dirs: Sequence[str], out_path: Optional[str] = None, labels: O
         fig.legend(handles, names, loc="upper center", ncol=min(len(names), 4), fontsize=9, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.95 if handles else 1))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = f"{out_path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, out_path)
+    atomic_write(out_path, png.getvalue())
     return out_path

@@ -20,7 +20,7 @@ import torch
 
 from erpo_kernels import linear_token_logprobs, segment_sum
 
-from .config import ErpoError
+from .config import ErpoError, atomic_write
 from .packing import forward_hidden, lm_head_of, pack
 from .query_weights import query_scores
 
@@ -169,19 +169,14 @@ def save_ref_cache(cache: RefCache, path: str) -> None:
     from safetensors.torch import save_file
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
     tensors = {
         "query_id": cache.query_id.contiguous(),
         "n_tokens": cache.n_tokens.contiguous(),
         "ref_query_logp": cache.ref_query_logp.contiguous(),
         "score": cache.score.contiguous(),
     }
-    try:
-        save_file(tensors, tmp, metadata={META_KEY: json.dumps(cache.meta, sort_keys=True)})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    metadata = {META_KEY: json.dumps(cache.meta, sort_keys=True)}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def read_ref_cache(path: str, rebuild: str) -> RefCache:

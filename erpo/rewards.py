@@ -31,6 +31,7 @@ import time
 from typing import Callable, Optional
 
 __all__ = [
+    "CORRECT_THRESHOLD",
     "MATH_VERIFY_TIMEOUT_S",
     "REWARDS",
     "exact_match_reward",
@@ -40,6 +41,9 @@ __all__ = [
     "math_verify_reward",
 ]
 
+# A response counts as correct (reward/accuracy, evaluation) when its reward reaches this;
+# the built-in rewards are 0/1.
+CORRECT_THRESHOLD = 0.5
 # Wall-clock budget of one math_verify_reward call (parse both sides + verify).
 MATH_VERIFY_TIMEOUT_S = 5.0
 # Longer boxed answers are not math answers; refusing them keeps SymPy out of trouble.

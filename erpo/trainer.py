@@ -25,10 +25,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from erpo_kernels import linear_token_logprobs
+from erpo_kernels._utils import resolve_backend
 from erpo_kernels.objective import LossConfig, erpo_loss
 
 from . import checkpoint as ckpt
-from .config import ConfigError, ErpoError, TrainConfig, save_config
+from .config import ConfigError, ErpoError, TrainConfig, atomic_write, save_config
 from .data import (
     Example,
     batches_per_epoch,
@@ -41,19 +42,18 @@ from .data import (
     template_text,
 )
 from .packing import PackedSequences, forward_hidden, lm_head_of, pack
-from .plot import CURVES_FILE, METRICS_FILE, plot_runs
+from .plot import CURVES_FILE, METRICS_FILE, plot_runs, read_metrics
 from .query_weights import QueryWeighter
 from .ref_cache import (
     RefCache,
     build_ref_cache,
     model_fingerprint,
-    query_id,
     read_ref_cache,
     save_ref_cache,
     tokenizer_fingerprint,
     validate_ref_cache,
 )
-from .rewards import get_reward_fn
+from .rewards import CORRECT_THRESHOLD, get_reward_fn
 from .rollout import HFRolloutEngine, RolloutEngine, eos_ids_of
 
 # Logged every step (erpo-method.md section 6); "policy_kl" too when a reference model is monitored.
@@ -96,6 +96,8 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={cfg.device} but no CUDA device is available; use device=cpu or device=auto")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device={cfg.device} but there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)")
     return device
 
 
@@ -106,6 +108,26 @@ def resolve_compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
 
 
+def autocast(device: torch.device, dtype: torch.dtype) -> Any:
+    """Mixed precision for forward passes of fp32 parameters (a no-op for fp32)."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def check_setup(cfg: TrainConfig, device: torch.device) -> None:
+    """ConfigError, before anything is loaded, for a kernel backend this device cannot run
+    or an output path that cannot be written."""
+    try:
+        resolve_backend(cfg.kernel_backend, torch.empty(0, device=device))
+    except ValueError as exc:
+        raise ConfigError(f"kernel_backend={cfg.kernel_backend}: {exc}") from None
+    if os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
+        raise ConfigError(f"run_dir={cfg.run_dir} is a file, not a directory; choose another run_dir")
+    if os.path.isdir(cfg.ref_cache_path):
+        raise ConfigError(f"ref_cache={cfg.ref_cache_path} is a directory; give a file path (e.g. DIR/ref_cache.safetensors)")
+
+
 def quiet_transformers() -> None:
     """No per-file progress bars or advisory warnings from transformers in our output."""
     from transformers.utils import logging as hf_logging
@@ -114,14 +136,14 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def check_model_dir(path: str) -> None:
+def check_model_dir(path: str, what: str = "model", alternatives: str = "or model=tiny for the embedded demo model") -> None:
+    """ErpoError unless `path` is a directory with a config.json (`what` names the setting)."""
     if not os.path.isdir(path):
         raise ErpoError(
-            f"model {path!r} does not exist; give a local Hugging Face model directory (with config.json), "
-            f"or model=tiny for the embedded demo model"
+            f"{what} {path!r} does not exist; give a local Hugging Face model directory (with config.json), {alternatives}"
         )
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ErpoError(f"model {path!r} has no config.json; is it a Hugging Face model directory (save_pretrained)?")
+        raise ErpoError(f"{what} {path!r} has no config.json; is it a Hugging Face model directory (save_pretrained)?")
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype = torch.float32) -> Any:
@@ -137,8 +159,12 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype = torch.float
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ErpoError(f"model {path!r} could not be loaded as a causal LM: {first}") from None
-    if getattr(model.config, "final_logit_softcapping", None):
-        raise ErpoError(f"model {path!r} soft-caps its logits, which the fused loss does not model yet")
+    # The fused loss reads hidden @ lm_head.weight.T as the logits: a model that transforms
+    # them further would be scored under a different distribution than it samples from.
+    for key, off in (("final_logit_softcapping", (None, 0.0)), ("logit_scale", (None, 1.0)), ("logits_scaling", (None, 1.0))):
+        value = getattr(model.config, key, None)
+        if value not in off:
+            raise ErpoError(f"model {path!r} transforms its logits ({key}={value}), which the fused loss does not model yet")
     return model.to(device)
 
 
@@ -150,9 +176,23 @@ def load_tokenizer(path: str) -> Any:
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ErpoError(f"model {path!r}: no usable tokenizer in the directory ({first})") from None
+    if tok.eos_token_id is None:
+        raise ErpoError(f"model {path!r}: the tokenizer has no EOS token, so a response cannot end; set eos_token "
+                        f"in its tokenizer_config.json")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def reference_meta(model_dir: str, model: Any, tokenizer: Any, template: str) -> Dict[str, str]:
+    """What the reference cache is checked against (erpo-method.md section 7): the
+    starting model's path and weights fingerprint, the tokenizer fingerprint, the template."""
+    return {
+        "model": os.path.abspath(model_dir),
+        "model_fingerprint": model_fingerprint(model),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "template": template_text(template),
+    }
 
 
 def resolve_model_dir(cfg: TrainConfig, examples: Sequence[Example], log: Callable[[str], None]) -> str:
@@ -167,7 +207,8 @@ def resolve_model_dir(cfg: TrainConfig, examples: Sequence[Example], log: Callab
 
 # Keys that decide which prompts the cache holds and under which model.
 _CACHE_KEYS = ("model", "dataset", "prompt_field", "answer_field", "template", "max_prompt_tokens")
-_DEMO_MODEL_KEYS = ("tiny_hidden_size", "tiny_layers", "warmstart_steps", "warmstart_lr", "warmstart_batch_size", "cache_dir")
+_DEMO_MODEL_KEYS = ("tiny_hidden_size", "tiny_layers", "warmstart_steps", "warmstart_lr", "warmstart_batch_size",
+                    "warmstart_unboxed", "cache_dir")
 _DEMO_TASK_KEYS = ("task_max_operand", "task_train_size", "task_eval_size")
 
 
@@ -211,6 +252,7 @@ class Trainer:
         self.log = log
         self.device = resolve_device(cfg)
         self.compute_dtype = resolve_compute_dtype(cfg, self.device)
+        check_setup(cfg, self.device)
         self.template = cfg.resolved_template
         self.reward_fn = get_reward_fn(cfg.resolved_reward)
 
@@ -241,35 +283,35 @@ class Trainer:
         # Model, tokenizer, prompts.
         self.model_dir = resolve_model_dir(cfg, self.examples, log)
         self.tokenizer = load_tokenizer(self.resume_from or self.model_dir)
+        self.pad_token_id = int(self.tokenizer.pad_token_id)
         self.prompt_ids = encode_prompts(self.tokenizer, self.examples, self.template)
         check_prompts(self.prompt_ids, self.examples, cfg.max_prompt_tokens)
-        self.query_ids = [query_id(p) for p in self.prompt_ids]
 
+        # The starting model (pre-RL): what the reference cache describes.
         initial = None
         if not self.resume_from:
             initial = load_model(self.model_dir, self.device)
-            self.reference = {
-                "model": os.path.abspath(self.model_dir),
-                "model_fingerprint": model_fingerprint(initial),
-                "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer),
-                "template": template_text(self.template),
-            }
+            self.reference = reference_meta(self.model_dir, initial, self.tokenizer, self.template)
         else:
             self.reference = dict(saved["reference"])
             if tokenizer_fingerprint(self.tokenizer) != self.reference["tokenizer_fingerprint"]:
                 raise ErpoError(f"resume={cfg.resume}: the checkpoint's tokenizer does not match the run's")
 
-        # The reference cache: validated, or built from the initial model when missing.
+        # The reference cache: validated, or built from the starting model when missing.
         self.cache_path = cfg.ref_cache_path
         self.rebuild = rebuild_command(cfg)
-        if not os.path.isfile(self.cache_path):
-            if initial is None:
+        self._cache_is_new = not os.path.isfile(self.cache_path)
+        if self._cache_is_new:
+            if initial is None:  # resuming without a cache: the starting model must be the run's
                 initial = load_model(self.model_dir, self.device)
+                if model_fingerprint(initial) != self.reference["model_fingerprint"]:
+                    raise ErpoError(
+                        f"resume={cfg.resume}: the reference cache {self.cache_path} is gone and {self.model_dir} no "
+                        f"longer holds the run's starting weights, so it cannot be rebuilt; restore either"
+                    )
             self.cache = self._build_cache(initial)
-            self._cache_is_new = True
         else:
             self.cache = read_ref_cache(self.cache_path, self.rebuild)
-            self._cache_is_new = False
         self.cache_rows = validate_ref_cache(
             self.cache, self.cache_path, expect=self.reference, prompt_ids=self.prompt_ids,
             describe=lambda i: f"({self.examples[i].prompt[:40]!r})", rebuild=self.rebuild,
@@ -279,8 +321,8 @@ class Trainer:
             temperature=cfg.weight_temperature, w_min=cfg.w_min, w_max=cfg.w_max,
         )
 
-        # The policy (initial weights, or the checkpoint's) and, when needed, a frozen reference.
-        self.model = initial if initial is not None and not self.resume_from else load_model(self.resume_from, self.device)
+        # The policy (the starting weights, or the checkpoint's) and, when needed, a frozen reference.
+        self.model = load_model(self.resume_from, self.device) if self.resume_from else initial
         self.model.eval()  # no dropout: the sampler and the loss see the same function
         self.ref_model = None
         if (cfg.algorithm == "grpo" and cfg.beta > 0) or cfg.monitor_policy_kl:
@@ -298,7 +340,6 @@ class Trainer:
             state = ckpt.load_optimizer_state(self.resume_from)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-        self.pad_token_id = int(self.tokenizer.pad_token_id)
         self.engine = engine or HFRolloutEngine(
             self.model, self.pad_token_id, eos_ids_of(self.model, self.tokenizer), cfg.rollout_batch_size
         )
@@ -308,21 +349,11 @@ class Trainer:
 
     def _build_cache(self, initial: Any) -> RefCache:
         t0 = time.perf_counter()
-        with self._autocast():
-            cache = build_ref_cache(
-                initial, self.prompt_ids, self.reference, pad_token_id=self._pad_id(), backend=self.cfg.kernel_backend,
-                compute_dtype=self.compute_dtype,
-            )
+        with autocast(self.device, self.compute_dtype):
+            cache = build_ref_cache(initial, self.prompt_ids, self.reference, pad_token_id=self.pad_token_id,
+                                    backend=self.cfg.kernel_backend, compute_dtype=self.compute_dtype)
         self.log(f"erpo: reference cache: {len(cache)} queries scored in {time.perf_counter() - t0:.1f}s")
         return cache
-
-    def _pad_id(self) -> int:
-        return int(self.tokenizer.pad_token_id)
-
-    def _autocast(self):
-        if self.device.type == "cuda" and self.compute_dtype != torch.float32:
-            return torch.autocast("cuda", dtype=self.compute_dtype)
-        return contextlib.nullcontext()
 
     def _prepare_run_dir(self) -> None:
         """Called last in __init__, after every check passed: only now is the run dir touched."""
@@ -333,18 +364,8 @@ class Trainer:
         if self.resume_from:
             ckpt.clean_stale_temps(run)
             if os.path.isfile(metrics):  # drop what was logged after the checkpoint
-                with open(metrics, encoding="utf-8") as f:
-                    keep = []
-                    for line in f:
-                        try:
-                            if json.loads(line)["step"] <= self.start_step:
-                                keep.append(line)
-                        except (json.JSONDecodeError, KeyError):
-                            break
-                tmp = metrics + ".tmp"
-                with open(tmp, "w", encoding="utf-8") as f:
-                    f.writelines(keep)
-                os.replace(tmp, metrics)
+                keep = [row for row in read_metrics(run) if row["step"] <= self.start_step]
+                atomic_write(metrics, "".join(json.dumps(row) + "\n" for row in keep).encode("utf-8"))
         else:
             old = [p for p in (metrics, os.path.join(run, ckpt.CHECKPOINTS), os.path.join(run, CURVES_FILE),
                                os.path.join(run, "eval")) if os.path.exists(p)]
@@ -359,19 +380,20 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def step(self, step: int) -> Dict[str, float]:
-        """One rollout batch and one optimizer step; returns the step's metrics."""
+        """One rollout batch and one optimizer step (erpo-method.md sections 1-5); returns
+        the step's metrics (section 6)."""
         cfg = self.cfg
         t0 = time.perf_counter()
         torch.manual_seed(derived_seed(cfg.seed, "step", step))  # the sampler's randomness
         idx = step_indices(len(self.examples), cfg.queries_per_step, step, cfg.seed)  # m training queries
-        prompts = [self.prompt_ids[i] for i in idx]
+        prompts = [self.prompt_ids[i] for i in idx]  # m token lists
 
-        # 1. rollout: G responses per query
-        with self._autocast():
+        # 1. rollout: G responses per query, sampled at tau
+        with autocast(self.device, self.compute_dtype):
             responses = self.engine.generate(prompts, cfg.group_size, cfg.temperature, cfg.max_new_tokens)  # [m][G]
         t_rollout = time.perf_counter() - t0
 
-        # 2. reward and 3. group advantages
+        # 2. rewards and 3. group advantages (section 4)
         rewards = torch.tensor([
             [float(self.reward_fn(self.tokenizer.decode(r, skip_special_tokens=True), self.examples[i].answer))
              for r in group]
@@ -379,25 +401,28 @@ class Trainer:
         ])  # [m, G]
         advantages = group_advantages(rewards, cfg.adv_norm)  # [m, G]
 
-        # 4. pack prompt + response sequences into one row space
+        # 4. pack: prompt rows at temperature 1 (scored once per group), response rows at 1/tau
         packed = pack(prompts, responses, cfg.temperature).to(self.device)  # N rows, B = m G sequences
         rows = self.cache_rows[idx]  # [m] cache rows of this batch's queries
-        ref_query_logp = self.cache.ref_query_logp[rows]  # [m] l_0(q)
+        ref_query_logp = self.cache.ref_query_logp[rows]  # [m] l_0(q), cached (section 7)
         if cfg.algorithm == "erpo":
-            query_weights = self.weighter.batch_weights(self.cache.score[rows])  # [m] w_B(q)
+            query_weights = self.weighter.batch_weights(self.cache.score[rows])  # [m] w_B(q) (section 3)
         else:
-            query_weights = torch.ones(len(idx))  # [m]
+            query_weights = torch.ones(len(idx))  # [m] grpo weighs every query 1
         ref_logp = self._reference_logp(packed) if self.ref_model is not None else None  # [N] or None
         batch = packed.loss_batch(advantages.reshape(-1), ref_query_logp, query_weights, ref_logp)
 
-        # 5. forward to hidden states, 6.-8. fused log-probs + segment sums + objective
-        with self._autocast():
-            hidden = forward_hidden(self.model, packed.input_ids, packed.seq_cu_seqlens, self._pad_id())  # [N, D]
+        # 5. forward to hidden states (no logits)
+        with autocast(self.device, self.compute_dtype):
+            hidden = forward_hidden(self.model, packed.input_ids, packed.seq_cu_seqlens, self.pad_token_id)  # [N, D]
         weight, bias = lm_head_of(self.model)  # [V, D], [V] or None
         hidden, weight, bias = self._to_compute(hidden, weight, bias)
+
+        # 6. the objective: fused log-probs of every row -> segment sums to query_logp [m]
+        #    -> Query-KL against ref_query_logp, clipped policy loss weighted by query_weights
         loss, metrics = erpo_loss(hidden, weight, batch, self.loss_config, bias=bias, backend=cfg.kernel_backend)
 
-        # 9. backward and optimizer step
+        # 7. backward and optimizer step
         loss.backward()
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -411,8 +436,8 @@ class Trainer:
         same = (rewards.max(dim=1).values == rewards.min(dim=1).values).float().mean()
         metrics.update({
             "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "reward/accuracy": float((rewards >= 1.0).float().mean()),
+            "reward/std": float(rewards.std()),
+            "reward/accuracy": float((rewards >= CORRECT_THRESHOLD).float().mean()),
             "reward/zero_std_frac": float(same),
             "grad_norm": float(grad_norm),
             "lr": float(lr),
@@ -422,8 +447,12 @@ class Trainer:
         })
         return {"step": step, **{k: metrics[k] for k in sorted(metrics)}}
 
-    def _to_compute(self, hidden, weight, bias):
-        dt = self.compute_dtype if self.device.type == "cuda" else hidden.dtype
+    def _to_compute(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """hidden [N, D], weight [V, D], bias [V] in the compute dtype (a differentiable
+        cast: the gradient reaches the fp32 parameters)."""
+        dt = self.compute_dtype
         if weight.dtype != dt:
             weight = weight.to(dt)
             bias = None if bias is None else bias.to(dt)
@@ -432,8 +461,8 @@ class Trainer:
     @torch.no_grad()
     def _reference_logp(self, packed: PackedSequences) -> torch.Tensor:
         """Per-row log-probs [N] of the frozen reference model (prompt rows at 1, response rows at 1/tau)."""
-        hidden = forward_hidden(self.ref_model, packed.input_ids, packed.seq_cu_seqlens, self._pad_id())  # [N, D]
-        weight, bias = lm_head_of(self.ref_model)
+        hidden = forward_hidden(self.ref_model, packed.input_ids, packed.seq_cu_seqlens, self.pad_token_id)  # [N, D]
+        weight, bias = lm_head_of(self.ref_model)  # [V, D], [V] or None
         return linear_token_logprobs(
             hidden.to(weight.dtype), weight, packed.targets, bias=bias, inv_temperature=packed.inv_temperature,
             ignore_index=packed.ignore_index, backend=self.cfg.kernel_backend,
@@ -512,22 +541,16 @@ def build_cache_command(cfg: TrainConfig, log: Callable[[str], None] = print) ->
     cfg.validate()
     device = resolve_device(cfg)
     dtype = resolve_compute_dtype(cfg, device)
+    check_setup(cfg, device)
     examples = load_examples(cfg, "train")
     model_dir = resolve_model_dir(cfg, examples, log)
     tokenizer = load_tokenizer(model_dir)
-    template = cfg.resolved_template
-    prompt_ids = encode_prompts(tokenizer, examples, template)
+    prompt_ids = encode_prompts(tokenizer, examples, cfg.resolved_template)
     check_prompts(prompt_ids, examples, cfg.max_prompt_tokens)
     model = load_model(model_dir, device).eval()
-    meta = {
-        "model": os.path.abspath(model_dir),
-        "model_fingerprint": model_fingerprint(model),
-        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-        "template": template_text(template),
-    }
+    meta = reference_meta(model_dir, model, tokenizer, cfg.resolved_template)
     t0 = time.perf_counter()
-    ctx = torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32 else contextlib.nullcontext()
-    with ctx:
+    with autocast(device, dtype):
         cache = build_ref_cache(model, prompt_ids, meta, pad_token_id=int(tokenizer.pad_token_id),
                                 backend=cfg.kernel_backend, compute_dtype=dtype)
     save_ref_cache(cache, cfg.ref_cache_path)
@@ -538,23 +561,6 @@ def build_cache_command(cfg: TrainConfig, log: Callable[[str], None] = print) ->
     return cfg.ref_cache_path
 
 
-def eval_prompt_texts(tokenizer: Any, examples: Sequence[Example], template: str) -> List[str]:
-    """Templated prompts as text that erpo.evaluate (which encodes without special tokens)
-    turns into exactly the training prompt ids: a BOS the tokenizer adds is spelled out."""
-    from .data import render_prompt
-
-    texts = []
-    for ex in examples:
-        text = render_prompt(template, ex.prompt, tokenizer)
-        if template != "chat":
-            with_special = tokenizer(text, add_special_tokens=True)["input_ids"]
-            plain = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(with_special) > len(plain) and with_special[len(with_special) - len(plain):] == plain:
-                text = tokenizer.decode(with_special[: len(with_special) - len(plain)], skip_special_tokens=False) + text
-        texts.append(text)
-    return texts
-
-
 def _eval_target(path: str) -> Tuple[str, str]:
     """(model directory, report name) of a checkpoint, run or model directory."""
     if os.path.isdir(os.path.join(path, ckpt.CHECKPOINTS)):
@@ -562,7 +568,7 @@ def _eval_target(path: str) -> Tuple[str, str]:
         if latest is None:
             raise ErpoError(f"eval: run {path} has no checkpoint yet")
         return latest, f"{os.path.basename(os.path.normpath(path))}-{os.path.basename(latest)}"
-    check_model_dir(path)
+    check_model_dir(path, "eval_checkpoints entry", "a run directory or a checkpoint (RUN/checkpoints/step-N)")
     norm = os.path.normpath(path)
     parent = os.path.basename(os.path.dirname(norm))
     name = os.path.basename(norm)
@@ -579,6 +585,7 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[s
 
     cfg.validate()
     device = resolve_device(cfg)
+    dtype = resolve_compute_dtype(cfg, device)
     examples = load_examples(cfg, "eval")
     if cfg.eval_limit:
         examples = examples[: cfg.eval_limit]
@@ -592,9 +599,9 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> Dict[s
     reward_fn = get_reward_fn(cfg.resolved_reward)
     results, out_dirs = {}, {}
     for model_dir, name in resolved:
-        model = load_model(model_dir, device).eval()
+        model = load_model(model_dir, device, dtype).eval()
         tokenizer = load_tokenizer(model_dir)
-        prompts = eval_prompt_texts(tokenizer, examples, cfg.resolved_template)
+        prompts = encode_prompts(tokenizer, examples, cfg.resolved_template)  # as in training (BOS included)
         t0 = time.perf_counter()
         result = evaluate(
             model, tokenizer, prompts, [ex.answer for ex in examples], reward_fn=reward_fn,

@@ -110,6 +110,20 @@ def test_missing_model_and_dataset(capsys, tmp_path):
     assert not os.path.exists(tmp_path / "r")  # nothing was created
 
 
+def test_unusable_paths_backend_and_values(capsys, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    one_line_error(capsys, ["train", f"run_dir={tmp_path}/file"], "run_dir=", "is a file, not a directory")
+    (tmp_path / "dir").mkdir()
+    one_line_error(capsys, ["train", f"run_dir={tmp_path}/r", f"ref_cache={tmp_path}/dir"], "is a directory")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels cannot run on CPU tensors now
+    one_line_error(capsys, ["train", "kernel_backend=triton", "device=cpu", f"run_dir={tmp_path}/r"],
+                   "kernel_backend=triton: backend='triton' needs CUDA tensors")
+    one_line_error(capsys, ["train", "steps=", f"run_dir={tmp_path}/r"], "steps is empty")
+    one_line_error(capsys, ["train", "eval_temperatures=hot", f"run_dir={tmp_path}/r"], "is not a list of numbers")
+    one_line_error(capsys, ["plot"], "plot needs at least one run directory")
+    assert not os.path.exists(tmp_path / "r")  # nothing was created
+
+
 def test_dataset_without_fields(capsys, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"question": "1+1=", "solution": "2"}) + "\n")
@@ -176,6 +190,25 @@ def test_plot_and_eval(capsys, done_run, tmp_path):
     assert os.path.isfile(os.path.join(report, "eval.md")) and os.path.isfile(os.path.join(report, "eval.png"))
     assert "greedy Pass@1" in capsys.readouterr().out
     one_line_error(capsys, ["eval", f"run_dir={run}", "eval_checkpoints=/no/such/dir"], "does not exist")
+
+
+def test_resume_rules_and_eval_of_a_resumed_run(capsys, done_run, tmp_path):
+    """steps cannot change under a decaying learning rate; a resumed run (its config.yaml
+    records resume=) evaluates with any override; resume= belongs to train only."""
+    root, run, cache = done_run
+    lin = str(tmp_path / "lin")
+    assert main(["train", *tiny_args(lin, cache, steps=1, lr_schedule="linear")]) == 0
+    one_line_error(capsys, ["train", f"resume={lin}", "steps=2"],
+                   "steps cannot change when resuming a run with lr_schedule=linear")
+    assert main(["train", f"resume={lin}"]) == 0  # at its last step already: nothing to train
+    assert f"resume: {lin}" in open(os.path.join(lin, "config.yaml")).read()
+    one_line_error(capsys, ["eval", f"resume={lin}"], "use it with `erpo train`")
+    capsys.readouterr()
+    assert main(["eval", f"run_dir={lin}", "device=cpu", "eval_temperatures=1.0", "eval_n_samples=1",
+                 "eval_k_values=1", "eval_limit=2", "progress=false"]) == 0
+    assert "erpo: eval lin-step-000001" in capsys.readouterr().out
+    assert main(["eval", os.path.join(lin, "config.yaml"), "eval_temperatures=1.0", "eval_n_samples=1",
+                 "eval_k_values=1", "eval_limit=2", "progress=false"]) == 0  # its own config file, resume= and all
 
 
 def test_console_entry_point_exit_status():

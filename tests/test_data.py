@@ -31,3 +31,11 @@ def test_every_format_reads_the_same_examples(tmp_path, ext):
 def test_missing_field_names_it_and_the_fix(tmp_path, ext):
     with pytest.raises(DataError, match="has no 'prompt' field.*set prompt_field=NAME"):
         read_examples(_write(tmp_path, ext), "prompt", "gold")
+
+
+@pytest.mark.parametrize("name, content", [("d.parquet", b"not parquet"), ("d.jsonl", b'\xff\xfe{"prompt": 1}\n')])
+def test_unreadable_file_is_a_data_error(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=f"dataset {path} could not be read"):
+        read_examples(str(path), "prompt", "answer")

@@ -191,6 +191,20 @@ def test_evaluate_deterministic_and_side_effect_free(tiny, device):
     assert model.training and model.generation_config is saved_config
 
 
+def test_evaluate_takes_prompt_token_ids(tiny):
+    """Token-id prompts (what `erpo eval` passes: the training prompts, BOS included) are
+    used as they are: the same ids as the strings give the same completions."""
+    model, tokenizer = tiny
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    from_text, from_ids = Recorder(lambda c, a: 0.0), Recorder(lambda c, a: 0.0)
+    _run(tiny, from_text, temperatures=(1.0,), n_samples=2, k_values=(1,))
+    evaluate(model, tokenizer, ids, ANSWERS, reward_fn=from_ids, temperatures=(1.0,), n_samples=2, k_values=(1,),
+             max_new_tokens=6, batch_size=5, seed=0, progress=False)
+    assert from_ids.calls == from_text.calls
+    with pytest.raises(ValueError, match="^prompts:"):
+        evaluate(model, tokenizer, [ids[0], []], ANSWERS[:2], reward_fn=lambda c, a: 0.0, progress=False)
+
+
 def test_evaluate_temperature_changes_samples(tiny):
     """Low temperature concentrates on the greedy completion; high temperature does not."""
     rec = Recorder(lambda c, a: 0.0)

@@ -155,3 +155,28 @@ def test_cut_at_eos():
     assert cut_at_eos([5, 6, 1, 0, 0], [1]) == [5, 6, 1]
     assert cut_at_eos([5, 6, 7], [1]) == [5, 6, 7]
     assert cut_at_eos([3, 9, 4], [9, 4]) == [3, 9]
+
+
+def test_sampling_ignores_the_models_generation_config():
+    """generate_ids (the rollout's and the evaluation's one generate call) samples from
+    softmax(logits / tau) alone: a model whose generation_config asks for top_k=1, min_p and a
+    repetition penalty samples exactly as one with a neutral config, and keeps its config."""
+    from erpo.rollout import HFRolloutEngine, generate_ids
+
+    model = tiny_model(layers=1, seed=5)
+    prompts = [[2, 5, 6], [2, 8]]
+    kw = dict(temperature=1.0, max_new_tokens=6, pad_token_id=0, eos_token_ids=[1])
+    torch.manual_seed(11)
+    plain = generate_ids(model, prompts * 4, **kw)
+    assert len({tuple(r) for r in plain[0::2]}) > 1  # sampling, not greedy
+    doctored = model.generation_config
+    doctored.top_k, doctored.min_p, doctored.repetition_penalty, doctored.do_sample = 1, 0.99, 5.0, False
+    torch.manual_seed(11)
+    assert generate_ids(model, prompts * 4, **kw) == plain
+    assert model.generation_config is doctored
+    # the rollout engine samples through the same call: [m][G] responses
+    torch.manual_seed(11)
+    grouped = HFRolloutEngine(model, 0, [1]).generate(prompts * 4, 1, 1.0, 6)
+    assert [g[0] for g in grouped] == plain
+    grouped = HFRolloutEngine(model, 0, [1], batch_size=3).generate(prompts, 4, 1.0, 6)
+    assert [len(g) for g in grouped] == [4, 4] and all(len(r) <= 6 for g in grouped for r in g)

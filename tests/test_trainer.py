@@ -1,16 +1,18 @@
 """The trainer (erpo/trainer.py): advantages, exact resume (2 + resume + 2 == 4, bit for
 bit), an interrupted save, a short end-to-end run of the embedded default, the GRPO
 path, and the README's hand-written-loop example."""
+import dataclasses
 import json
 import os
+import shutil
 
 import pytest
 import torch
 
 from erpo import checkpoint as ckpt
 from erpo.cli import resolve_config
-from erpo.config import TrainConfig
-from erpo.trainer import METRIC_KEYS, Trainer, group_advantages
+from erpo.config import ErpoError, TrainConfig
+from erpo.trainer import METRIC_KEYS, Trainer, group_advantages, rebuild_command
 
 TIMING = ("time/", "throughput/")
 
@@ -138,6 +140,50 @@ def test_interrupted_save_leaves_the_last_checkpoint_intact(tmp_path, cache_dir,
     resumed.train()
     assert_same_params(reference.model, resumed.model)
     assert untimed(read_metrics(cfg.run_dir)) == untimed(read_metrics(reference.cfg.run_dir))
+
+
+def test_resume_rebuilds_a_deleted_cache_only_from_the_same_start(tmp_path, cache_dir):
+    """Resuming without the reference cache rebuilds it from the starting model, unless
+    that model's weights changed since (then the cache would describe another model)."""
+    warm = Trainer(tiny(tmp_path, cache_dir, "warm0", steps=1), log=quiet)
+    model_dir = str(tmp_path / "start-model")
+    shutil.copytree(warm.model_dir, model_dir)
+    run = Trainer(tiny(tmp_path, cache_dir, "gone", steps=1, model=model_dir), log=quiet)
+    run.train()
+    built = run.cache.ref_query_logp.clone()
+    os.remove(run.cache_path)
+    again = Trainer(resolve_config([f"resume={run.cfg.run_dir}", "steps=2"]), log=quiet)
+    assert torch.equal(again.cache.ref_query_logp, built) and os.path.isfile(run.cache_path)
+
+    os.remove(run.cache_path)
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        other.model.norm.weight.add_(0.5)
+    other.save_pretrained(model_dir)
+    with pytest.raises(ErpoError, match="no longer holds the run's starting weights"):
+        Trainer(resolve_config([f"resume={run.cfg.run_dir}", "steps=2"]), log=quiet)
+
+
+def test_rebuild_command_names_every_key_of_the_demo_cache():
+    """A stale demo cache's rebuild command must reproduce the run's warm start: every key
+    that changes the warm-start model or the task appears in it."""
+    from erpo.data import load_examples
+    from erpo.tiny import warmstart_key
+
+    def key(cfg):
+        return warmstart_key(cfg, load_examples(cfg, "train"), cfg.resolved_template)
+
+    base = TrainConfig(run_dir="runs/x")
+    changed = dict(seed=1, tiny_hidden_size=32, tiny_layers=1, warmstart_steps=7, warmstart_lr=1e-3,
+                   warmstart_batch_size=8, warmstart_unboxed=0.5, task_max_operand=60, task_train_size=100,
+                   task_eval_size=10)
+    for name, value in changed.items():
+        cfg = dataclasses.replace(base, **{name: value})
+        assert key(cfg) != key(base), name
+        assert f" {name}={value} " in rebuild_command(cfg), name
+    assert rebuild_command(base) == "erpo ref-cache run_dir=runs/x"
 
 
 # ---------------------------------------------------------------------- end to end
