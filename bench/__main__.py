@@ -6,7 +6,7 @@ import json
 import sys
 from typing import List, Optional
 
-from .measure import RESULTS_DIR
+from .measure import RESULTS_DIR, RunOptions
 
 
 def _csv(text: Optional[str]) -> Optional[List[str]]:
@@ -29,12 +29,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-report", action="store_true", help="do not regenerate the plot / README table")
 
 
-def _defaults(args: argparse.Namespace, cuda: tuple, cpu: tuple) -> None:
+def _options(args: argparse.Namespace, cuda: tuple, cpu: tuple) -> RunOptions:
+    """The run's options; (warm-up, repeats) default to `cuda` or `cpu` by device."""
     warm, reps = cuda if args.device == "cuda" else cpu
     if args.warmup is None:
         args.warmup = warm
     if args.repeats is None:
         args.repeats = reps
+    return RunOptions(
+        device=args.device, warmup=args.warmup, repeats=args.repeats, out_dir=args.out_dir, machine=args.machine,
+        budget_s=args.budget_s, worker_timeout_s=args.worker_timeout_s, args=vars(args),
+        make_report=not args.no_report,
+    )
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -100,9 +106,9 @@ def _kernels(args: argparse.Namespace) -> int:
     from . import kernels
     from .peers import OPS
 
-    _defaults(args, cuda=(3, 10) if not args.quick else (2, 5), cpu=(1, 3) if not args.quick else (0, 2))
     if args.target and args.device != "cpu":
         raise SystemExit("--target is the CPU target case; use --device cpu")
+    opts = _options(args, cuda=(2, 5) if args.quick else (3, 10), cpu=(0, 2) if args.quick else (1, 3))
     if args.n:
         ops = _csv(args.ops) or list(OPS)
         models = _csv(args.models) or ["qwen2.5-1.5b"]
@@ -124,18 +130,14 @@ def _kernels(args: argparse.Namespace) -> int:
     bad = [p for p in passes if p not in kernels.PASSES]
     if bad:
         raise SystemExit(f"unknown pass(es) {bad}; known: {list(kernels.PASSES)}")
-    kernels.run(
-        device=args.device, cases=cases, peers=peers, passes=passes, warmup=args.warmup, repeats=args.repeats,
-        out_dir=args.out_dir, machine=args.machine, budget_s=args.budget_s,
-        worker_timeout_s=args.worker_timeout_s, args=vars(args), make_report=not args.no_report,
-    )
+    kernels.run(cases, peers, passes, opts)
     return 0
 
 
 def _step(args: argparse.Namespace) -> int:
     from . import step
 
-    _defaults(args, cuda=(2, 5), cpu=(1, 2) if args.quick else (1, 3))
+    opts = _options(args, cuda=(2, 5), cpu=(1, 2) if args.quick else (1, 3))
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     if args.model:
         if args.model not in step.MODELS:
@@ -144,11 +146,7 @@ def _step(args: argparse.Namespace) -> int:
                                args.response_len, args.tau, dtype)]
     else:
         cases = step.preset_cases(args.device, args.quick)
-    step.run(
-        device=args.device, cases=cases, variants=_csv(args.variants), warmup=args.warmup, repeats=args.repeats,
-        out_dir=args.out_dir, machine=args.machine, budget_s=args.budget_s,
-        worker_timeout_s=args.worker_timeout_s, args=vars(args), make_report=not args.no_report,
-    )
+    step.run(cases, _csv(args.variants), opts)
     return 0
 
 

@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# The GPU check, in one script, for a bare CUDA machine with PyTorch and Triton preinstalled
-# and no network (e.g. one H200, torch 2.11, triton 3.6, Python 3.12). Run from anywhere:
+# The GPU check in one script, for a bare CUDA machine with PyTorch and Triton preinstalled and
+# no network (e.g. one H200, Python 3.12, torch 2.11, triton 3.6). Run from anywhere:
 #
-#     bash bench/gpu_check.sh                  # results + logs -> $OUT (unset: bench/results/ + /tmp/erpo-gpu-check/)
-#     ERPO_BENCH_COMMIT=<sha> bash bench/gpu_check.sh   # record the commit when .git did not travel
+#     OUT=<dir> bash bench/gpu_check.sh        # every file -> <dir> (six files, no folders)
+#     bash bench/gpu_check.sh                  # results -> bench/results/, logs -> /tmp/erpo-gpu-check/
+#     ERPO_BENCH_COMMIT=<sha> ...              # the commit to record when .git did not travel
 #
-# Phases, each guarded by `timeout` so the whole script ends in under 8 minutes:
-#   1. the project on PYTHONPATH (no install, no dependencies); peer wheels from .whl/ when
-#      that folder is present (pip --no-deps --no-index into /tmp/erpo-site)
-#   2. the test suite with the compiled kernels (TRITON_INTERPRET unset); test modules whose
-#      imports are missing here (e.g. math_verify) are skipped by --ignore and listed
-#   3. python -m bench kernels --device cuda --quick   (time-budgeted; partial results are kept)
-#   4. python -m bench step --device cuda --quick
-#   5. a short summary (tests, erpo vs eager, roofline, step), also written to summary.txt
-# Afterwards, on the development machine: python -m bench merge <that>/nvidia-h200.json
+# Nothing is fetched and the project is not installed: it runs from this checkout on
+# PYTHONPATH with the machine's own packages. Every phase runs under `timeout`, and the whole
+# script ends within about T_TOTAL seconds (default 420, 7 minutes):
+#   0. environment; stops at once (exit 2, summary.txt says why) when no CUDA device is visible
+#   1. peer wheels from .whl/ when that folder travelled (pip --no-index --no-deps into /tmp)
+#   2. the tests with the compiled kernels (TRITON_INTERPRET unset), the modules that import
+#      erpo_kernels first, on WORKERS processes when pytest-xdist is there (limit T_TESTS);
+#      modules whose top-level imports are missing here are left out and listed, and without
+#      math_verify (not on the GPU image) the tests named *math_verify* are deselected
+#   3. python -m bench kernels --device cuda --quick: gets the time the tests left over,
+#      minus what steps 4 and 5 need; starts no new case in its last 60 s (or last half)
+#   4. python -m bench step --device cuda --quick  (at least T_STEP)
+#   5. summary.txt: exit codes, the tests' result line and the generated tables
+# The results file is rewritten after every measurement, so a phase stopped at its limit keeps
+# what it measured. Files: tests.log, kernels.log, step.log, summary.txt, <machine>.json and
+# <machine>.png (machine from the GPU's name, e.g. nvidia-h200).
+# Afterwards, on the development machine: python -m bench merge <those files>/nvidia-h200.json
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -26,29 +35,46 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
-# Phase limits (seconds); the sum stays under 8 minutes with room for start-up.
-T_TESTS=${T_TESTS:-180}
-T_KERNELS=${T_KERNELS:-165}
-T_STEP=${T_STEP:-100}
+# Limits (seconds). Before the kernels at most 15 + 45 + 20 + T_TESTS + 5; the kernels get
+# what is left of T_TOTAL after T_STEP and T_SUMMARY (>= 70 s with the defaults); each `timeout -k 5`
+# may add 5 s, so the script ends within T_TOTAL + 20.
+T_TOTAL=${T_TOTAL:-420}
+T_TESTS=${T_TESTS:-150}
+T_STEP=${T_STEP:-80}
+T_SUMMARY=30
+WORKERS=${WORKERS:-8}                   # pytest-xdist workers (0: one process)
 
 echo "== [$(elapsed)s] environment"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
-$PY - <<'EOF'
-import sys, torch
+ENV_INFO=$( { timeout 15 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+              2>/dev/null || echo "nvidia-smi: not available"; } ; timeout 45 $PY - 2>&1 <<'EOF'
+import sys
+import torch
 try:
     import triton; tv = triton.__version__
 except Exception as e:
     tv = f"missing ({e})"
-print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {tv}, cuda available: {torch.cuda.is_available()}")
-if torch.cuda.is_available():
-    print("device:", torch.cuda.get_device_name(0))
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {tv}, "
+      f"cuda available: {torch.cuda.is_available()}")
+if not torch.cuda.is_available():
+    sys.exit(3)
+print("device:", torch.cuda.get_device_name(0))
 EOF
+)
+RC_ENV=$?
+echo "$ENV_INFO"
+if [ $RC_ENV -ne 0 ]; then
+  { echo "$ENV_INFO"
+    echo "environment check failed (exit $RC_ENV; 3: no CUDA device visible): nothing was tested or measured"
+  } > "$LOGS/summary.txt"
+  echo "== [$(elapsed)s] stopped: no PyTorch with a visible CUDA device; see $LOGS/summary.txt"
+  exit 2
+fi
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   echo "== [$(elapsed)s] peer wheels from .whl/"
   SITE=/tmp/erpo-site
-  if timeout 120 $PY -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --upgrade \
-       --target "$SITE" .whl/*.whl; then
+  if timeout 20 $PY -m pip install -q --disable-pip-version-check --no-deps --no-index --no-compile \
+       --no-cache-dir --upgrade --target "$SITE" .whl/*.whl; then
     export PYTHONPATH="$PYTHONPATH:$SITE"   # after the project and the image's packages
     ls .whl/*.whl | sed 's/^/  installed /'
   else
@@ -57,57 +83,74 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 
 echo "== [$(elapsed)s] tests (compiled kernels, limit ${T_TESTS}s)"
-IGNORE=$($PY - <<'EOF'
-# Test modules whose top-level imports are missing on this machine: --ignore them (listed).
-import ast, importlib.util, pathlib
+# The test modules to run, those importing erpo_kernels first; a module whose top-level
+# imports are missing here is left out (listed). tests/ is on the path as pytest puts it there
+# (for helpers such as tests/_compare.py).
+TEST_FILES=$($PY - <<'EOF'
+import ast, importlib.util, pathlib, sys
+sys.path.insert(0, "tests")
+first, rest = [], []
 for path in sorted(pathlib.Path("tests").glob("test_*.py")):
-    missing = set()
+    tops = set()
     for node in ast.parse(path.read_text()).body:
-        names = []
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            tops.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        for name in names:
-            top = name.split(".")[0]
-            try:
-                if importlib.util.find_spec(top) is None:
-                    missing.add(top)
-            except (ImportError, ValueError):
+            tops.add(node.module.split(".")[0])
+    missing = set()
+    for top in tops:
+        try:
+            if importlib.util.find_spec(top) is None:
                 missing.add(top)
+        except (ImportError, ValueError):
+            missing.add(top)
     if missing:
-        print(f"--ignore={path}")
-        import sys; print(f"  skipping {path}: missing {', '.join(sorted(missing))}", file=sys.stderr)
+        print(f"  leaving out {path}: missing {', '.join(sorted(missing))}", file=sys.stderr)
+    else:
+        (first if "erpo_kernels" in tops else rest).append(str(path))
+print(" ".join(first + rest))
 EOF
 )
-TIMEOUT_OPT=""
-$PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT_OPT="--timeout=120"
-timeout -k 10 "$T_TESTS" $PY -m pytest -q -p no:cacheprovider $TIMEOUT_OPT --continue-on-collection-errors \
-  $IGNORE tests > "$LOGS/tests.log" 2>&1
+OPTS=(-v -p no:cacheprovider -rfE --durations=10 --continue-on-collection-errors)  # -v: a line per test
+$PY -c "import pytest_timeout" 2>/dev/null && OPTS+=(--timeout=120)
+[ "$WORKERS" -gt 0 ] && $PY -c "import xdist" 2>/dev/null && OPTS+=(-n "$WORKERS")
+if ! $PY -c "import math_verify" 2>/dev/null; then  # imported inside erpo.rewards, not by the tests
+  echo "  deselecting the tests named *math_verify*: math_verify is not installed here"
+  OPTS+=(-k "not math_verify")
+fi
+timeout -k 5 "$T_TESTS" $PY -m pytest "${OPTS[@]}" ${TEST_FILES:-tests} > "$LOGS/tests.log" 2>&1
 RC_TESTS=$?
-tail -n 15 "$LOGS/tests.log"
+tail -n 25 "$LOGS/tests.log"; echo
+# pytest's last line ("N passed, M failed in S s"); when it was stopped, the count so far
+TESTS_RESULT=$(grep -E " in [0-9.]+s( \(.*\))?( =+)?$" "$LOGS/tests.log" | tail -n 1)
+[ -n "$TESTS_RESULT" ] || TESTS_RESULT="no result line (exit $RC_TESTS): $(grep -c ' PASSED' "$LOGS/tests.log") passed, \
+$(grep -c -E ' (FAILED|ERROR)' "$LOGS/tests.log") failed or errors before it stopped"
 [ $RC_TESTS -eq 124 ] && echo "  tests: stopped at the ${T_TESTS}s limit"
 
+T_KERNELS=$(( T_TOTAL - $(elapsed) - T_STEP - T_SUMMARY ))
 echo "== [$(elapsed)s] bench kernels (limit ${T_KERNELS}s)"
-timeout -k 10 "$T_KERNELS" $PY -m bench kernels --device cuda --quick --budget-s $(( T_KERNELS - 60 )) \
+BUDGET=$(( T_KERNELS > 120 ? T_KERNELS - 60 : T_KERNELS / 2 ))   # no new case after this
+timeout -k 5 "$T_KERNELS" $PY -m bench kernels --device cuda --quick --budget-s $BUDGET \
   --out-dir "$DEST" --no-report > "$LOGS/kernels.log" 2>&1
 RC_KERNELS=$?
-grep -E "^\[bench|^==|^  (token|linear)" "$LOGS/kernels.log" | tail -n 40
+grep -E "^\[bench|^==|^  (token|linear|skipped)" "$LOGS/kernels.log" | tail -n 40
 [ $RC_KERNELS -eq 124 ] && echo "  kernels: stopped at the ${T_KERNELS}s limit (finished cases are saved)"
 [ $RC_KERNELS -ne 0 ] && [ $RC_KERNELS -ne 124 ] && tail -n 5 "$LOGS/kernels.log"
 
-echo "== [$(elapsed)s] bench step (limit ${T_STEP}s)"
-timeout -k 10 "$T_STEP" $PY -m bench step --device cuda --quick --budget-s $(( T_STEP - 40 )) \
+T_STEP_NOW=$(( T_TOTAL - $(elapsed) - T_SUMMARY ))
+echo "== [$(elapsed)s] bench step (limit ${T_STEP_NOW}s)"
+timeout -k 5 "$T_STEP_NOW" $PY -m bench step --device cuda --quick --budget-s $(( T_STEP_NOW - 40 )) \
   --out-dir "$DEST" --no-report > "$LOGS/step.log" 2>&1
 RC_STEP=$?
 tail -n 12 "$LOGS/step.log"
-[ $RC_STEP -eq 124 ] && echo "  step: stopped at the ${T_STEP}s limit (finished variants are saved)"
+[ $RC_STEP -eq 124 ] && echo "  step: stopped at the ${T_STEP_NOW}s limit (finished variants are saved)"
 
 echo "== [$(elapsed)s] summary"
 {
+  echo "$ENV_INFO"
   echo "exit codes: tests $RC_TESTS, kernels $RC_KERNELS, step $RC_STEP (124 = time limit)"
-  echo "tests: $(grep -E '(passed|failed|error)' "$LOGS/tests.log" | tail -n 1)"
-  timeout 60 $PY -m bench report --out-dir "$DEST" --print 2>&1
+  echo "tests: $TESTS_RESULT"
+  timeout -k 5 "$T_SUMMARY" $PY -m bench report --out-dir "$DEST" --print 2>&1
   echo "total: $(elapsed) s; results in $DEST: $(cd "$DEST" && ls | tr '\n' ' '); logs in $LOGS"
 } | tee "$LOGS/summary.txt"
 [ $RC_TESTS -eq 0 ] && [ $RC_KERNELS -eq 0 ] && [ $RC_STEP -eq 0 ]

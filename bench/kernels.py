@@ -18,7 +18,6 @@ matmul rate) and reports the fraction of them our kernels reach:
 """
 from __future__ import annotations
 
-import gc
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -27,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import report
-from .measure import Measurement, guarded, machine_name, measure, run_header, run_worker
+from .measure import Measurement, RunOptions, guarded, measure, measure_isolated, run_header
 from .peers import LINEAR, PEER_BY_NAME, PEERS, TOKEN, peer_label, peer_versions
 
 PASSES = ("forward", "backward", "both")
@@ -190,22 +189,22 @@ _REF_CACHE: Dict[str, Any] = {}
 
 
 def measure_pass(case: Case, peer: str, pass_name: str, device: str, warmup: int, repeats: int) -> Measurement:
-    """Build the case's inputs, measure one pass of one peer. Runs in-process (CUDA) or in a worker (CPU)."""
+    """Build the case's inputs, measure one pass of one peer."""
     peer_fn = PEER_BY_NAME[peer].fn
     x = make_inputs(case, device)
-
-    def fn(op: str, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return peer_fn(op, op_inputs(case, inputs))
-
     ls = leaves(case, x)
     g = x["grad"]
+
+    def call() -> torch.Tensor:
+        return peer_fn(case.op, op_inputs(case, x))
+
     err = None
     if pass_name == "forward":
         if _REF_CACHE.get("case") != (case, device):
             _REF_CACHE.clear()
             _REF_CACHE.update(case=(case, device), ref=reference_logp(case, x))
         ref = _REF_CACHE["ref"]
-        out = fn(case.op, x)
+        out = call()
         err = float((out.detach().to(ref.dtype) - ref).abs().max())
         del out, ref
 
@@ -218,11 +217,11 @@ def measure_pass(case: Case, peer: str, pass_name: str, device: str, warmup: int
             clear()
 
         def region(_):
-            return fn(case.op, x)
+            return call()
     elif pass_name == "backward":
         def prepare():
             clear()
-            return fn(case.op, x)
+            return call()
 
         def region(out):
             out.backward(g)
@@ -231,7 +230,7 @@ def measure_pass(case: Case, peer: str, pass_name: str, device: str, warmup: int
             clear()
 
         def region(_):
-            fn(case.op, x).backward(g)
+            call().backward(g)
 
     if peer == "compile":
         warmup = max(warmup, 1)  # the first call compiles
@@ -241,14 +240,12 @@ def measure_pass(case: Case, peer: str, pass_name: str, device: str, warmup: int
     return m
 
 
-def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """Entry point of a CPU measurement subprocess (python -m bench _worker kernels SPEC)."""
+def worker(spec: Dict[str, Any], device: str = "cpu") -> Dict[str, Any]:
+    """One measurement from its JSON spec (in a subprocess on CPU: python -m bench _worker kernels SPEC)."""
     case = Case(**spec["case"])
-    torch.manual_seed(0)
-    m = guarded(
-        lambda: measure_pass(case, spec["peer"], spec["pass"], "cpu", spec["warmup"], spec["repeats"]), "cpu"
-    )
-    return m.to_dict()
+    return guarded(
+        lambda: measure_pass(case, spec["peer"], spec["pass"], device, spec["warmup"], spec["repeats"]), device
+    ).to_dict()
 
 
 # ----------------------------------------------------------------------------- ceilings (GPU)
@@ -329,39 +326,22 @@ def _ratios(records: List[Dict[str, Any]]) -> None:
             )
 
 
-def run(
-    *,
-    device: str,
-    cases: List[Case],
-    peers: Optional[Sequence[str]],
-    passes: Sequence[str],
-    warmup: int,
-    repeats: int,
-    out_dir: str,
-    machine: Optional[str],
-    budget_s: Optional[float],
-    worker_timeout_s: float,
-    args: Dict[str, Any],
-    make_report: bool = True,
-) -> Dict[str, Any]:
-    """Measure every case, appending the run to <out_dir>/<machine>.json after each case."""
+def run(cases: List[Case], peers: Optional[Sequence[str]], passes: Sequence[str], opts: RunOptions) -> Dict[str, Any]:
+    """Measure every case, rewriting the run in <out_dir>/<machine>.json after each record."""
     t_start = time.monotonic()
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is visible")
-    name = machine_name(device, machine)
-    header = run_header("kernels", device, name, args)
-    header["versions"]["peers"] = peer_versions()
     wanted = list(peers) if peers else [p.name for p in PEERS]
     unknown = [p for p in wanted if p not in PEER_BY_NAME]
     if unknown:
         raise SystemExit(f"unknown peer(s) {unknown}; known: {[p.name for p in PEERS]}")
     present, absent = [], []
     for p in wanted:
-        reason = PEER_BY_NAME[p].absent_reason(device)
+        reason = PEER_BY_NAME[p].absent_reason(opts.device)
         if reason is None:
             present.append(p)
         else:
             absent.append({"peer": p, "label": peer_label(p), "reason": reason})
+    header = run_header("kernels", opts)
+    header["versions"]["peers"] = peer_versions()
     header["peers"] = {p: peer_label(p) for p in present}
     header["absent_peers"] = absent
     header["inputs"] = (
@@ -372,48 +352,32 @@ def run(
     header["models"] = {"roofline_bytes": "token_logprobs: forward N V b, backward 2 N V b, both 3 N V b",
                         "roofline_flops": "linear_token_logprobs: forward 2 N D V, backward 6 N D V "
                         "(recompute 2 + grads 4), both 8 N D V"}
-    if device == "cuda":
+    if opts.device == "cuda":
         header["ceilings"] = measure_ceilings()
-    run_rec: Dict[str, Any] = {**header, "results": [], "skipped_cases": []}
-    path = report.append_run(out_dir, name, run_rec)
-    print(f"[bench kernels] {header['device_name']}; results -> {path}")
+    out = report.RunWriter(header, opts, t_start)
+    print(f"[bench kernels] {header['device_name']}; results -> {out.path}")
     print(f"[bench kernels] peers: {', '.join(present)}; absent: "
           + (", ".join(f"{a['peer']} ({a['reason']})" for a in absent) or "none"))
-
-    def spent() -> bool:
-        return budget_s is not None and time.monotonic() - t_start > budget_s
 
     for case in cases:
         case_recs: List[Dict[str, Any]] = []
         for peer in present:
             if case.op not in PEER_BY_NAME[peer].ops:
                 continue
-            if spent():  # a budget bounds the overrun to one peer's measurements
-                run_rec["skipped_cases"].append(
-                    {"case": asdict(case), "peer": peer, "reason": f"time budget {budget_s:.0f} s spent"})
+            if out.spent():  # a budget bounds the overrun to one peer's measurements
+                out.skip({"case": asdict(case), "peer": peer})
                 continue
             for p in passes:
-                if device == "cuda":
-                    m = guarded(lambda: measure_pass(case, peer, p, device, warmup, repeats), device).to_dict()
-                    gc.collect()
-                    torch.cuda.empty_cache()  # each measurement starts from an empty cache: no fragmentation
-                else:
-                    spec = {"case": asdict(case), "peer": peer, "pass": p, "warmup": warmup, "repeats": repeats}
-                    m = run_worker("kernels", spec, worker_timeout_s)
-                rec = {"op": case.op, "peer": peer, "shape": case.shape(), "dtype": case.dtype, "pass": p, **m}
-                if device == "cuda" and peer == "erpo" and rec.get("status") == "ok":
+                spec = {"case": asdict(case), "peer": peer, "pass": p, "warmup": opts.warmup, "repeats": opts.repeats}
+                rec = {"op": case.op, "peer": peer, "shape": case.shape(), "dtype": case.dtype, "pass": p,
+                       **measure_isolated("kernels", spec, worker, opts)}
+                if opts.device == "cuda" and peer == "erpo" and rec.get("status") == "ok":
                     rec["roofline"] = roofline(case, p, rec["median_ms"], header["ceilings"])
                 case_recs.append(rec)
-                run_rec["results"].append(rec)
                 _ratios(case_recs)  # against eager once it is measured (the list shares the records)
-                report.append_run(out_dir, name, run_rec, replace_last=True)  # a killed run keeps what it measured
+                out.add(rec)
                 _print_record(case, rec)
-    run_rec["elapsed_s"] = round(time.monotonic() - t_start, 1)
-    report.append_run(out_dir, name, run_rec, replace_last=True)
-    print(report.kernels_summary(run_rec))
-    if make_report:
-        report.regenerate(out_dir)
-    return run_rec
+    return out.finish(report.kernels_summary)
 
 
 def _print_record(case: Case, r: Dict[str, Any]) -> None:

@@ -144,40 +144,60 @@ def machine_name(device: str, override: Optional[str] = None) -> str:
     return "cpu-" + slug(model)
 
 
-def run_header(command: str, device: str, machine: str, args: Dict[str, Any]) -> Dict[str, Any]:
+@dataclass
+class RunOptions:
+    """What every `bench kernels` / `bench step` run takes from the command line."""
+
+    device: str  # "cpu" or "cuda"
+    warmup: int
+    repeats: int
+    out_dir: str = str(RESULTS_DIR)
+    machine: Optional[str] = None  # results file name; None: derived from the device
+    budget_s: Optional[float] = None  # start no new case after this many seconds
+    worker_timeout_s: float = 1800.0  # CPU: limit of one measurement subprocess
+    args: Dict[str, Any] = field(default_factory=dict)  # the command line, recorded in the run
+    make_report: bool = True  # regenerate the plots (and the README section) at the end
+
+    def __post_init__(self) -> None:
+        if self.device not in MEMORY_DEFINITION:
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is visible")
+
+
+def run_header(command: str, opts: RunOptions) -> Dict[str, Any]:
     """The metadata every run in a results file carries."""
     return {
         "command": command,
-        "machine": machine,
-        "device": device,
-        "device_name": device_name(device),
+        "machine": machine_name(opts.device, opts.machine),
+        "device": opts.device,
+        "device_name": device_name(opts.device),
         "host": platform.node(),
         "versions": versions(),
         "commit": commit_hash(),
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "args": args,
-        "definitions": {"speed": SPEED_DEFINITION, "memory": MEMORY_DEFINITION[device]},
+        "args": opts.args,
+        "definitions": {"speed": SPEED_DEFINITION, "memory": MEMORY_DEFINITION[opts.device]},
     }
 
 
 # ----------------------------------------------------------------------------- CPU memory
 
 
-def _status_kib(key: str) -> Optional[int]:
+def _status_bytes(key: str) -> int:
+    """A size from /proc/self/status (VmRSS, VmHWM), in bytes; without that file, the
+    process-lifetime peak RSS (ru_maxrss)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(key + ":"):
-                return int(line.split()[1])
+                return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # pragma: no cover
 
 
 def rss_bytes() -> int:
-    kib = _status_kib("VmRSS")
-    if kib is not None:
-        return kib * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # pragma: no cover
+    return _status_bytes("VmRSS")
 
 
 def reset_peak_rss() -> bool:
@@ -191,10 +211,7 @@ def reset_peak_rss() -> bool:
 
 
 def peak_rss_bytes() -> int:
-    kib = _status_kib("VmHWM")
-    if kib is not None:
-        return kib * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # pragma: no cover
+    return _status_bytes("VmHWM")
 
 
 # ----------------------------------------------------------------------------- the measurement
@@ -336,7 +353,24 @@ def guarded(fn: Callable[[], Measurement], device: str) -> Measurement:
         return Measurement(status="error", error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
-# ----------------------------------------------------------------------------- CPU subprocesses
+# ----------------------------------------------------------------------------- isolation
+
+
+def measure_isolated(
+    kind: str, spec: Dict[str, Any], worker: Callable[[Dict[str, Any], str], Dict[str, Any]], opts: RunOptions
+) -> Dict[str, Any]:
+    """One measurement, isolated from the others; returns its record (Measurement.to_dict()).
+
+    CPU: in a fresh interpreter (`run_worker`), which calls `worker(spec, "cpu")`. CUDA: here,
+    `worker(spec, "cuda")`, then the allocator's cache is emptied, so that every measurement
+    starts from an empty cache (no fragmentation left by the one before).
+    """
+    if opts.device == "cpu":
+        return run_worker(kind, spec, opts.worker_timeout_s)
+    rec = worker(spec, opts.device)
+    _free(opts.device)
+    return rec
+
 
 def run_worker(kind: str, spec: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
     """Run one CPU measurement in a fresh interpreter: `python -m bench _worker KIND SPEC`.

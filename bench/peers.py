@@ -13,6 +13,7 @@ the results file lists it as absent with the reason.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -136,6 +137,7 @@ def chunked_selective_log_softmax(
     return torch.cat(parts).squeeze(1).float()
 
 
+@lru_cache(maxsize=None)  # looked up once, not inside every timed call
 def _trl_function() -> Optional[Callable]:
     mod = import_optional("trl.trainer.utils")
     return getattr(mod, "selective_log_softmax", None) if mod is not None else None

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .measure import RESULTS_DIR, REPO
+from .measure import REPO, RESULTS_DIR, RunOptions
 
 README = REPO / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -61,6 +62,40 @@ def append_run(out_dir: str | os.PathLike, machine: str, run: Dict[str, Any], re
     return path
 
 
+class RunWriter:
+    """One `bench kernels` / `bench step` run in <out_dir>/<machine>.json, rewritten after every
+    record, so that a run stopped from outside (a time limit, a crash) keeps what it measured."""
+
+    def __init__(self, header: Dict[str, Any], opts: RunOptions, t_start: Optional[float] = None):
+        self.opts = opts
+        self.t_start = time.monotonic() if t_start is None else t_start
+        self.run: Dict[str, Any] = {**header, "results": [], "skipped_cases": []}
+        self.path = append_run(opts.out_dir, header["machine"], self.run)
+
+    def spent(self) -> bool:
+        """Whether the time budget (opts.budget_s) is used up: no new case starts after that."""
+        return self.opts.budget_s is not None and time.monotonic() - self.t_start > self.opts.budget_s
+
+    def skip(self, what: Dict[str, Any]) -> None:
+        self.run["skipped_cases"].append({**what, "reason": f"time budget {self.opts.budget_s:.0f} s spent"})
+
+    def add(self, rec: Dict[str, Any]) -> None:
+        self.run["results"].append(rec)
+        self._save()
+
+    def finish(self, summary: Callable[[Dict[str, Any]], str]) -> Dict[str, Any]:
+        """Record the elapsed time, print `summary(run)`, regenerate the report when asked."""
+        self.run["elapsed_s"] = round(time.monotonic() - self.t_start, 1)
+        self._save()
+        print(summary(self.run))
+        if self.opts.make_report:
+            regenerate(self.opts.out_dir)
+        return self.run
+
+    def _save(self) -> None:
+        append_run(self.opts.out_dir, self.run["machine"], self.run, replace_last=True)
+
+
 def merge(src: str | os.PathLike, out_dir: str | os.PathLike = RESULTS_DIR) -> Path:
     """Fold the runs of a results file (e.g. one written on a GPU machine under $OUT) into out_dir."""
     data = load(src)
@@ -97,30 +132,27 @@ def _shape_key(shape: Dict[str, Any]) -> Tuple:
     return (shape.get("model"), shape.get("N"), shape.get("D"), shape.get("V"))
 
 
-def latest_kernel_records(data: Dict[str, Any]) -> Tuple[Dict[Tuple, Dict[str, Any]], Dict[str, Any]]:
-    """Newest record per (op, peer, shape, dtype, pass), and the newest kernels run (for metadata)."""
+def _latest(data: Dict[str, Any], command: str, key: Callable[[Dict[str, Any]], Tuple]):
+    """Newest record per key among the runs of one command, and the newest such run (for metadata)."""
     recs: Dict[Tuple, Dict[str, Any]] = {}
     last_run: Dict[str, Any] = {}
     for run in data["runs"]:
-        if run.get("command") != "kernels":
+        if run.get("command") != command:
             continue
         last_run = run
         for r in run.get("results", []):
-            key = (r["op"], r["peer"], _shape_key(r["shape"]), r["dtype"], r["pass"])
-            recs[key] = {**r, "_run": run}
+            recs[key(r)] = {**r, "_run": run}
     return recs, last_run
+
+
+def latest_kernel_records(data: Dict[str, Any]) -> Tuple[Dict[Tuple, Dict[str, Any]], Dict[str, Any]]:
+    """Newest record per (op, peer, shape, dtype, pass), and the newest kernels run."""
+    return _latest(data, "kernels", lambda r: (r["op"], r["peer"], _shape_key(r["shape"]), r["dtype"], r["pass"]))
 
 
 def latest_step_records(data: Dict[str, Any]) -> Tuple[Dict[Tuple, Dict[str, Any]], Dict[str, Any]]:
-    recs: Dict[Tuple, Dict[str, Any]] = {}
-    last_run: Dict[str, Any] = {}
-    for run in data["runs"]:
-        if run.get("command") != "step":
-            continue
-        last_run = run
-        for r in run.get("results", []):
-            recs[(r["model"], r["tokens"], r["variant"])] = {**r, "_run": run}
-    return recs, last_run
+    """Newest record per (model, tokens, variant), and the newest step run."""
+    return _latest(data, "step", lambda r: (r["model"], r["tokens"], r["variant"]))
 
 
 def _absent(data: Dict[str, Any]) -> Dict[str, str]:
@@ -151,7 +183,7 @@ OURS = ("erpo", "erpo-inplace")  # our variants: rows of the kernel table; every
 
 def kernel_table(data: Dict[str, Any], pass_name: str = "both") -> List[str]:
     """One row per (op, shape, dtype, our variant): our time and memory, then ours / each peer's."""
-    recs, run = latest_kernel_records(data)
+    recs, _ = latest_kernel_records(data)
     if not recs:
         return []
     absent = _absent(data)
@@ -206,19 +238,15 @@ def target_lines(data: Dict[str, Any]) -> List[str]:
                 if rm is None or rt is None:
                     continue
                 if p == "both":
-                    parts.append(f"peak extra memory {rr(rm)} of eager's (target <= {t['mem']}x: "
-                                 f"**{'met' if rm <= t['mem'] else 'missed'}**), time {rr(rt)} of eager's "
+                    parts.append(f"peak extra memory {_r(rm)} of eager's (target <= {t['mem']}x: "
+                                 f"**{'met' if rm <= t['mem'] else 'missed'}**), time {_r(rt)} of eager's "
                                  f"(target <= {t['time']}x: **{'met' if rt <= t['time'] else 'missed'}**)")
                 else:
-                    parts.append(f"{PASS_LABEL[p]} alone: memory {rr(rm)}, time {rr(rt)}")
+                    parts.append(f"{PASS_LABEL[p]} alone: memory {_r(rm)}, time {_r(rt)}")
         if parts:
             out.append(f"- CPU target, token_logprobs N=4096 V=151936 fp32, forward + backward, {variant}: "
                        + "; ".join(parts) + ".")
     return out
-
-
-def rr(x: float) -> str:
-    return f"{x:.2f}x"
 
 
 def roofline_lines(data: Dict[str, Any]) -> List[str]:
@@ -244,7 +272,7 @@ def roofline_lines(data: Dict[str, Any]) -> List[str]:
 
 
 def step_table(data: Dict[str, Any]) -> List[str]:
-    recs, run = latest_step_records(data)
+    recs, _ = latest_step_records(data)
     if not recs:
         return []
     lines = ["| model | tokens | variant | step ms | peak extra MiB (step) | peak extra MiB (fwd+bwd) | "
@@ -286,8 +314,8 @@ def markdown(results: Dict[str, Dict[str, Any]]) -> str:
         "memory; `-`: not measured in that case.",
     ]
     for machine, data in results.items():
-        recs, krun = latest_kernel_records(data)
-        srecs, srun = latest_step_records(data)
+        _, krun = latest_kernel_records(data)
+        _, srun = latest_step_records(data)
         out += ["", f"### {machine}", ""]
         if krun:
             out += [f"Kernels: {_meta(krun)}.", ""]
@@ -382,7 +410,7 @@ def plot(machine: str, data: Dict[str, Any], out_dir: str | os.PathLike) -> Opti
             ax.set_xticks(range(len(keys)))
             ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
             ax.set_ylabel(unit)
-            ax.set_title(f"training step (blue: erpo kernels, orange: stock logits path)", fontsize=9)
+            ax.set_title("training step (blue: erpo kernels, orange: stock logits path)", fontsize=9)
     fig.suptitle(f"{machine}: bench/results/{machine}.json", fontsize=10)
     fig.tight_layout()
     path = Path(out_dir) / f"{machine}.png"
@@ -397,17 +425,16 @@ def plot(machine: str, data: Dict[str, Any], out_dir: str | os.PathLike) -> Opti
 def kernels_summary(run: Dict[str, Any]) -> str:
     lines = [f"== bench kernels on {run['device_name']} ({run.get('elapsed_s', '?')} s) =="]
     for r in run["results"]:
-        if r["peer"] == "erpo" or r["peer"] == "eager":
-            if r.get("status") == "ok":
-                extra = ""
-                if r["peer"] == "erpo":
-                    extra = (f"  vs eager: time {_r(r.get('ratio_time_vs_eager'))}, "
-                             f"memory {_r(r.get('ratio_mem_vs_eager'))}")
-                lines.append(f"  {r['op']:<22} {_fmt_shape(r['shape']):<38} {r['dtype']:<5} {r['pass']:<9} "
-                             f"{r['peer']:<6} {r['median_ms']:>10.2f} ms {r['peak_extra_mb']:>9.1f} MiB{extra}")
-            else:
-                lines.append(f"  {r['op']:<22} {_fmt_shape(r['shape']):<38} {r['dtype']:<5} {r['pass']:<9} "
-                             f"{r['peer']:<6} {r.get('status')}")
+        if r["peer"] not in ("erpo", "eager"):
+            continue
+        head = f"  {r['op']:<22} {_fmt_shape(r['shape']):<38} {r['dtype']:<5} {r['pass']:<9} {r['peer']:<6}"
+        if r.get("status") != "ok":
+            lines.append(f"{head} {r.get('status')}")
+            continue
+        extra = ""
+        if r["peer"] == "erpo":
+            extra = f"  vs eager: time {_r(r.get('ratio_time_vs_eager'))}, memory {_r(r.get('ratio_mem_vs_eager'))}"
+        lines.append(f"{head} {r['median_ms']:>10.2f} ms {r['peak_extra_mb']:>9.1f} MiB{extra}")
     if run.get("skipped_cases"):
         lines.append(f"  skipped {len(run['skipped_cases'])} (case, peer) measurement group(s): "
                      f"{run['skipped_cases'][0]['reason']}")

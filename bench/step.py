@@ -2,9 +2,9 @@
 
 The model is transformers' Qwen2ForCausalLM built from a Qwen2Config with random weights
 (no download). One step = forward (+ the reference model's forward, GRPO) + loss + backward
-+ AdamW step (zero_grad with set_to_none runs before it, untimed), on a batch of m queries x G responses, each sequence a
-T-token prompt and an L-token response (N = m G (T + L) rows, laid out as
-erpo_kernels.objective.PackedLossBatch describes). Variants:
++ AdamW step (zero_grad with set_to_none runs before it, untimed), on a batch of m queries x G
+responses, each sequence a T-token prompt and an L-token response (N = m G (T + L) rows, laid
+out as erpo_kernels.objective.PackedLossBatch describes). Variants:
 
   erpo-fused   hidden states -> erpo_kernels.erpo_loss (linear_token_logprobs + entropy,
                never an [N, V] tensor)
@@ -20,16 +20,14 @@ optimizer step), since at small N the AdamW step's temporaries can set the whole
 """
 from __future__ import annotations
 
-import gc
 import math
-import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import report
-from .measure import MIB, Measurement, guarded, machine_name, measure, peak_rss_bytes, run_header, run_worker
+from .measure import MIB, Measurement, RunOptions, guarded, measure, measure_isolated, peak_rss_bytes, run_header
 
 VARIANTS = ("erpo-fused", "erpo-stock", "grpo-stock", "grpo-fused")
 STEP_DEFINITION = (
@@ -134,9 +132,11 @@ def make_batch(case: StepCase, vocab: int, device: str, seed: int = 0):
     return ids.to(device), batch
 
 
-def stock_logprobs(logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, ignore_index: int = -100):
-    """The usual path: logits [N, V] -> logp [N] (fp32 log_softmax of logits / tau, gather) and
-    the entropy [N] under no_grad, in row chunks (metric only)."""
+def stock_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The usual path: logits [N, V], targets [N], inv_t [N] -> logp [N] (fp32 log_softmax of
+    logits * inv_t, gather) and the entropy [N] under no_grad, in row chunks (metric only)."""
     lp_all = torch.log_softmax(logits.float() * inv_t[:, None], dim=-1)  # [N, V] fp32
     tgt = targets.clamp(min=0)  # ignored rows read column 0; the loss masks them
     logp = lp_all.gather(1, tgt[:, None]).squeeze(1)  # [N]
@@ -231,59 +231,35 @@ def measure_variant(case: StepCase, variant: str, device: str, warmup: int, repe
     return m
 
 
-def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """Entry point of a CPU step measurement subprocess (python -m bench _worker step SPEC)."""
+def worker(spec: Dict[str, Any], device: str = "cpu") -> Dict[str, Any]:
+    """One measurement from its JSON spec (in a subprocess on CPU: python -m bench _worker step SPEC)."""
     case = StepCase(**spec["case"])
     return guarded(
-        lambda: measure_variant(case, spec["variant"], "cpu", spec["warmup"], spec["repeats"]), "cpu"
+        lambda: measure_variant(case, spec["variant"], device, spec["warmup"], spec["repeats"]), device
     ).to_dict()
 
 
 # ----------------------------------------------------------------------------- the run
 
 
-def run(
-    *,
-    device: str,
-    cases: List[StepCase],
-    variants: Sequence[str],
-    warmup: int,
-    repeats: int,
-    out_dir: str,
-    machine: Optional[str],
-    budget_s: Optional[float],
-    worker_timeout_s: float,
-    args: Dict[str, Any],
-    make_report: bool = True,
-) -> Dict[str, Any]:
-    t_start = time.monotonic()
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is visible")
+def run(cases: List[StepCase], variants: Sequence[str], opts: RunOptions) -> Dict[str, Any]:
+    """Measure every (case, variant), rewriting the run in <out_dir>/<machine>.json after each."""
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown variant(s) {bad}; known: {list(VARIANTS)}")
-    name = machine_name(device, machine)
-    header = run_header("step", device, name, args)
+    header = run_header("step", opts)
     header["step_definition"] = STEP_DEFINITION
-    run_rec: Dict[str, Any] = {**header, "results": [], "skipped_cases": []}
-    path = report.append_run(out_dir, name, run_rec)
-    print(f"[bench step] {header['device_name']}; results -> {path}")
+    out = report.RunWriter(header, opts)
+    print(f"[bench step] {header['device_name']}; results -> {out.path}")
     for case in cases:
         for variant in variants:
-            if budget_s is not None and time.monotonic() - t_start > budget_s:
-                run_rec["skipped_cases"].append(
-                    {"case": asdict(case), "variant": variant, "reason": f"time budget {budget_s:.0f} s spent"})
+            if out.spent():
+                out.skip({"case": asdict(case), "variant": variant})
                 continue
-            if device == "cuda":
-                m = guarded(lambda: measure_variant(case, variant, device, warmup, repeats), device).to_dict()
-                gc.collect()
-                torch.cuda.empty_cache()  # the next variant builds its models on an empty cache
-            else:
-                spec = {"case": asdict(case), "variant": variant, "warmup": warmup, "repeats": repeats}
-                m = run_worker("step", spec, worker_timeout_s)
-            rec = {"model": case.label(), "tokens": case.tokens, "variant": variant, "case": asdict(case), **m}
-            run_rec["results"].append(rec)
-            report.append_run(out_dir, name, run_rec, replace_last=True)
+            spec = {"case": asdict(case), "variant": variant, "warmup": opts.warmup, "repeats": opts.repeats}
+            rec = {"model": case.label(), "tokens": case.tokens, "variant": variant, "case": asdict(case),
+                   **measure_isolated("step", spec, worker, opts)}
+            out.add(rec)
             if rec.get("status") == "ok":
                 print(f"  {case.label():<16} N={case.tokens:<6} {variant:<11} {rec['median_ms']:>10.1f} ms "
                       f"{rec['peak_extra_mb']:>9.0f} MiB extra, fwd+bwd {rec.get('peak_extra_fwd_bwd_mb')} MiB "
@@ -292,9 +268,4 @@ def run(
             else:
                 print(f"  {case.label():<16} N={case.tokens:<6} {variant:<11} {rec.get('status')}: {rec.get('error')}",
                       flush=True)
-    run_rec["elapsed_s"] = round(time.monotonic() - t_start, 1)
-    report.append_run(out_dir, name, run_rec, replace_last=True)
-    print("\n".join(report.step_table({"runs": [run_rec]})))
-    if make_report:
-        report.regenerate(out_dir)
-    return run_rec
+    return out.finish(lambda run: "\n".join(report.step_table({"runs": [run]})))

@@ -126,3 +126,54 @@ def test_step_tiny(tmp_path):
         assert r["tokens"] == 2 * 2 * (6 + 5) and r["median_ms"] > 0
     # the fused path and the stock path compute the same loss from the same weights and batch
     assert recs["erpo-fused"]["loss"] == pytest.approx(recs["erpo-stock"]["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_report_of_a_gpu_run_with_roofline(tmp_path):
+    """The parts of the report only a CUDA run produces (ceilings, roofline), from a synthetic run:
+    bytes / FLOPs models and their rendering are checked without a GPU."""
+    from bench import kernels
+
+    ceilings = {"copy_gbps": 4000.0, "bf16_matmul_tflops": 800.0}
+    tok = kernels.case_for("token_logprobs", "qwen2.5-1.5b", 4096, "bf16")
+    lin = kernels.case_for("linear_token_logprobs", "qwen2.5-1.5b", 4096, "bf16")
+    rf_tok = kernels.roofline(tok, "both", 1.0, ceilings)  # 3 N V b bytes in 1 ms
+    rf_lin = kernels.roofline(lin, "forward", 1.0, ceilings)  # 2 N D V FLOPs in 1 ms
+    assert rf_tok["model_bytes"] == 3 * 4096 * 151936 * 2
+    assert rf_tok["fraction_of_copy_bw"] == pytest.approx(rf_tok["model_bytes"] / 1e-3 / 1e9 / 4000, abs=1e-3)
+    assert rf_lin["model_flops"] == 2 * 4096 * 1536 * 151936 and "fraction_of_bf16_matmul" in rf_lin
+
+    def rec(case, peer, p, ms, rf=None):
+        r = {"op": case.op, "peer": peer, "shape": case.shape(), "dtype": "bf16", "pass": p, "status": "ok",
+             "median_ms": ms, "peak_extra_mb": 100.0, "before_mb": 0.0}
+        return {**r, "roofline": rf} if rf else r
+
+    results = [rec(tok, "eager", "both", 2.0), rec(tok, "erpo", "both", 1.0, rf_tok),
+               rec(lin, "erpo", "forward", 1.0, rf_lin)]
+    kernels._ratios(results)
+    run = {"command": "kernels", "device": "cuda", "device_name": "a GPU", "versions": {}, "ceilings": ceilings,
+           "models": {"roofline_bytes": "bytes model", "roofline_flops": "flops model"}, "peers": {},
+           "absent_peers": [{"peer": "liger", "reason": "not installed"}], "results": results}
+    text = report.markdown({"gpu": {"machine": "gpu", "runs": [run]}})
+    assert "Roofline of erpo (measured ceilings: copy 4000 GB/s" in text
+    rows = [line for line in text.splitlines() if line.startswith("| token_logprobs") and "GB/s" in line]
+    assert len(rows) == 1 and f"{rf_tok['fraction_of_copy_bw']:.0%}" in rows[0]
+    assert any(line.startswith("| linear_token_logprobs") and "TFLOP/s" in line for line in text.splitlines())
+    table = [line for line in text.splitlines() if line.startswith("| token_logprobs | qwen")]
+    assert table and "0.50x / 1.00x" in table[0] and "absent" in table[0]  # vs eager; liger absent
+    assert report.plot("gpu", {"machine": "gpu", "runs": [run]}, tmp_path).exists()
+
+
+def test_spent_budget_skips_and_still_writes_the_run(tmp_path):
+    """A budget already spent (as at the end of bench/gpu_check.sh's time) starts no case: the run
+    is still written, with every skipped (case, peer) and the reason."""
+    from bench import kernels
+    from bench.measure import RunOptions
+
+    cases = kernels.custom_cases(["token_logprobs"], ["qwen2.5-1.5b"], [8], ["fp32"], None, 50)
+    opts = RunOptions(device="cpu", warmup=0, repeats=1, out_dir=str(tmp_path), machine="budget", budget_s=0.0,
+                      make_report=False)
+    kernels.run(cases, ["erpo", "eager"], ["forward"], opts)
+    run = json.loads((tmp_path / "budget.json").read_text())["runs"][0]
+    assert run["results"] == [] and "elapsed_s" in run
+    assert [s["peer"] for s in run["skipped_cases"]] == ["erpo", "eager"]
+    assert all("budget" in s["reason"] for s in run["skipped_cases"])
