@@ -5,7 +5,7 @@ shape, dtype, device or index is a ValueError that names the argument.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from typing import Dict, Iterable, Optional, Union
 
 import torch
 
@@ -38,6 +38,22 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
     return "triton"
 
 
+def resolve_kernel_backend(backend: str, inputs: Dict[str, Optional[torch.Tensor]]) -> str:
+    """resolve_backend for an op whose kernels take fp16/bf16/fp32 only.
+
+    `inputs` maps argument names to tensors (None skipped); the first decides the device.
+    An fp64 input sends "auto" to the reference and is a ValueError naming it under
+    "triton".
+    """
+    which = resolve_backend(backend, next(iter(inputs.values())))
+    fp64 = [name for name, t in inputs.items() if t is not None and t.dtype == torch.float64]
+    if which == "triton" and fp64:
+        if backend == "triton":
+            raise ValueError(f"{fp64[0]}: the triton backend takes fp16, bf16 or fp32; use backend='torch' for fp64")
+        which = "torch"
+    return which
+
+
 def check_tensor(
     name: str,
     t: object,
@@ -68,7 +84,9 @@ def check_rows(name: str, t: torch.Tensor, n: int) -> None:
 
 
 def check_targets(targets: object, n: int, vocab: int, ignore_index: int, device: torch.device) -> torch.Tensor:
-    """targets [n] int32/int64 on `device`, each in [0, vocab) or equal to ignore_index."""
+    """targets [n] int32/int64 on `device`, each in [0, vocab) or equal to ignore_index (an int)."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     check_tensor("targets", targets, ndim=1, dtypes=INDEX_DTYPES, device=device)
     check_rows("targets", targets, n)
     if n > 0:

@@ -33,13 +33,13 @@ own backward in that dtype does).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
 from . import reference
-from ._triton import interpreting, tl, triton
-from ._utils import check_rows, check_targets, check_tensor, resolve_backend, row_inv_temperature
+from ._triton import interpreting, round_to, tl, triton
+from ._utils import FLOAT_DTYPES, check_rows, check_targets, check_tensor, resolve_kernel_backend, row_inv_temperature
 
 
 @triton.jit
@@ -61,6 +61,34 @@ def _mm(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(ptr, rows64, row_mask, stride_r, offs_d, d_mask, stride_d):
+    """ptr[rows, offs_d] as a [len(rows), BLOCK_D] tile (hidden or weight rows), 0 where masked."""
+    return tl.load(
+        ptr + rows64[:, None] * stride_r + offs_d[None, :] * stride_d,
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _add_mm_over_d(
+    acc_ptr, acc_rows, acc_mask, a, b_ptr, b_rows64, b_mask, stride_br, stride_bd, D,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """acc[r, :] += (a @ b_ptr[b_rows, :])[r, :] for the rows r of an fp32 buffer with row
+    stride D (acc_rows = r * D, int64), BLOCK_D columns at a time. A read-modify-write
+    by the one program that owns those rows: no races, a fixed order."""
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < D
+        b = _load_rows(b_ptr, b_rows64, b_mask, stride_br, offs_d, d_mask, stride_bd)  # [K, BLOCK_D]
+        ptrs = acc_ptr + acc_rows[:, None] + offs_d[None, :]
+        mask = acc_mask[:, None] & d_mask[None, :]
+        acc = tl.load(ptrs, mask=mask, other=0.0)
+        tl.store(ptrs, _mm(a, b, acc, IEEE, UPCAST), mask=mask)
+
+
+@triton.jit
 def _scaled_logits(
     h_ptr, w_ptr, b_ptr,
     rows, row_mask, cols, col_mask, inv_t, D,
@@ -76,11 +104,7 @@ def _scaled_logits(
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         d_mask = offs_d < D
-        h = tl.load(
-            h_ptr + rows64[:, None] * stride_hn + offs_d[None, :] * stride_hd,
-            mask=row_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
+        h = _load_rows(h_ptr, rows64, row_mask, stride_hn, offs_d, d_mask, stride_hd)  # [BLOCK_N, BLOCK_D]
         wt = tl.load(
             w_ptr + cols64[None, :] * stride_wv + offs_d[:, None] * stride_wd,
             mask=col_mask[None, :] & d_mask[:, None],
@@ -92,6 +116,19 @@ def _scaled_logits(
         acc = acc + bias[None, :]
     s = acc * inv_t[:, None]
     return tl.where(col_mask[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _row_tile_and_split(n_rows, BLOCK_N: tl.constexpr):
+    """(rows, row_mask, split) of program pid in a (row tile, vocabulary split) launch:
+    row tile pid % n_tiles of split pid // n_tiles, so that neighbouring programs share
+    a split and stream the same weight tiles (L2)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(n_rows, BLOCK_N)
+    tile = pid % n_tiles
+    split = pid // n_tiles
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, rows < n_rows, split
 
 
 @triton.jit
@@ -110,18 +147,12 @@ def _ltl_fwd_kernel(
     HAS_BIAS: tl.constexpr, WANT_ENTROPY: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # Program pid handles row tile pid % n_tiles over vocabulary split pid // n_tiles:
-    # neighbouring programs share a split, so they stream the same weight tiles (L2).
-    # Online update per vocabulary tile, with m' = max(m, max_j s_j):
+    # One program per (row tile, vocabulary split). Online update per vocabulary tile,
+    # with m' = max(m, max_j s_j):
     #     l' = l e^(m - m') + sum_j e^(s_j - m')
     #     a' = e^(m - m') (a + (m - m') l) + sum_j e^(s_j - m') (s_j - m')
     # (a is kept relative to m, so H = log l - a / l has no cancellation at large |s|).
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(n_rows, BLOCK_N)
-    tile = pid % n_tiles
-    split = pid // n_tiles
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < n_rows
+    rows, row_mask, split = _row_tile_and_split(n_rows, BLOCK_N)
     tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
     inv_t = tl.load(invt_ptr + rows, mask=row_mask, other=1.0)
     m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
@@ -160,6 +191,28 @@ def _ltl_fwd_kernel(
 
 
 @triton.jit
+def _load_row_stats(
+    rows, row_mask, tgt_ptr, invt_ptr, shift_ptr, logl_ptr, ent_ptr, glogp_ptr, gent_ptr,
+    HAS_GENT: tl.constexpr,
+):
+    """What the backward needs per row: target, inv_T, the forward's m and log l, the
+    entropy and the upstream gradients (neutral values in padded rows; without HAS_GENT,
+    ent and g_ent are placeholders that _softmax_grad never reads)."""
+    tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
+    inv_t = tl.load(invt_ptr + rows, mask=row_mask, other=1.0)
+    shift = tl.load(shift_ptr + rows, mask=row_mask, other=0.0)
+    log_l = tl.load(logl_ptr + rows, mask=row_mask, other=0.0)
+    g_logp = tl.load(glogp_ptr + rows, mask=row_mask, other=0.0)
+    if HAS_GENT:
+        ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
+        g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
+    else:
+        ent = log_l
+        g_ent = g_logp
+    return tgt, inv_t, shift, log_l, ent, g_logp, g_ent
+
+
+@triton.jit
 def _softmax_grad(
     s, row_mask, cols, tgt, shift, log_l, ent, g_logp, g_ent, inv_t, HAS_GENT: tl.constexpr,
 ):
@@ -172,7 +225,8 @@ def _softmax_grad(
         # p log p = 0 where p = 0, even when s = -inf
         coef -= g_ent[:, None] * (p * tl.where(p > 0, logp + ent[:, None], 0.0))
     coef += tl.where(cols[None, :] == tgt[:, None], g_logp[:, None], 0.0)
-    # padded rows are exactly 0 (their s can be -inf * 0 with a -inf bias entry)
+    # Padded rows are exactly 0: the d_weight kernel sums dz over them, and their
+    # p = exp(bias) (h = 0, shift = log_l = 0) can overflow, so 0 * inf would be NaN.
     return tl.where(row_mask[:, None], coef * inv_t[:, None], 0.0)
 
 
@@ -199,23 +253,10 @@ def _ltl_bwd_dhidden_kernel(
     HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(n_rows, BLOCK_N)
-    tile = pid % n_tiles
-    split = pid // n_tiles
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < n_rows
-    tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
-    inv_t = tl.load(invt_ptr + rows, mask=row_mask, other=1.0)
-    shift = tl.load(shift_ptr + rows, mask=row_mask, other=0.0)
-    log_l = tl.load(logl_ptr + rows, mask=row_mask, other=0.0)
-    g_logp = tl.load(glogp_ptr + rows, mask=row_mask, other=0.0)
-    if HAS_GENT:
-        ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
-        g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
-    else:
-        ent = log_l
-        g_ent = g_logp
+    rows, row_mask, split = _row_tile_and_split(n_rows, BLOCK_N)
+    tgt, inv_t, shift, log_l, ent, g_logp, g_ent = _load_row_stats(
+        rows, row_mask, tgt_ptr, invt_ptr, shift_ptr, logl_ptr, ent_ptr, glogp_ptr, gent_ptr, HAS_GENT
+    )
     dh_rows = (split.to(tl.int64) * n_rows + rows.to(tl.int64)) * D
     v_start = split * v_per_split
     v_end = tl.minimum(V, v_start + v_per_split)
@@ -228,21 +269,13 @@ def _ltl_bwd_dhidden_kernel(
             HAS_BIAS, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
         )
         dz = _softmax_grad(s, row_mask, cols, tgt, shift, log_l, ent, g_logp, g_ent, inv_t, HAS_GENT)
-        dz = dz.to(w_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_V]
-        cols64 = cols.to(tl.int64)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            d_mask = offs_d < D
-            w = tl.load(
-                w_ptr + cols64[:, None] * stride_wv + offs_d[None, :] * stride_wd,
-                mask=col_mask[:, None] & d_mask[None, :],
-                other=0.0,
-            )  # [BLOCK_V, BLOCK_D]
-            dh_ptrs = dh_ptr + dh_rows[:, None] + offs_d[None, :]
-            dh_mask = row_mask[:, None] & d_mask[None, :]
-            acc = tl.load(dh_ptrs, mask=dh_mask, other=0.0)
-            acc = _mm(dz, w, acc, IEEE, UPCAST)
-            tl.store(dh_ptrs, acc, mask=dh_mask)
+        # [BLOCK_N, BLOCK_V] in the input dtype; UPCAST (bf16 under the interpreter) is
+        # exactly when round_to must round by hand to match the GPU
+        dz = round_to(dz, w_ptr.dtype.element_ty, UPCAST)
+        _add_mm_over_d(
+            dh_ptr, dh_rows, row_mask, dz, w_ptr, cols.to(tl.int64), col_mask, stride_wv, stride_wd, D,
+            IEEE, UPCAST, BLOCK_D,
+        )  # dh[rows] += dz @ weight[cols]
 
 
 # Same gradient as above; this kernel makes d_weight = dz.T @ hidden and
@@ -266,22 +299,14 @@ def _ltl_bwd_dweight_kernel(
     cols = pid * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = cols < V
     cols64 = cols.to(tl.int64)
+    dw_rows = cols64 * D
     db = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for n0 in range(0, n_rows, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
         row_mask = rows < n_rows
-        rows64 = rows.to(tl.int64)
-        tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
-        inv_t = tl.load(invt_ptr + rows, mask=row_mask, other=1.0)
-        shift = tl.load(shift_ptr + rows, mask=row_mask, other=0.0)
-        log_l = tl.load(logl_ptr + rows, mask=row_mask, other=0.0)
-        g_logp = tl.load(glogp_ptr + rows, mask=row_mask, other=0.0)
-        if HAS_GENT:
-            ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
-            g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
-        else:
-            ent = log_l
-            g_ent = g_logp
+        tgt, inv_t, shift, log_l, ent, g_logp, g_ent = _load_row_stats(
+            rows, row_mask, tgt_ptr, invt_ptr, shift_ptr, logl_ptr, ent_ptr, glogp_ptr, gent_ptr, HAS_GENT
+        )
         s = _scaled_logits(
             h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, inv_t, D,
             stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
@@ -291,20 +316,11 @@ def _ltl_bwd_dweight_kernel(
         if WANT_DB:
             db += tl.sum(dz, axis=0)
         if WANT_DW:
-            dzt = tl.trans(dz.to(h_ptr.dtype.element_ty))  # [BLOCK_V, BLOCK_N]
-            for d0 in range(0, D, BLOCK_D):
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                d_mask = offs_d < D
-                h = tl.load(
-                    h_ptr + rows64[:, None] * stride_hn + offs_d[None, :] * stride_hd,
-                    mask=row_mask[:, None] & d_mask[None, :],
-                    other=0.0,
-                )  # [BLOCK_N, BLOCK_D]
-                dw_ptrs = dw_ptr + cols64[:, None] * D + offs_d[None, :]
-                dw_mask = col_mask[:, None] & d_mask[None, :]
-                acc = tl.load(dw_ptrs, mask=dw_mask, other=0.0)
-                acc = _mm(dzt, h, acc, IEEE, UPCAST)
-                tl.store(dw_ptrs, acc, mask=dw_mask)
+            dzt = tl.trans(round_to(dz, h_ptr.dtype.element_ty, UPCAST))  # [BLOCK_V, BLOCK_N]
+            _add_mm_over_d(
+                dw_ptr, dw_rows, col_mask, dzt, h_ptr, rows.to(tl.int64), row_mask, stride_hn, stride_hd, D,
+                IEEE, UPCAST, BLOCK_D,
+            )  # dw[cols] += dz.T @ hidden[rows]
     if WANT_DB:
         tl.store(db_ptr + cols64, db, mask=col_mask)
 
@@ -329,12 +345,26 @@ class Tiles:
     num_warps: int = 8
     v_splits: Optional[int] = None
 
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_v", "block_d"):
+            b = getattr(self, name)
+            if isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two >= 16 (tl.dot), got {b!r}")
+        w = self.num_warps
+        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 32 or w & (w - 1):
+            raise ValueError(f"Tiles.num_warps must be a power of two in [1, 32], got {w!r}")
+        if self.v_splits is not None and (isinstance(self.v_splits, bool) or not isinstance(self.v_splits, int)
+                                          or self.v_splits < 1):
+            raise ValueError(f"Tiles.v_splits must be None or an int >= 1, got {self.v_splits!r}")
+
 
 # Defaults per input dtype, chosen without a GPU from ptxas's register report for sm_90
 # (triton 3.9, ahead-of-time compile): bf16/fp16 at 64 x 128 x 32 use wgmma and spill
 # nothing in the forward and d_hidden kernels (16 bytes in d_weight), where BLOCK_D = 64
 # spilled 200-500 bytes in the backward; fp32 (FMA dots, IEEE) at 64 x 64 x 32 spills
-# 8-40 bytes, at 64 x 128 x 32 over 600. Speed is still to be measured on a GPU.
+# 8-40 bytes, at 64 x 128 x 32 over 600. With triton 3.6 (the GPU machine's) the
+# defaults compile the same way: bf16/fp16 spill nothing, fp32 12-40 bytes in the
+# backward. Speed is still to be measured on a GPU.
 DEFAULT_TILES = {
     torch.float16: Tiles(),
     torch.bfloat16: Tiles(),
@@ -369,18 +399,38 @@ def _split_vocab(
     return _cdiv(vocab, per_split), per_split
 
 
-def _dtype_flags(dtype: torch.dtype) -> Tuple[bool, bool]:
-    """(IEEE, UPCAST) for tl.dot on operands of `dtype` (see `_mm`)."""
-    return dtype == torch.float32, dtype == torch.bfloat16 and interpreting()
+def _launch_args(
+    h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: Tiles
+) -> Tuple[torch.Tensor, Tuple[int, ...], Dict[str, object]]:
+    """What the three kernels share: the bias pointer (weight as an unread stand-in),
+    the strides of hidden, weight and bias, and the meta-parameters (IEEE and UPCAST
+    for tl.dot: see `_mm`)."""
+    b_arg, stride_b = (bias, bias.stride(0)) if bias is not None else (weight, 0)
+    strides = (h.stride(0), h.stride(1), weight.stride(0), weight.stride(1), stride_b)
+    meta = dict(
+        HAS_BIAS=bias is not None,
+        IEEE=h.dtype == torch.float32,
+        UPCAST=h.dtype == torch.bfloat16 and interpreting(),
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+    )
+    return b_arg, strides, meta
 
 
-def _bias_args(bias: Optional[torch.Tensor], weight: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    return (bias, bias.stride(0)) if bias is not None else (weight, 0)
+# The kernels form column offsets as offs_d * stride_d in int32 (row offsets are int64).
+INT32_OFFSET_LIMIT = 2**31
+
+
+def _int32_safe_columns(t: torch.Tensor) -> torch.Tensor:
+    """t [rows, D], copied to unit column stride when (D - 1) * stride(1) would overflow
+    int32 (a transposed view of a [D, V] matrix with D * V >= 2**31, say); else t itself."""
+    if t.shape[1] > 1 and (t.shape[1] - 1) * t.stride(1) >= INT32_OFFSET_LIMIT:
+        return t.contiguous()
+    return t
 
 
 def _forward_stats(
     h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], tgt: torch.Tensor,
-    inv_t: torch.Tensor, want_entropy: bool, cfg: "Tiles",
+    inv_t: torch.Tensor, want_entropy: bool, cfg: Tiles,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """h [n, D] (n >= 1), tgt [n] int32 valid, inv_t [n] fp32 ->
     lse_parts [2, n] (row max m, log l), logp [n], entropy [n] or None; all fp32."""
@@ -389,16 +439,11 @@ def _forward_stats(
     splits, per_split = _split_vocab(n, vocab, cfg, h.device)
     stats = torch.empty(4, splits, n, dtype=torch.float32, device=h.device)
     m, l, a, t = stats.unbind(0)
-    b_arg, stride_b = _bias_args(bias, weight)
-    ieee, upcast = _dtype_flags(h.dtype)
+    b_arg, strides, meta = _launch_args(h, weight, bias, cfg)
     grid = (_cdiv(n, cfg.block_n) * splits,)
     _ltl_fwd_kernel[grid](
-        h, weight, b_arg, tgt, inv_t, m, l, a, t,
-        n, vocab, d, per_split,
-        h.stride(0), h.stride(1), weight.stride(0), weight.stride(1), stride_b,
-        HAS_BIAS=bias is not None, WANT_ENTROPY=want_entropy, IEEE=ieee, UPCAST=upcast,
-        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
-        num_warps=cfg.num_warps,
+        h, weight, b_arg, tgt, inv_t, m, l, a, t, n, vocab, d, per_split, *strides,
+        WANT_ENTROPY=want_entropy, **meta,
     )
     # Merge the splits ([splits, n] -> [n]); one split is the common case.
     m_all = m.max(dim=0).values
@@ -428,6 +473,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device) if return_entropy else None
         tgt = (targets[rows] if compact else targets).to(torch.int32).contiguous()
         it = (inv_t[rows] if compact else inv_t).contiguous()
+        hidden, weight = _int32_safe_columns(hidden), _int32_safe_columns(weight)
         lse_parts = ent = None
         if rows.numel() > 0:
             h = hidden.index_select(0, rows) if compact else hidden
@@ -467,9 +513,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         d = h.shape[1]
         vocab = weight.shape[0]
         cfg = ctx.cfg
-        b_arg, stride_b = _bias_args(bias, weight)
-        ieee, upcast = _dtype_flags(h.dtype)
-        strides = (h.stride(0), h.stride(1), weight.stride(0), weight.stride(1), stride_b)
+        b_arg, strides, meta = _launch_args(h, weight, bias, cfg)
         if need_h:
             # each split holds an fp32 [n_valid, D] partial d_hidden: at most 4 of them
             splits, per_split = _split_vocab(n_valid, vocab, cfg, h.device, max_splits=4)
@@ -478,9 +522,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             _ltl_bwd_dhidden_kernel[grid](
                 h, weight, b_arg, tgt, inv_t, lse_parts[0], lse_parts[1], ent, g, g_ent, dh,
                 n_valid, vocab, d, per_split, *strides,
-                HAS_BIAS=bias is not None, HAS_GENT=has_gent, IEEE=ieee, UPCAST=upcast,
-                BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
-                num_warps=cfg.num_warps,
+                HAS_GENT=has_gent, **meta,
             )
             dh = dh[0] if splits == 1 else dh.sum(dim=0)
             if ctx.compact:
@@ -494,10 +536,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             _ltl_bwd_dweight_kernel[grid](
                 h, weight, b_arg, tgt, inv_t, lse_parts[0], lse_parts[1], ent, g, g_ent, dw, db,
                 n_valid, vocab, d, *strides,
-                HAS_BIAS=bias is not None, HAS_GENT=has_gent, WANT_DW=need_w, WANT_DB=need_b,
-                IEEE=ieee, UPCAST=upcast,
-                BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
-                num_warps=cfg.num_warps,
+                HAS_GENT=has_gent, WANT_DW=need_w, WANT_DB=need_b, **meta,
             )
             if need_w:
                 d_weight = dw.to(weight.dtype)
@@ -544,7 +583,7 @@ def linear_token_logprobs(
         logp [N] fp32 (fp64 for fp64 inputs), and entropy [N] when return_entropy.
         Gradients flow to hidden, weight and bias.
     """
-    check_tensor("hidden", hidden, ndim=2, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64))
+    check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device)
     n, d = hidden.shape
     vocab = weight.shape[0]
@@ -557,12 +596,7 @@ def linear_token_logprobs(
         check_rows("bias", bias, vocab)
     check_targets(targets, n, vocab, ignore_index, hidden.device)
     inv_t = row_inv_temperature(inv_temperature, n, hidden.device)
-    which = resolve_backend(backend, hidden)
-    if which == "triton" and hidden.dtype == torch.float64:
-        if backend == "triton":
-            raise ValueError("hidden: the triton backend takes fp16, bf16 or fp32; use backend='torch' for fp64")
-        which = "torch"
-    if which == "torch":
+    if resolve_kernel_backend(backend, {"hidden": hidden}) == "torch":
         return reference.linear_token_logprobs(
             hidden,
             weight,

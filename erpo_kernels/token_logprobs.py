@@ -21,13 +21,14 @@ from torch.autograd.function import once_differentiable
 
 from . import reference
 from ._triton import interpreting, round_to, tl, triton
-from ._utils import FLOAT_DTYPES, check_targets, check_tensor, resolve_backend, row_inv_temperature
+from ._utils import FLOAT_DTYPES, check_targets, check_tensor, resolve_kernel_backend, row_inv_temperature
 
 # Launch shape, one program per row. Large vocabularies stream the row in blocks:
 # forward 8192 columns with 8 warps (32 values per thread: the three block reductions
 # per step cost less per value than at 16: ~13 sm_90 SASS instructions per bf16 logit
-# with the entropy and ~10 without, against ~15.5 and ~12 at 16 per thread), backward 4096 columns with 8 warps (16 per thread:
-# it has no reductions, and fewer registers keep more rows in flight).
+# with the entropy and ~10 without, against ~15.5 and ~12 at 16 per thread); backward
+# 4096 columns with 8 warps (16 per thread: it has no reductions, and fewer registers
+# keep more rows in flight).
 # V = 151,936 takes 19 forward and 38 backward steps. Small vocabularies use one block
 # of next_power_of_2(V). Tests lower the caps to run several blocks on tiny rows.
 FWD_MAX_BLOCK_V = 8192
@@ -220,6 +221,11 @@ class _TokenLogprobsFunction(torch.autograd.Function):
                 INTERPRET=interpreting(),
                 BLOCK_V=block, num_warps=num_warps,
             )  # fmt: skip
+            if ctx.inplace_backward:
+                # The kernel overwrote the logits behind autograd's back. Bump their version
+                # as an in-place op would: an op that saved them (a tanh soft-cap, say) then
+                # fails loudly in its backward instead of reading gradients as logits.
+                torch.autograd.graph.increment_version(x)
         return grad, None, None, None, None, None
 
 
@@ -258,7 +264,7 @@ def token_logprobs(
         return_entropy: also return the full-vocabulary entropy of each row.
         inplace_backward: write the gradient into the logits' storage instead of a new
             [N, V] buffer (the logits must be contiguous and must not be needed after
-            backward).
+            backward; an op that saved them for its own backward raises there).
         backend: "auto" (Triton on CUDA, the reference elsewhere), "triton" or "torch".
     Returns:
         logp [N] fp32 (fp64 for fp64 logits), and entropy [N] when return_entropy.
@@ -267,8 +273,6 @@ def token_logprobs(
     n, vocab = logits.shape
     if vocab < 1:
         raise ValueError("logits must have at least one column (V >= 1)")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     check_targets(targets, n, vocab, ignore_index, logits.device)
     inv_t = row_inv_temperature(inv_temperature, n, logits.device)
     if inplace_backward and not logits.is_contiguous():
@@ -276,12 +280,7 @@ def token_logprobs(
             "inplace_backward=True needs contiguous logits (the gradient is written into their storage); "
             "pass logits.contiguous() or inplace_backward=False"
         )
-    which = resolve_backend(backend, logits)
-    if which == "triton" and logits.dtype == torch.float64:
-        if backend == "triton":
-            raise ValueError("logits: the triton backend takes fp16, bf16 or fp32; use backend='torch' for fp64")
-        which = "torch"
-    if which == "torch":
+    if resolve_kernel_backend(backend, {"logits": logits}) == "torch":
         return reference.token_logprobs(
             logits,
             targets,

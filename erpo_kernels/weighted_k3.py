@@ -19,7 +19,7 @@ from torch.autograd.function import once_differentiable
 
 from . import reference
 from ._triton import interpreting, round_to, tl, triton
-from ._utils import FLOAT_DTYPES, check_rows, check_tensor, resolve_backend
+from ._utils import FLOAT_DTYPES, check_rows, check_tensor, resolve_kernel_backend
 
 BLOCK = 1024
 # exp(guard) must stay far from fp32 overflow (3.4e38 = exp(88.7)).
@@ -34,6 +34,20 @@ def _k3_guarded(d, c, ec1, k3c):
     k3 = tl.where(above, k3c + ec1 * (d - c), e - d - 1.0)
     slope = tl.where(above, ec1, e - 1.0)
     return k3, slope
+
+
+@triton.jit
+def _load_k3(logp_ptr, ref_ptr, w_ptr, idx, mask, c, ec1, k3c, HAS_WEIGHT: tl.constexpr):
+    """k3(delta), k3'(delta) and w (0 in masked lanes) for the queries idx, in fp32.
+    M is a batch of queries: int32 offsets suffice."""
+    lp = tl.load(logp_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    rf = tl.load(ref_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    k3, slope = _k3_guarded(rf - lp, c, ec1, k3c)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    else:
+        w = tl.where(mask, 1.0, 0.0)
+    return k3, slope, w
 
 
 @triton.jit
@@ -54,16 +68,9 @@ def _weighted_k3_fwd_kernel(
     acc_s = tl.zeros([BLOCK], dtype=tl.float32)
     acc_w = tl.zeros([BLOCK], dtype=tl.float32)
     for off in range(0, m, BLOCK):
-        idx = off + lanes  # M is a batch of queries: int32 offsets suffice
-        mask = idx < m
-        lp = tl.load(logp_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        rf = tl.load(ref_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        k3, slope = _k3_guarded(rf - lp, c, ec1, k3c)
-        if HAS_WEIGHT:
-            w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        else:
-            w = tl.where(mask, 1.0, 0.0)
-        acc_s += tl.where(mask, w * k3, 0.0)
+        idx = off + lanes
+        k3, _, w = _load_k3(logp_ptr, ref_ptr, w_ptr, idx, idx < m, c, ec1, k3c, HAS_WEIGHT)
+        acc_s += w * k3  # masked lanes: w = 0 and k3(0) = 0
         acc_w += w
     total = tl.sum(acc_s, axis=0)
     w_sum = tl.sum(acc_w, axis=0)
@@ -104,17 +111,12 @@ def _weighted_k3_bwd_kernel(
     scale = tl.where(w_sum != 0.0, g / tl.where(w_sum != 0.0, w_sum, 1.0), 0.0)  # g / W
     lanes = tl.arange(0, BLOCK)
     for off in range(0, m, BLOCK):
-        idx = off + lanes  # M is a batch of queries: int32 offsets suffice
+        idx = off + lanes
         mask = idx < m
-        lp = tl.load(logp_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        rf = tl.load(ref_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        k3, slope = _k3_guarded(rf - lp, c, ec1, k3c)
+        k3, slope, w = _load_k3(logp_ptr, ref_ptr, w_ptr, idx, mask, c, ec1, k3c, HAS_WEIGHT)
         if HAS_WEIGHT:
-            w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
             dw = (k3 - r) * scale
             tl.store(dw_ptr + idx, round_to(dw, dw_ptr.dtype.element_ty, INTERPRET), mask=mask)
-        else:
-            w = tl.full([BLOCK], 1.0, tl.float32)
         d_ref = w * slope * scale
         tl.store(dref_ptr + idx, round_to(d_ref, dref_ptr.dtype.element_ty, INTERPRET), mask=mask)
         tl.store(dlogp_ptr + idx, round_to(-d_ref, dlogp_ptr.dtype.element_ty, INTERPRET), mask=mask)
@@ -226,13 +228,6 @@ def weighted_k3(
     guard = float(guard)
     if not 0 < guard <= MAX_GUARD:
         raise ValueError(f"guard must be in (0, {MAX_GUARD:g}] (exp(guard) must fit in fp32), got {guard}")
-    which = resolve_backend(backend, logp)
-    inputs = (logp, ref_logp) if weight is None else (logp, ref_logp, weight)
-    fp64 = [name for name, t in zip(("logp", "ref_logp", "weight"), inputs) if t.dtype == torch.float64]
-    if which == "triton" and fp64:
-        if backend == "triton":
-            raise ValueError(f"{fp64[0]}: the triton backend takes fp16, bf16 or fp32; use backend='torch' for fp64")
-        which = "torch"
-    if which == "torch":
+    if resolve_kernel_backend(backend, {"logp": logp, "ref_logp": ref_logp, "weight": weight}) == "torch":
         return reference.weighted_k3(logp, ref_logp, weight, guard=guard)
     return _weighted_k3_triton(logp, ref_logp, weight, guard)

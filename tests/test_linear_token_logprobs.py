@@ -228,6 +228,33 @@ def test_reference_backend_peaked_logits(device):
     _check_all(_ours(*args, backend="torch"), _truth(*args), None, torch.float32)
 
 
+def test_triton_int32_column_offsets_get_unit_stride(device, monkeypatch):
+    # A weight whose column offsets (D - 1) * stride(1) would overflow int32 reaches the
+    # kernels with unit column stride (the limit is lowered so a tiny shape triggers it).
+    monkeypatch.setattr(ltl_module, "INT32_OFFSET_LIMIT", V)
+    seen = []
+    real = ltl_module._forward_stats
+
+    def spy(h, weight, *args):
+        seen.append((h.stride(1), weight.stride(1)))
+        return real(h, weight, *args)
+
+    monkeypatch.setattr(ltl_module, "_forward_stats", spy)
+    hidden, weight, bias, targets, inv_t, g_logp, g_ent = _inputs(torch.float32, device)
+    weight = weight.T.contiguous().T  # stride(1) = V: (D - 1) * V passes the lowered limit
+    ours = _ours(hidden, weight, bias, targets, inv_t, g_logp, g_ent, backend="triton")
+    assert seen == [(1, 1)]
+    _check_all(ours, _truth(hidden, weight, bias, targets, inv_t, g_logp, g_ent), None, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(block_n=8), dict(block_v=48), dict(block_d=True), dict(num_warps=3), dict(v_splits=0)]
+)
+def test_tiles_reject_what_tl_dot_cannot_take(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        ltl_module.Tiles(**kwargs)
+
+
 def test_triton_backward_is_deterministic(device, monkeypatch):
     monkeypatch.setattr(ltl_module, "TILES", SMALL_TILES)
     args = _inputs(torch.bfloat16, device)
@@ -254,10 +281,11 @@ def _bad_input_cases(device):
         ("inv_temperature", dict(hidden=h, weight=w, targets=t, inv_temperature=-1.0)),
         ("hidden", dict(hidden=h.to(torch.int32), weight=w, targets=t)),
         ("hidden", dict(hidden=h.double(), weight=w.double(), targets=t)),  # fp64 has no kernel
+        ("ignore_index", dict(hidden=h, weight=w, targets=t, ignore_index=-100.0)),
     ]
 
 
-@pytest.mark.parametrize("case", range(10))
+@pytest.mark.parametrize("case", range(len(_bad_input_cases("cpu"))))
 def test_bad_inputs_raise_value_error_naming_the_argument(device, case):
     name, kwargs = _bad_input_cases(device)[case]
     hidden, weight, targets = kwargs.pop("hidden"), kwargs.pop("weight"), kwargs.pop("targets")

@@ -9,8 +9,9 @@ below a quarter of N x V x 4 bytes; in the same test the plain PyTorch log_softm
 must exceed that bound, which shows the measurement can see an [N, V] buffer.
 
 Sizes: the reference's work chunks are shrunk (CHUNK_ELEMENTS and LINEAR_CHUNK_ELEMENTS
-= 64k values, 256 KB of fp32) so that N x V x 4 = 128 MB dwarfs it at a shape that runs in seconds on 2 cores;
-the default chunk (4M values) would need N x V in the billions to be dwarfed as much.
+= 64k values, 256 KB of fp32) so that N x V x 4 = 128 MB dwarfs them at a shape that runs
+in seconds on 2 cores; the default chunks (4M values, 16M for linear_token_logprobs) would
+need N x V in the billions to be dwarfed as much.
 glibc's malloc is pinned to mmap every block >= 1 MB (MALLOC_MMAP_THRESHOLD_) so that
 freed tensors leave the resident set at once and RSS tracks live tensors, not the
 allocator's cache.

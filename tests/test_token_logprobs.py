@@ -188,7 +188,8 @@ def test_empty_rows_launch_nothing(device, monkeypatch):
     monkeypatch.setattr(tlp._token_logprobs_fwd_kernel, "run", no_launch)
     monkeypatch.setattr(tlp._token_logprobs_bwd_kernel, "run", no_launch)
     z = torch.randn(0, 40, device=device, requires_grad=True)
-    logp, ent = token_logprobs(z, torch.zeros(0, dtype=torch.long, device=device), return_entropy=True, backend="triton")
+    no_targets = torch.zeros(0, dtype=torch.long, device=device)
+    logp, ent = token_logprobs(z, no_targets, return_entropy=True, backend="triton")
     assert logp.shape == ent.shape == (0,)
     (grad,) = torch.autograd.grad(logp.sum() + ent.sum(), z)
     assert grad.shape == (0, 40)
@@ -243,6 +244,17 @@ def test_inplace_backward_writes_into_logits(device, dtype, small_blocks):
     ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
     assert torch.equal(leaf.grad.cpu(), want), "inplace gradient differs from the out-of-place one"
     assert torch.equal(z.detach().cpu(), want), "the gradient was not written into the logits' storage"
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_inplace_backward_refuses_logits_their_producer_saved(device, backend, small_blocks):
+    # tanh saves its output: overwriting that output with the gradient must fail loudly,
+    # as any in-place op would, never hand tanh's backward a gradient as its output.
+    x = torch.randn(4, 40, device=device, requires_grad=True)
+    targets = torch.randint(0, 40, (4,), device=device)
+    logp = token_logprobs(torch.tanh(x), targets, inplace_backward=True, backend=backend)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        logp.sum().backward()
 
 
 def test_non_contiguous_logits(device, small_blocks):
