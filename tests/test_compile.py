@@ -3,38 +3,18 @@
 The interpreter forgives what the compiler does not (loop-carried values that change
 type, scalar/tensor mix-ups, unsupported casts), so every kernel of token_logprobs,
 segment_sum and weighted_k3 is compiled to PTX with the installed Triton in a
-subprocess without TRITON_INTERPRET. (linear_token_logprobs has its own compile test,
-which also checks tensor-core use.)
+subprocess without TRITON_INTERPRET (tests/_aot.py). linear_token_logprobs has its own
+compile test, which also checks tensor-core use.
 """
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
+from _aot import run_aot
 
 _AOT = r"""
 import importlib, json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from _aot import compile_ptx
 
 tlp = importlib.import_module("erpo_kernels.token_logprobs")
 ss = importlib.import_module("erpo_kernels.segment_sum")
 wk = importlib.import_module("erpo_kernels.weighted_k3")
-
-
-def compile_ptx(fn, types, consts, num_warps=4):
-    sig = {}
-    for i, a in enumerate(fn.arg_names):
-        if a in consts:
-            sig[a] = "constexpr"
-        else:
-            sig[a] = types.get(a, "*fp32" if a.endswith("_ptr") else "i32")
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
-
 
 done = []
 for dt in ("bf16", "fp32"):
@@ -60,17 +40,5 @@ print(json.dumps(done))
 
 
 def test_row_kernels_compile_for_hopper():
-    try:
-        from triton.backends import backends
-    except ImportError:
-        backends = {}
-    if "nvidia" not in backends:
-        pytest.skip("this Triton build has no NVIDIA backend to compile for")
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env, cwd=repo, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    done = json.loads(proc.stdout.strip().splitlines()[-1])
+    done = run_aot(_AOT)
     assert len(done) == 8, done

@@ -6,15 +6,11 @@ with the GPU-sized default tiles and with tiny tiles plus a forced vocabulary sp
 so every loop (rows, vocabulary tiles, D tiles, splits) takes several masked steps.
 """
 import importlib
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from _aot import run_aot
 from _compare import assert_close_to_ref
 from erpo_kernels import linear_token_logprobs
 
@@ -294,28 +290,20 @@ def test_bad_inputs_raise_value_error_naming_the_argument(device, case):
 
 
 _AOT_COMPILE = r"""
-import json, os
-os.environ.pop("TRITON_INTERPRET", None)
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import importlib
+import importlib, json
+import torch
+from _aot import compile_ptx
 m = importlib.import_module("erpo_kernels.linear_token_logprobs")
 report = {}
 for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
     cfg = m.DEFAULT_TILES[dtype]
     base = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
                 IEEE=dtype == torch.float32, UPCAST=False, HAS_BIAS=True)
+    ptrs = {"h_ptr": "*" + name, "w_ptr": "*" + name, "b_ptr": "*" + name, "tgt_ptr": "*i32"}
     for fn, extra in ((m._ltl_fwd_kernel, dict(WANT_ENTROPY=True)),
                       (m._ltl_bwd_dhidden_kernel, dict(HAS_GENT=True)),
                       (m._ltl_bwd_dweight_kernel, dict(HAS_GENT=True, WANT_DW=True, WANT_DB=True))):
-        consts = dict(base, **extra)
-        ptrs = {"h_ptr": "*" + name, "w_ptr": "*" + name, "b_ptr": "*" + name, "tgt_ptr": "*i32"}
-        sig = {a: "constexpr" if a in consts else (ptrs.get(a, "*fp32") if a.endswith("_ptr") else "i32")
-               for a in fn.arg_names}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
-        ptx = kernel.asm["ptx"]
+        ptx = compile_ptx(fn, ptrs, dict(base, **extra), num_warps=cfg.num_warps)
         report[name + ":" + fn.__name__] = {"wgmma": "wgmma" in ptx, "tf32": ".tf32" in ptx}
 print(json.dumps(report))
 """
@@ -325,21 +313,7 @@ def test_kernels_compile_for_hopper_ahead_of_time():
     # No GPU needed: the three kernels compile to sm_90 PTX with the installed Triton
     # (catches what the interpreter forgives), bf16 dots become wgmma (tensor cores)
     # and fp32 dots stay IEEE (no TF32 anywhere).
-    try:
-        from triton.backends import backends
-    except ImportError:
-        backends = {}
-    if "nvidia" not in backends:
-        pytest.skip("this Triton build has no NVIDIA backend to compile for")
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", _AOT_COMPILE], capture_output=True, text=True, env=env, cwd=repo, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_aot(_AOT_COMPILE)
     assert len(report) == 6
     for key, info in report.items():
         if key.startswith("bf16"):
