@@ -124,15 +124,15 @@ def row_inv_temperature(
     return torch.full((n,), value, dtype=torch.float32, device=device)
 
 
-def check_cu_seqlens(cu_seqlens: object, n: int, device: torch.device) -> torch.Tensor:
-    """cu_seqlens [S + 1] int32/int64, non-decreasing, within [0, n]."""
-    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+def check_cu_seqlens(cu_seqlens: object, n: int, device: torch.device, name: str = "cu_seqlens") -> torch.Tensor:
+    """cu_seqlens [S + 1] int32/int64, non-decreasing, within [0, n]; errors name `name`."""
+    check_tensor(name, cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
     if cu_seqlens.numel() < 1:
-        raise ValueError("cu_seqlens must hold at least one offset (S + 1 entries for S segments)")
+        raise ValueError(f"{name} must hold at least one offset (S + 1 entries for S segments)")
     if bool((cu_seqlens < 0).any()) or bool((cu_seqlens > n).any()):
-        raise ValueError(f"cu_seqlens must lie in [0, {n}] (the length of values)")
+        raise ValueError(f"{name} must lie in [0, {n}] (the number of rows)")
     if cu_seqlens.numel() > 1 and bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-        raise ValueError("cu_seqlens must be non-decreasing")
+        raise ValueError(f"{name} must be non-decreasing")
     return cu_seqlens
 
 

@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ._utils import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_tensor, compute_dtype
+from ._utils import FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_rows, check_tensor, compute_dtype
 from .linear_token_logprobs import linear_token_logprobs
 from .policy_loss import _policy_loss, check_clip_args, check_loss_agg
 from .segment_sum import segment_sum
@@ -139,16 +139,13 @@ def check_batch(batch: PackedLossBatch, n_rows: int, device: torch.device) -> No
     n_seq = batch.group_index.shape[0]
     if n_seq < 1:
         raise ValueError("group_index must hold at least one sequence (B >= 1)")
-    check_tensor("span_cu_seqlens", batch.span_cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
-    cu = batch.span_cu_seqlens
+    cu = check_cu_seqlens(batch.span_cu_seqlens, n_rows, device, name="span_cu_seqlens")
     if cu.shape[0] != 2 * n_seq + 1:
         raise ValueError(
             f"span_cu_seqlens must hold 2B + 1 = {2 * n_seq + 1} offsets (B = {n_seq} sequences), got {cu.shape[0]}"
         )
     if int(cu[0]) != 0 or int(cu[-1]) != n_rows:
         raise ValueError(f"span_cu_seqlens must start at 0 and end at N = {n_rows}")
-    if bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError("span_cu_seqlens must be non-decreasing")
     check_tensor("advantages", batch.advantages, ndim=1, dtypes=FLOAT_DTYPES, device=device)
     check_rows("advantages", batch.advantages, n_seq)
     if not bool(torch.isfinite(batch.advantages).all()):
