@@ -126,27 +126,26 @@ def _increase(body: str, path: str) -> int:
     return int(result["increase"])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux)")
-def test_linear_reference_never_allocates_n_by_v():
-    ours = _increase(_LINEAR, "reference_path")
-    naive = _increase(_LINEAR, "naive_path")
+def _assert_bounded(script: str, what: str) -> None:
+    """The reference path of `script` stays under BOUND while its naive path exceeds it
+    (the control that shows the measurement can see an [N, V] buffer)."""
+    ours = _increase(script, "reference_path")
+    naive = _increase(script, "naive_path")
     mb = 1 / 2**20
     assert naive > BOUND, f"control: naive path grew only {naive * mb:.1f} MB; the measurement sees nothing"
     assert ours < BOUND, (
-        f"reference linear_token_logprobs forward+backward grew RSS by {ours * mb:.1f} MB; "
+        f"{what} grew RSS by {ours * mb:.1f} MB; "
         f"bound {BOUND * mb:.0f} MB = 1/4 of one [N, V] fp32 ({NV_BYTES * mb:.0f} MB)"
     )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux)")
+def test_linear_reference_never_allocates_n_by_v():
+    _assert_bounded(_LINEAR, "reference linear_token_logprobs forward+backward")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux)")
 def test_token_reference_inplace_backward_never_allocates_n_by_v():
     # The logits are an input here: the bound is on what forward + backward add to them.
     # With inplace_backward=True the gradient reuses the logits' storage.
-    ours = _increase(_TOKEN, "reference_path")
-    naive = _increase(_TOKEN, "naive_path")
-    mb = 1 / 2**20
-    assert naive > BOUND, f"control: naive path grew only {naive * mb:.1f} MB; the measurement sees nothing"
-    assert ours < BOUND, (
-        f"reference token_logprobs forward+backward (inplace) grew RSS by {ours * mb:.1f} MB; "
-        f"bound {BOUND * mb:.0f} MB = 1/4 of one [N, V] fp32 ({NV_BYTES * mb:.0f} MB)"
-    )
+    _assert_bounded(_TOKEN, "reference token_logprobs forward+backward (inplace)")
