@@ -15,6 +15,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from erpo.config import atomic_write
+
 from .measure import REPO, RESULTS_DIR, RunOptions
 
 README = REPO / "README.md"
@@ -44,9 +46,7 @@ def load(path: str | os.PathLike) -> Dict[str, Any]:
 
 def _write(path: Path, data: Dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write(str(path), (json.dumps(data, indent=1) + "\n").encode())
 
 
 def append_run(out_dir: str | os.PathLike, machine: str, run: Dict[str, Any], replace_last: bool = False) -> Path:
