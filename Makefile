@@ -1,11 +1,11 @@
-# The two README commands. Both create .venv when missing and install the project.
+# The README commands. Both create .venv when missing and install the project.
 # torch comes from the local CPU wheel (torch==2.13.0): never a multi-GB CUDA download.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.erpo-installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo eval bench clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/erpo train
+
+# The accuracy-over-temperatures evaluation of the demo run (runs/demo, after make demo).
+eval: $(STAMP)
+	$(VENV)/bin/erpo eval
 
 bench: $(STAMP)
 	$(PY) -m bench kernels --device cpu --quick

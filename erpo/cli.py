@@ -4,18 +4,21 @@
     erpo train resume=RUN [steps=N ...]            continue RUN exactly where it stopped
     erpo ref-cache [config.yaml] [key=value ...]   build the reference cache of a run
     erpo plot RUN [RUN ...] [--out PNG]            curves of one run, or several overlaid
-    erpo eval [config.yaml] [key=value ...]        evaluate checkpoints (erpo-method.md section 8)
+    erpo eval [model=RUN_OR_DIR[,...]] [data=FILE] [temperatures=...] [n=N] [k=...]
+                                                   accuracy over temperatures (erpo-method.md section 8)
 
 Bad input is one line, `erpo: error: ...`, and exit status 2; no traceback.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .config import ConfigError, ErpoError, TrainConfig, help_text, load_config, merge_for_resume, read_yaml
+from .config import (EVAL_KEYS, FIELDS, ConfigError, ErpoError, TrainConfig, help_text, load_config, merge_for_resume,
+                     read_yaml)
 
 USAGE = __doc__.split("\n\n")[1]
 
@@ -33,18 +36,46 @@ def _split_args(args: Sequence[str]) -> Tuple[Optional[str], List[str]]:
     return path, overrides
 
 
+def run_of(path: str) -> Optional[str]:
+    """The run directory holding ``path`` (a run, or a checkpoint RUN/checkpoints/step-N), or None."""
+    from .checkpoint import CHECKPOINTS  # here: `erpo --help` and config errors need no torch
+
+    norm = os.path.normpath(path)
+    for candidate in (norm, os.path.dirname(os.path.dirname(norm))):
+        if os.path.isfile(os.path.join(candidate, "config.yaml")) and os.path.isdir(os.path.join(candidate, CHECKPOINTS)):
+            if candidate == norm or os.path.basename(os.path.dirname(norm)) == CHECKPOINTS:
+                return candidate
+    return None
+
+
+def _eval_overrides(overrides: Sequence[str]) -> List[str]:
+    """`erpo eval`'s short keys (model=, data=, n=, k=, ...; config.EVAL_KEYS) as the fields they set."""
+    out = []
+    for item in overrides:
+        key, value = item.split("=", 1)
+        key = key.strip().replace("-", "_")
+        if key not in EVAL_KEYS and key not in FIELDS:
+            close = (difflib.get_close_matches(key, list(EVAL_KEYS), n=1, cutoff=0.5)
+                     or difflib.get_close_matches(key, list(FIELDS), n=1, cutoff=0.6))
+            hint = f"; did you mean {close[0]}?" if close else "; `erpo eval --help` lists the keys"
+            raise ConfigError(f"unknown key {key!r} for erpo eval{hint}")
+        out.append(f"{EVAL_KEYS[key]}={value}" if key in EVAL_KEYS else item)
+    return out
+
+
 def resolve_config(args: Sequence[str], command: str = "train") -> TrainConfig:
     """Defaults <- config file <- overrides. With resume=RUN (train only) the base is
-    RUN/config.yaml; for `eval` without a config file, <run_dir>/config.yaml when there is one."""
+    RUN/config.yaml. For `eval` without a config file the base is the config.yaml of the
+    run the first model= entry belongs to, else of run_dir when it has one."""
     path, overrides = _split_args(args)
+    if command == "eval":
+        overrides = _eval_overrides(overrides)
     cfg, given = load_config(path, overrides)
     if command != "train":
         if any(item.split("=", 1)[0].strip() == "resume" for item in overrides) and cfg.resume:
             raise ConfigError(f"resume= continues a training run: use it with `erpo train`, not `erpo {command}`")
-        if command == "eval" and path is None and os.path.isfile(os.path.join(cfg.run_dir, "config.yaml")):
-            saved = read_yaml(os.path.join(cfg.run_dir, "config.yaml"))
-            saved.update(given)
-            cfg = TrainConfig(**saved)
+        if command == "eval":
+            cfg = _eval_config(cfg, given, from_file=path is not None)
         cfg.resume = ""  # the saved config of a resumed run records resume=; only train resumes
     if cfg.resume:
         saved_path = os.path.join(cfg.resume, "config.yaml")
@@ -58,6 +89,27 @@ def resolve_config(args: Sequence[str], command: str = "train") -> TrainConfig:
         cfg = merge_for_resume(saved, given)
         cfg.resume = cfg.run_dir = run
     cfg.validate()
+    return cfg
+
+
+def _eval_config(cfg: TrainConfig, given: Dict[str, Any], from_file: bool) -> TrainConfig:
+    """The config `erpo eval` runs with: the evaluated run's saved config under the given
+    keys (unless a config file was given), and where its reports go."""
+    entries = list(cfg.eval_checkpoints)
+    run = run_of(entries[0]) if entries and "run_dir" not in given else None
+    if run is not None:
+        given = {**given, "run_dir": run}
+        cfg.run_dir = run
+    outside_runs = bool(entries) and run is None and "run_dir" not in given  # e.g. model=/models/Qwen2.5
+    base = os.path.join(cfg.run_dir, "config.yaml")
+    if not from_file and not outside_runs and os.path.isfile(base):
+        saved = read_yaml(base)
+        saved.update(given)
+        cfg = TrainConfig(**saved)
+    if "eval_n_samples" in given and "eval_k_values" not in given:
+        cfg.eval_k_values = []  # a new n: Pass@k for every k <= n, not the k of a saved config
+    if outside_runs and not cfg.eval_out:
+        cfg.eval_out = os.path.join("runs", "eval")  # not into the default run_dir (the demo's run)
     return cfg
 
 
@@ -81,7 +133,35 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+EVAL_HELP = """usage: erpo eval [config.yaml] [model=RUN_OR_DIR[,RUN_OR_DIR ...]] [data=FILE] [temperatures=T1,T2,...]
+                 [n=N] [k=K1,K2,...] [key=value ...]
+
+Greedy Pass@1, and at each temperature n samples per problem: Avg@n and unbiased
+Pass@k (erpo-method.md section 8). A table per model on the terminal; eval.json,
+eval.md and eval.png in <out>/<name>/; with several models compare.md/png/json in <out>.
+
+  model=         runs (their latest checkpoint), checkpoints (RUN/checkpoints/step-N),
+                 Hugging Face model directories, or tiny (the demo's starting model);
+                 comma-separated to compare them on one plot.  [default: run_dir's latest checkpoint]
+  data=          a .jsonl/.json/.parquet file (MATH-style problem/solution records work
+                 as they are; graded by math-verify unless reward= says otherwise), or
+                 arithmetic.  [default: the run's held-out split, or its dataset]
+  temperatures=  sampling temperatures, each > 0; greedy is always run.  [default: %s]
+  n=             samples per problem and temperature.  [default: 8]
+  k=             k of Pass@k, each <= n.  [default: every k from 1 to n]
+  max_new_tokens=, batch_size=, limit= (first N problems), out= (report directory;
+                 default <run_dir>/eval, runs/eval for a model outside any run)
+
+Every training key is accepted too (e.g. device=, dtype=, template=, reward=, seed=):"""
+
+
 def _print_help(command: str) -> None:
+    if command == "eval":
+        from .config import EVAL_TEMPERATURES
+
+        print(EVAL_HELP % ",".join(map(str, EVAL_TEMPERATURES)))
+        print(help_text())
+        return
     print(f"usage: erpo {command} [config.yaml] [key=value ...]\n\nkeys:\n{help_text()}")
 
 
@@ -112,7 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             build_cache_command(cfg)
         elif args.command == "eval":
-            from .trainer import eval_command
+            from .evaluate import eval_command
 
             eval_command(cfg)
         return 0

@@ -106,15 +106,16 @@ class TrainConfig:
     warmstart_unboxed: float = 0.7  # fraction of warm-start demonstrations answering without \boxed{} (no reward: RL has a format to learn)
     warmstart_batch_size: int = 64  # warm-start batch size
 
-    # ---- evaluation (erpo-method.md section 8; `erpo eval`)
-    eval_dataset: str = ""  # evaluation file; empty = the arithmetic held-out split, or `dataset`
-    eval_checkpoints: List[str] = field(default_factory=list)  # what `erpo eval` scores: checkpoint, run or model dirs; empty = the run's latest checkpoint
-    eval_temperatures: List[float] = field(default_factory=lambda: list(EVAL_TEMPERATURES))  # sampling temperatures
+    # ---- evaluation (erpo-method.md section 8; `erpo eval`, whose short keys are in EVAL_KEYS)
+    eval_dataset: str = ""  # evaluation file (a MATH-style .jsonl works as it is) or arithmetic; empty = the arithmetic held-out split, or `dataset`
+    eval_checkpoints: List[str] = field(default_factory=list)  # what `erpo eval` scores: run, checkpoint or model dirs, or tiny (the demo's starting model); empty = the run's latest checkpoint
+    eval_temperatures: List[float] = field(default_factory=lambda: list(EVAL_TEMPERATURES))  # sampling temperatures, each > 0 (greedy Pass@1 is always reported)
     eval_n_samples: int = 8  # samples per problem and temperature (Avg@n, Pass@k)
-    eval_k_values: List[int] = field(default_factory=lambda: [1, 4, 8])  # k of Pass@k (each <= eval_n_samples)
+    eval_k_values: List[int] = field(default_factory=list)  # k of Pass@k, each <= eval_n_samples; empty = every k from 1 to eval_n_samples
     eval_max_new_tokens: int = 0  # response length at evaluation; 0 = max_new_tokens
     eval_batch_size: int = 256  # sequences per generate call at evaluation
     eval_limit: int = 0  # evaluate the first N problems only; 0 = all
+    eval_out: str = ""  # where reports go; empty = <run_dir>/eval (runs/eval for a model outside any run)
 
     # ------------------------------------------------------------------ helpers
 
@@ -139,6 +140,25 @@ class TrainConfig:
     def resolved_reward(self) -> str:
         if self.reward == "auto":
             return "exact_match" if self.is_demo_task else "math_verify"
+        return self.reward
+
+    @property
+    def eval_is_demo_task(self) -> bool:
+        """`erpo eval` scores the embedded task's held-out split."""
+        return self.eval_dataset == "arithmetic" or (not self.eval_dataset and self.is_demo_task)
+
+    @property
+    def eval_template(self) -> str:
+        """The template at evaluation: `template`, with auto resolved for the evaluation data."""
+        if self.template == "auto":
+            return "plain" if self.eval_is_demo_task else "r1"
+        return self.template
+
+    @property
+    def eval_reward(self) -> str:
+        """The reward at evaluation: `reward`, with auto resolved for the evaluation data."""
+        if self.reward == "auto":
+            return "exact_match" if self.eval_is_demo_task else "math_verify"
         return self.reward
 
     @property
@@ -196,11 +216,15 @@ class TrainConfig:
             raise ConfigError(
                 f"template={self.template!r} is not r1, chat, plain or auto, and has no {{prompt}} placeholder"
             )
-        if not self.eval_temperatures or any(not (isinstance(t, (int, float)) and t > 0) for t in self.eval_temperatures):
-            raise ConfigError(f"eval_temperatures={self.eval_temperatures}: need a non-empty list of positive numbers (greedy Pass@1 is always reported)")
-        if not self.eval_k_values or any(int(k) < 1 or int(k) > self.eval_n_samples for k in self.eval_k_values):
+        if not self.eval_temperatures or any(not (0 < t < float("inf")) for t in self.eval_temperatures):
             raise ConfigError(
-                f"eval_k_values={self.eval_k_values}: each k must lie in [1, eval_n_samples={self.eval_n_samples}]"
+                f"eval_temperatures={self.eval_temperatures}: need a non-empty list of temperatures > 0; greedy "
+                f"decoding (temperature 0) is always run and reported as Pass@1"
+            )
+        if any(not 1 <= k <= self.eval_n_samples for k in self.eval_k_values):
+            raise ConfigError(
+                f"eval_k_values={self.eval_k_values}: each k of Pass@k must lie in [1, eval_n_samples="
+                f"{self.eval_n_samples}] (k samples are drawn from the n); raise eval_n_samples or lower k"
             )
         if not self.run_dir:
             raise ConfigError("run_dir is empty; give the run a directory, e.g. run_dir=runs/my-run")
@@ -259,6 +283,14 @@ ALIASES = {
     "epsilon_high": "eps_high", "clip_ratio_low": "eps_low", "clip_ratio_high": "eps_high",
     "loss_agg_mode": "loss_agg", "save_steps": "save_every", "train_batch_size": "queries_per_step",
     "dataset_name": "dataset", "reward_funcs": "reward",
+}
+
+
+# `erpo eval`'s short keys (erpo eval model=RUN data=FILE n=8 k=1,8 ...) and the fields they set.
+EVAL_KEYS = {
+    "model": "eval_checkpoints", "data": "eval_dataset", "temperatures": "eval_temperatures", "n": "eval_n_samples",
+    "k": "eval_k_values", "max_new_tokens": "eval_max_new_tokens", "batch_size": "eval_batch_size",
+    "limit": "eval_limit", "out": "eval_out",
 }
 
 

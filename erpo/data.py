@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from .config import ConfigError, ErpoError, TrainConfig
+from .rewards import extract_boxed
 
 
 class DataError(ErpoError):
@@ -96,8 +97,31 @@ def _read_records(path: str) -> List[Dict[str, Any]]:
     raise DataError(f"dataset {path}: unsupported file type {ext or '(none)'}; use .jsonl, .json or .parquet")
 
 
+# Where a MATH-style record keeps what the default fields name: the question under
+# "problem" or "question", the answer only as the last \boxed{} of its "solution".
+PROMPT_FALLBACKS = ("problem", "question")
+SOLUTION_FIELD = "solution"
+
+
+def _record_example(rec: Dict[str, Any], prompt_field: str, answer_field: str) -> Tuple[Any, Any]:
+    """(question, answer) of one record, or None for a field it lacks. With the default
+    field names a MATH-style record (problem, solution with a \\boxed{} answer) works too."""
+    prompt = rec.get(prompt_field)
+    if prompt is None and prompt_field == "prompt":
+        prompt = next((rec[k] for k in PROMPT_FALLBACKS if rec.get(k) is not None), None)
+    answer = rec.get(answer_field)
+    if answer is None and answer_field == "answer" and isinstance(rec.get(SOLUTION_FIELD), str):
+        answer = extract_boxed(rec[SOLUTION_FIELD])
+    return prompt, answer
+
+
 def read_examples(path: str, prompt_field: str, answer_field: str) -> List[Example]:
-    """Examples from a local file; a missing file, field or empty set is a DataError."""
+    """Examples from a local file; a missing file, field or empty set is a DataError.
+
+    With the default fields (prompt, answer), a record without them may give its question
+    as "problem" or "question" and its answer as the last \\boxed{} of "solution", so a
+    MATH-style JSONL reads as it is.
+    """
     if not os.path.exists(path):
         raise DataError(f"dataset {path!r} does not exist (give a local .jsonl/.parquet file, or dataset=arithmetic)")
     if os.path.isdir(path):
@@ -113,22 +137,25 @@ def read_examples(path: str, prompt_field: str, answer_field: str) -> List[Examp
     for i, rec in enumerate(records):
         if not isinstance(rec, dict):
             raise DataError(f"dataset {path} record {i} is not an object with fields")
-        for key, flag in ((prompt_field, "prompt_field"), (answer_field, "answer_field")):
-            if key not in rec or rec[key] is None:
+        prompt, answer = _record_example(rec, prompt_field, answer_field)
+        for value, key, flag in ((prompt, prompt_field, "prompt_field"), (answer, answer_field, "answer_field")):
+            if value is None:
                 fields = ", ".join(sorted(map(str, rec))) or "none"
+                boxed = (f" (its {SOLUTION_FIELD!r} has no \\boxed{{}} answer)"
+                         if flag == "answer_field" and SOLUTION_FIELD in rec else "")
                 raise DataError(
-                    f"dataset {path} record {i} has no {key!r} field (its fields: {fields}); "
+                    f"dataset {path} record {i} has no {key!r} field{boxed} (its fields: {fields}); "
                     f"set {flag}=NAME to the field that holds it"
                 )
-        examples.append(Example(str(rec[prompt_field]), str(rec[answer_field])))
+        examples.append(Example(str(prompt), str(answer)))
     return examples
 
 
 def load_examples(cfg: TrainConfig, split: str = "train") -> List[Example]:
     """The training ("train") or evaluation ("eval") examples the config names."""
-    if split == "eval" and cfg.eval_dataset:
+    if split == "eval" and cfg.eval_dataset and cfg.eval_dataset != "arithmetic":
         return read_examples(cfg.eval_dataset, cfg.prompt_field, cfg.answer_field)
-    if cfg.is_demo_task:
+    if cfg.is_demo_task or (split == "eval" and cfg.eval_dataset == "arithmetic"):
         train, held_out = arithmetic_split(cfg.task_max_operand, cfg.task_train_size, cfg.task_eval_size, cfg.seed)
         return train if split == "train" else held_out
     return read_examples(cfg.dataset, cfg.prompt_field, cfg.answer_field)

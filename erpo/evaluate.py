@@ -5,7 +5,8 @@ per problem; Avg@n is the mean correctness over all samples, Pass@k the unbiased
 estimator 1 - C(n-c, k) / C(n, k) averaged over problems (c = correct samples of a
 problem). Pass@1 of greedy decoding is reported once, next to the mean over
 temperatures of every column. ``write_report`` writes the numbers as JSON, a markdown
-table and an accuracy-vs-temperature plot; ``compare_report`` overlays several runs.
+table and an accuracy-vs-temperature plot; ``compare_report`` overlays several runs;
+``eval_command`` is `erpo eval`.
 
 Sampling is plain temperature sampling (top_p = 1, top_k = 0, no repetition penalty),
 whatever the model's own generation_config says, so numbers compare across models.
@@ -15,13 +16,15 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .config import EVAL_TEMPERATURES, atomic_write
+from .config import EVAL_TEMPERATURES, ErpoError, TrainConfig, atomic_write
 from .data import derived_seed
 from .rewards import CORRECT_THRESHOLD
 from .rollout import eos_ids_of, generate_ids
@@ -31,8 +34,13 @@ __all__ = [
     "TEMPERATURES",
     "EvalResult",
     "TemperatureRow",
+    "Sampler",
     "compare_report",
+    "compare_table",
+    "eval_command",
     "evaluate",
+    "evaluate_sampler",
+    "format_table",
     "pass_at_k",
     "write_report",
 ]
@@ -149,25 +157,104 @@ class EvalResult:
 
 # ----------------------------------------------------------------------------- evaluation
 
+# sampler(problems, temperature) -> one completion per entry of ``problems`` (problem
+# indices; one index repeats once per sample); temperature 0 means greedy decoding.
+Sampler = Callable[[Sequence[int], float], Sequence[str]]
 
-def _check_eval_args(prompts, answers, temperatures, n_samples, k_values, max_new_tokens,
-                     batch_size, reward_fn) -> None:
-    if len(prompts) == 0:
-        raise ValueError("prompts: need at least one prompt")
-    if len(answers) != len(prompts):
-        raise ValueError(f"answers: need one answer per prompt, got {len(answers)} for {len(prompts)} prompts")
+
+def _check_eval_args(answers, temperatures, n_samples, k_values, batch_size, reward_fn) -> None:
+    if len(answers) == 0:
+        raise ValueError("answers: need at least one problem to evaluate")
     if not callable(reward_fn):
         raise ValueError("reward_fn: must be a callable (completion, answer) -> float")
-    if len(temperatures) == 0 or any(not (t > 0) for t in temperatures):
-        raise ValueError(f"temperatures: need positive temperatures, got {tuple(temperatures)}")
+    if len(temperatures) == 0 or any(not (t > 0) or math.isinf(t) for t in temperatures):
+        raise ValueError(f"temperatures: need finite temperatures > 0, got {tuple(temperatures)} (greedy decoding, "
+                         f"temperature 0, is always reported as Pass@1)")
     if n_samples < 1:
         raise ValueError(f"n_samples: must be >= 1, got {n_samples}")
-    if len(k_values) == 0 or any(not 1 <= int(k) <= n_samples for k in k_values):
+    if k_values is not None and (len(k_values) == 0 or any(not 1 <= int(k) <= n_samples for k in k_values)):
         raise ValueError(f"k_values: each k must be in [1, n_samples={n_samples}], got {tuple(k_values)}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
     if batch_size < 1:
         raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+
+
+def evaluate_sampler(
+    sampler: Sampler,
+    answers: Sequence[str],
+    *,
+    reward_fn: Callable[[str, str], float],
+    temperatures: Sequence[float] = TEMPERATURES,
+    n_samples: int = 4,
+    k_values: Sequence[int] | None = None,
+    batch_size: int = 16,
+    seed: int = 0,
+    order: Sequence[int] | None = None,
+    progress: bool = True,
+    rng_devices: Sequence[torch.device] = (),
+) -> EvalResult:
+    """The protocol of erpo-method.md s.8 around any sampler: greedy Pass@1, then at every
+    temperature ``n_samples`` completions per problem, Avg@n and Pass@k (every k in
+    ``k_values``; None = every k from 1 to n_samples).
+
+    ``answers[i]`` is problem i's gold answer; a completion is correct when
+    ``reward_fn(completion, answer) >= CORRECT_THRESHOLD``. The sampler is called with at
+    most ``batch_size`` sequences at a time, problems in ``order`` (default 0..P-1; the
+    samples of one problem are consecutive). Torch's RNG is seeded per temperature from
+    ``seed`` inside a fork (CPU and ``rng_devices``), so the caller's state is kept. The
+    progress bar counts temperatures x problems (greedy included).
+    """
+    from tqdm.auto import tqdm
+
+    _check_eval_args(answers, temperatures, n_samples, k_values, batch_size, reward_fn)
+    n_problems = len(answers)
+    order = list(range(n_problems)) if order is None else [int(i) for i in order]
+    if sorted(order) != list(range(n_problems)):
+        raise ValueError(f"order: must be a permutation of the {n_problems} problem indices")
+    k_values = list(range(1, n_samples + 1)) if k_values is None else sorted({int(k) for k in k_values})
+    sampled_items = [i for i in order for _ in range(n_samples)]  # problem index of each sampled sequence
+
+    def run(items: list[int], temperature: float, per_problem: int, bar) -> list[int]:
+        """Correctness (0/1) of one completion for each problem index in ``items``."""
+        results: list[int] = []
+        for start in range(0, len(items), batch_size):
+            chunk = items[start:start + batch_size]
+            completions = list(sampler(chunk, temperature))
+            if len(completions) != len(chunk):
+                raise ValueError(f"sampler: returned {len(completions)} completions for {len(chunk)} sequences")
+            for completion, i in zip(completions, chunk):
+                results.append(int(float(reward_fn(completion, answers[i])) >= CORRECT_THRESHOLD))
+            bar.update((start + len(chunk)) // per_problem - start // per_problem)   # problems finished
+        return results
+
+    with torch.random.fork_rng(devices=list(rng_devices)), \
+            tqdm(total=n_problems * (1 + len(temperatures)), desc="eval", unit="problem", disable=not progress,
+                 leave=False) as bar:
+        bar.set_postfix_str("greedy")
+        greedy = dict(zip(order, run(order, 0.0, 1, bar)))
+        greedy_correct = [greedy[i] for i in range(n_problems)]
+
+        rows = []
+        for t_index, temperature in enumerate(temperatures):
+            bar.set_postfix_str(f"T={temperature:g}")
+            torch.manual_seed(derived_seed(seed, "eval", t_index))
+            n_correct = [0] * n_problems
+            for problem, ok in zip(sampled_items, run(sampled_items, float(temperature), n_samples, bar)):
+                n_correct[problem] += ok
+            rows.append(TemperatureRow(
+                temperature=float(temperature),
+                avg_at_n=sum(n_correct) / (n_problems * n_samples),
+                pass_at_k={k: sum(pass_at_k(n_samples, c, k) for c in n_correct) / n_problems for k in k_values},
+                n_correct=n_correct,
+            ))
+
+    return EvalResult(
+        rows=rows,
+        greedy_pass_at_1=sum(greedy_correct) / n_problems,
+        n_samples=n_samples,
+        n_problems=n_problems,
+        greedy_correct=greedy_correct,
+        settings={"seed": seed, "batch_size": batch_size, "correct_threshold": CORRECT_THRESHOLD},
+    )
 
 
 def evaluate(
@@ -179,28 +266,27 @@ def evaluate(
     reward_fn: Callable[[str, str], float],
     temperatures: Sequence[float] = TEMPERATURES,
     n_samples: int = 4,
-    k_values: Sequence[int] = (1, 2, 4),
+    k_values: Sequence[int] | None = None,
     max_new_tokens: int = 64,
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
 ) -> EvalResult:
-    """Avg@n and Pass@k at every temperature, and greedy Pass@1 (erpo-method.md s.8).
+    """Avg@n and Pass@k at every temperature, and greedy Pass@1 (erpo-method.md s.8), of a
+    Hugging Face causal LM: ``evaluate_sampler`` with batched ``model.generate``.
 
     ``prompts`` are fully templated strings (tokenised without adding special tokens)
     or prompt token ids (used as they are, e.g. the training prompts with their BOS);
-    ``answers`` the gold answers, scored by ``reward_fn(completion, answer)`` with a
-    sample correct when the reward is >= CORRECT_THRESHOLD. ``batch_size`` counts
-    sequences per ``model.generate`` call (erpo.rollout.generate_ids). The same
-    arguments give the same result (torch RNG seeded per temperature from ``seed``; the
-    caller's RNG state is left as it was). The model's mode, generation_config and the
+    ``answers`` the gold answers, one per prompt. ``k_values`` None = every k <= n_samples.
+    ``batch_size`` counts sequences per ``model.generate`` call (erpo.rollout.generate_ids);
+    prompts of similar length are batched together. The same arguments give the same
+    result; the caller's RNG state, the model's mode and generation_config and the
     tokenizer are left unchanged.
     """
-    from tqdm.auto import tqdm
-
-    _check_eval_args(prompts, answers, temperatures, n_samples, k_values, max_new_tokens,
-                     batch_size, reward_fn)
-    k_values = sorted({int(k) for k in k_values})
+    if len(answers) != len(prompts):
+        raise ValueError(f"answers: need one answer per prompt, got {len(answers)} for {len(prompts)} prompts")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = eos_ids_of(model, tokenizer)
     if pad_id is None or not eos_ids:
@@ -211,64 +297,27 @@ def evaluate(
     empty = [i for i, ids in enumerate(encoded) if not ids]
     if empty:
         raise ValueError(f"prompts: prompt {empty[0]} has no tokens")
-    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # similar lengths batch together
-    sampled_items = [i for i in order for _ in range(n_samples)]       # problem index of each sequence
-    n_chunks = math.ceil(len(order) / batch_size) + len(temperatures) * math.ceil(len(sampled_items) / batch_size)
 
-    def run(items: list[int], temperature: float, bar) -> list[int]:
-        """Generate for each problem index in ``items`` (in order; temperature 0 = greedy)
-        -> correctness of each."""
-        results = []
-        for start in range(0, len(items), batch_size):
-            chunk = items[start:start + batch_size]
-            responses = generate_ids(model, [encoded[i] for i in chunk], temperature=temperature,
-                                     max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_ids=eos_ids)
-            for tokens, i in zip(responses, chunk):
-                if tokens and tokens[-1] in eos_ids:
-                    tokens = tokens[:-1]
-                completion = tokenizer.decode(tokens, skip_special_tokens=True)
-                results.append(int(float(reward_fn(completion, answers[i])) >= CORRECT_THRESHOLD))
-            bar.update(1)
-        return results
+    def sample(problems: Sequence[int], temperature: float) -> list[str]:
+        responses = generate_ids(model, [encoded[i] for i in problems], temperature=temperature,
+                                 max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_ids=eos_ids)
+        # generate_ids cuts each response after its first EOS; the EOS itself is not text
+        return [tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in eos_ids else tokens, skip_special_tokens=True)
+                for tokens in responses]
 
     was_training = model.training
-    on_accelerator = model.device.type != "cpu"
-    fork = dict(devices=[model.device] if on_accelerator else [],
-                device_type=model.device.type if on_accelerator else None)
     model.eval()
     try:
-        with torch.random.fork_rng(**fork), \
-                tqdm(total=n_chunks, desc="eval", disable=not progress, leave=False) as bar:
-            bar.set_postfix_str("greedy")
-            greedy = dict(zip(order, run(order, 0.0, bar)))
-            greedy_correct = [greedy[i] for i in range(len(prompts))]
-
-            rows = []
-            for t_index, temperature in enumerate(temperatures):
-                bar.set_postfix_str(f"T={temperature:g}")
-                torch.manual_seed(derived_seed(seed, "eval", t_index))
-                n_correct = [0] * len(prompts)
-                for problem, ok in zip(sampled_items, run(sampled_items, float(temperature), bar)):
-                    n_correct[problem] += ok
-                rows.append(TemperatureRow(
-                    temperature=float(temperature),
-                    avg_at_n=sum(n_correct) / (len(prompts) * n_samples),
-                    pass_at_k={k: sum(pass_at_k(n_samples, c, k) for c in n_correct) / len(prompts)
-                               for k in k_values},
-                    n_correct=n_correct,
-                ))
+        result = evaluate_sampler(
+            sample, answers, reward_fn=reward_fn, temperatures=temperatures, n_samples=n_samples,
+            k_values=k_values, batch_size=batch_size, seed=seed, progress=progress,
+            order=sorted(range(len(prompts)), key=lambda i: len(encoded[i])),  # similar lengths batch together
+            rng_devices=[model.device] if model.device.type != "cpu" else [],
+        )
     finally:
         model.train(was_training)
-
-    return EvalResult(
-        rows=rows,
-        greedy_pass_at_1=sum(greedy_correct) / len(prompts),
-        n_samples=n_samples,
-        n_problems=len(prompts),
-        greedy_correct=greedy_correct,
-        settings={"max_new_tokens": max_new_tokens, "seed": seed, "batch_size": batch_size,
-                  "top_p": 1.0, "top_k": 0, "correct_threshold": CORRECT_THRESHOLD},
-    )
+    result.settings.update({"max_new_tokens": max_new_tokens, "top_p": 1.0, "top_k": 0})
+    return result
 
 
 # ----------------------------------------------------------------------------- reports
@@ -284,24 +333,37 @@ def _fmt_temperature(t: float) -> str:
 
 
 def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    """A markdown table with padded columns, so it also reads as a table on a terminal."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), rule, *map(line, rows)]) + "\n"
+
+
+def format_table(result: EvalResult, brief: bool = False) -> str:
+    """The results as a markdown table (a row per temperature, a mean row) and the
+    greedy Pass@1 line: what eval.md holds and `erpo eval` prints. ``brief``: with more
+    than 8 values of k, only Pass@1, the powers of two and Pass@n (for a terminal)."""
+    n = result.n_samples
+    ks = result.k_values
+    if brief and len(ks) > 8:
+        ks = [k for k in ks if k & (k - 1) == 0 or k == ks[-1]]
+    header = ["temperature", f"Avg@{n}"] + [f"Pass@{k}" for k in ks]
+    rows = [[_fmt_temperature(r.temperature), _fmt(r.avg_at_n)] + [_fmt(r.pass_at_k[k]) for k in ks]
+            for r in result.rows]
+    mean_pass = result.mean_pass_at_k
+    rows.append(["mean", _fmt(result.mean_avg_at_n)] + [_fmt(mean_pass[k]) for k in ks])
+    return _markdown_table(header, rows) + f"\nGreedy Pass@1: {_fmt(result.greedy_pass_at_1)}\n"
 
 
 def _eval_markdown(result: EvalResult, title: str) -> str:
-    n = result.n_samples
-    header = ["temperature", f"Avg@{n}"] + [f"Pass@{k}" for k in result.k_values]
-    rows = [[_fmt_temperature(r.temperature), _fmt(r.avg_at_n)] + [_fmt(r.pass_at_k[k]) for k in result.k_values]
-            for r in result.rows]
-    mean_pass = result.mean_pass_at_k
-    rows.append(["mean", _fmt(result.mean_avg_at_n)] + [_fmt(mean_pass[k]) for k in result.k_values])
     text = f"# {title}\n\n" if title else ""
-    text += (f"{result.n_problems} problems, {n} samples per problem and temperature; "
+    text += (f"{result.n_problems} problems, {result.n_samples} samples per problem and temperature; "
              f"Pass@k is the unbiased estimator.\n\n")
-    text += _markdown_table(header, rows)
-    text += f"\nGreedy Pass@1: {_fmt(result.greedy_pass_at_1)}\n\n![accuracy vs temperature](eval.png)\n"
-    return text
+    return text + format_table(result) + "\n![accuracy vs temperature](eval.png)\n"
 
 
 def _png_bytes(fig) -> bytes:
@@ -313,14 +375,22 @@ def _png_bytes(fig) -> bytes:
     return buffer.getvalue()
 
 
+def _plotted_ks(ks: list[int]) -> list[int]:
+    """The Pass@k curves worth drawing: not k = 1 (the unbiased Pass@1 equals Avg@n); all
+    others up to 5 of them, else the powers of two and the largest k."""
+    ks = [k for k in ks if k > 1]
+    return ks if len(ks) <= 5 else [k for k in ks if k & (k - 1) == 0 or k == ks[-1]]
+
+
 def _eval_figure(result: EvalResult, title: str):
     from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas
 
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.add_subplot(1, 1, 1)
     temps = result.temperatures
-    ax.plot(temps, [r.avg_at_n for r in result.rows], marker="o", linewidth=2, label=f"Avg@{result.n_samples}")
-    for k in result.k_values:
+    ax.plot(temps, [r.avg_at_n for r in result.rows], marker="o", linewidth=2,
+            label=f"Avg@{result.n_samples} (= Pass@1)")
+    for k in _plotted_ks(result.k_values):
         ax.plot(temps, [r.pass_at_k[k] for r in result.rows], marker=".", linestyle="--", label=f"Pass@{k}")
     ax.axhline(result.greedy_pass_at_1, color="black", linestyle=":", label="greedy Pass@1")
     ax.set_xlabel("sampling temperature")
@@ -350,44 +420,17 @@ def write_report(result: EvalResult, out_dir: str | Path, title: str = "") -> di
     return paths
 
 
-def compare_report(results: dict[str, EvalResult], out_dir: str | Path) -> Path:
-    """Overlay several runs (e.g. {"grpo": ..., "erpo": ...}): compare.png plots each
-    run's Avg@n against temperature (greedy Pass@1 dotted in the same colour), and
-    compare.md holds Avg@n per temperature and a summary (means, greedy Pass@1).
-
-    Returns the path of compare.md (it links the plot next to it).
-    """
-    if not results:
-        raise ValueError("results: need at least one run to compare")
-    from matplotlib.figure import Figure
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def compare_table(results: dict[str, EvalResult]) -> str:
+    """Several runs side by side (markdown): Avg@n per temperature, then a summary row per
+    run (means over temperatures of Avg@n and each Pass@k, greedy Pass@1)."""
     names = list(results)
-
-    fig = Figure(figsize=(6.4, 4.2))
-    ax = fig.add_subplot(1, 1, 1)
-    for i, name in enumerate(names):
-        r = results[name]
-        color = f"C{i % 10}"
-        ax.plot(r.temperatures, [row.avg_at_n for row in r.rows], marker="o", color=color,
-                label=f"{name} Avg@{r.n_samples}")
-        ax.axhline(r.greedy_pass_at_1, color=color, linestyle=":", linewidth=1, label=f"{name} greedy Pass@1")
-    ax.set_xlabel("sampling temperature")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title("Avg@n vs temperature")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    atomic_write(out / "compare.png", _png_bytes(fig))
-
     temps = sorted({t for r in results.values() for t in r.temperatures})
     by_temp = {name: {row.temperature: row.avg_at_n for row in results[name].rows} for name in names}
     header = ["temperature"] + [f"{name} Avg@{results[name].n_samples}" for name in names]
     rows = [[_fmt_temperature(t)] + [_fmt(by_temp[name][t]) if t in by_temp[name] else "-" for name in names]
             for t in temps]
     rows.append(["mean"] + [_fmt(results[name].mean_avg_at_n) for name in names])
-    text = "# Avg@n vs temperature\n\n" + _markdown_table(header, rows)
+    text = _markdown_table(header, rows)
 
     ks = sorted({k for r in results.values() for k in r.k_values})
     header = ["run", "problems", "mean Avg@n"] + [f"mean Pass@{k}" for k in ks] + ["greedy Pass@1"]
@@ -398,8 +441,145 @@ def compare_report(results: dict[str, EvalResult], out_dir: str | Path) -> Path:
         rows.append([name, str(r.n_problems), _fmt(r.mean_avg_at_n)]
                     + [_fmt(mean_pass[k]) if k in mean_pass else "-" for k in ks]
                     + [_fmt(r.greedy_pass_at_1)])
-    text += "\n## Summary (means over temperatures)\n\n" + _markdown_table(header, rows)
-    text += "\n![Avg@n vs temperature](compare.png)\n"
+    return text + "\n" + _markdown_table(header, rows)
+
+
+def compare_report(results: dict[str, EvalResult], out_dir: str | Path) -> Path:
+    """Overlay several runs (e.g. {"grpo": ..., "erpo": ...}): compare.png plots each
+    run's Avg@n (solid) and Pass@n (dashed) against temperature, greedy Pass@1 dotted, one
+    colour per run; compare.md holds compare_table; compare.json every result in full.
+
+    Returns the path of compare.md (it links the plot next to it).
+    """
+    if not results:
+        raise ValueError("results: need at least one run to compare")
+    from matplotlib.figure import Figure
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.add_subplot(1, 1, 1)
+    for i, (name, r) in enumerate(results.items()):
+        color = f"C{i % 10}"
+        ax.plot(r.temperatures, [row.avg_at_n for row in r.rows], marker="o", color=color,
+                label=f"{name} Avg@{r.n_samples}")
+        top = max(r.k_values)
+        if top > 1:
+            ax.plot(r.temperatures, [row.pass_at_k[top] for row in r.rows], marker=".", linestyle="--", color=color,
+                    label=f"{name} Pass@{top}")
+        ax.axhline(r.greedy_pass_at_1, color=color, linestyle=":", linewidth=1, label=f"{name} greedy Pass@1")
+    ax.set_xlabel("sampling temperature")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("accuracy vs temperature")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    atomic_write(out / "compare.png", _png_bytes(fig))
+    payload = {name: r.to_dict() for name, r in results.items()}
+    atomic_write(out / "compare.json", (json.dumps(payload, indent=2) + "\n").encode("utf-8"))
+
+    text = "# accuracy vs temperature\n\n" + compare_table(results) + "\n![accuracy vs temperature](compare.png)\n"
     path = out / "compare.md"
     atomic_write(path, text.encode("utf-8"))
     return path
+
+
+# ----------------------------------------------------------------------------- `erpo eval`
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    candidate, i = name, 2
+    while candidate in taken:
+        candidate, i = f"{name}-{i}", i + 1
+    return candidate
+
+
+def _eval_target(entry: str, cfg: TrainConfig, log: Callable[[str], None]) -> tuple[str, str]:
+    """(model directory, report name) of one model= entry: a run (its latest checkpoint),
+    a checkpoint RUN/checkpoints/step-N, a Hugging Face model directory, or tiny (the
+    demo's warm-started starting model)."""
+    from dataclasses import replace
+
+    from . import checkpoint as ckpt
+    from .data import load_examples
+    from .trainer import check_model_dir, resolve_model_dir
+
+    if entry == "tiny":
+        demo = replace(cfg, model="tiny")
+        return resolve_model_dir(demo, load_examples(demo, "train"), log), "tiny-start"
+    norm = os.path.normpath(entry)
+    if os.path.isdir(os.path.join(norm, ckpt.CHECKPOINTS)):
+        latest = ckpt.latest_checkpoint(norm)
+        if latest is None:
+            raise ErpoError(f"eval: run {entry} has no checkpoint yet; train it first, or evaluate another model=")
+        return latest, f"{os.path.basename(norm)}-{os.path.basename(latest)}"
+    check_model_dir(entry, "model=", "a run directory, a checkpoint (RUN/checkpoints/step-N), or tiny")
+    name = os.path.basename(norm)
+    if os.path.basename(os.path.dirname(norm)) == ckpt.CHECKPOINTS:
+        name = f"{os.path.basename(os.path.dirname(os.path.dirname(norm)))}-{name}"
+    return entry, name
+
+
+def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, str]:
+    """`erpo eval`: evaluate each of cfg.eval_checkpoints (default: the latest checkpoint of
+    cfg.run_dir) on the evaluation set; a table per model on the terminal, reports in
+    <out>/<name>/ (eval.json, eval.md, eval.png), and with several models compare.{md,png,json}
+    in <out> (cfg.eval_out, default <run_dir>/eval). Returns {name: report dir}."""
+    from . import checkpoint as ckpt
+    from .data import encode_prompts, load_examples
+    from .rewards import get_reward_fn
+    from .trainer import load_model, load_tokenizer, resolve_compute_dtype, resolve_device
+
+    cfg.validate()
+    examples = load_examples(cfg, "eval")
+    if cfg.eval_limit:
+        examples = examples[: cfg.eval_limit]
+    entries = list(cfg.eval_checkpoints)
+    if not entries:
+        if ckpt.latest_checkpoint(cfg.run_dir) is None:
+            raise ErpoError(
+                f"eval: {cfg.run_dir} holds no checkpoint to evaluate; train it first (make demo, or erpo train "
+                f"run_dir={cfg.run_dir}) or name one: erpo eval model=RUN_OR_CHECKPOINT_OR_MODEL_DIR (model=tiny: the "
+                f"demo's starting model)"
+            )
+        entries = [cfg.run_dir]
+    targets: dict[str, str] = {}  # model dir -> report name; every entry checked before the first long evaluation
+    for entry in entries:
+        model_dir, name = _eval_target(entry, cfg, log)
+        if model_dir not in targets:
+            targets[model_dir] = _unique(name, set(targets.values()))
+    device = resolve_device(cfg)
+    dtype = resolve_compute_dtype(cfg, device)
+    reward_fn = get_reward_fn(cfg.eval_reward)
+    out_root = cfg.eval_out or os.path.join(cfg.run_dir, "eval")
+    data_name = cfg.eval_dataset or cfg.dataset
+    log(f"erpo: eval on {len(examples)} problems of {data_name} (template {cfg.eval_template}, reward "
+        f"{cfg.eval_reward}), {cfg.eval_n_samples} samples at each of {len(cfg.eval_temperatures)} temperatures "
+        f"+ greedy")
+
+    results, out_dirs = {}, {}
+    for model_dir, name in targets.items():
+        model = load_model(model_dir, device, dtype).eval()
+        tokenizer = load_tokenizer(model_dir)
+        prompts = encode_prompts(tokenizer, examples, cfg.eval_template)  # as in training (BOS included)
+        t0 = time.perf_counter()
+        result = evaluate(
+            model, tokenizer, prompts, [ex.answer for ex in examples], reward_fn=reward_fn,
+            temperatures=cfg.eval_temperatures, n_samples=cfg.eval_n_samples, k_values=cfg.eval_k_values or None,
+            max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, batch_size=cfg.eval_batch_size,
+            seed=cfg.seed, progress=cfg.progress,
+        )
+        result.settings.update({"model": model_dir, "data": data_name, "template": cfg.eval_template,
+                                "reward": cfg.eval_reward, "seconds": round(time.perf_counter() - t0, 2)})
+        out = os.path.join(out_root, name)
+        write_report(result, out, title=name)
+        results[name], out_dirs[name] = result, out
+        every = " (every Pass@k in eval.md)" if len(result.k_values) > 8 else ""
+        log(f"\n{name} ({result.settings['seconds']:.0f}s)\n\n{format_table(result, brief=True)}\n"
+            f"-> {out}/eval.json, eval.md, eval.png{every}")
+        del model
+    if len(results) > 1:
+        path = compare_report(results, out_root)
+        log(f"\n{compare_table(results)}\n-> {path}, compare.png, compare.json")
+    return out_dirs

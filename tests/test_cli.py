@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from erpo.cli import main
-from erpo.config import FIELDS, field_comments, help_text
+from erpo.config import FIELDS, TrainConfig, field_comments, help_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,6 +51,16 @@ def one_line_error(capsys, argv, *needles):
     for needle in needles:
         assert needle in err, err
     return err
+
+
+def table_rows(text):
+    """The markdown tables in `text`: first cell -> the other cells (first occurrence wins)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("|") and not line.startswith("|-"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            out.setdefault(cells[0], cells[1:])
+    return out
 
 
 def snapshot(run):
@@ -126,11 +136,12 @@ def test_unusable_paths_backend_and_values(capsys, tmp_path, monkeypatch):
 
 def test_dataset_without_fields(capsys, tmp_path):
     data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"question": "1+1=", "solution": "2"}) + "\n")
+    data.write_text(json.dumps({"q": "1+1=", "solution": "2"}) + "\n")
     one_line_error(capsys, ["train", f"dataset={data}", f"run_dir={tmp_path}/r"],
-                   "record 0 has no 'prompt' field (its fields: question, solution)", "set prompt_field=NAME")
-    one_line_error(capsys, ["train", f"dataset={data}", "prompt_field=question", f"run_dir={tmp_path}/r"],
-                   "has no 'answer' field", "answer_field=NAME")
+                   "record 0 has no 'prompt' field (its fields: q, solution)", "set prompt_field=NAME")
+    # a MATH-style record's answer is the \boxed{} of its solution; this one has none
+    one_line_error(capsys, ["train", f"dataset={data}", "prompt_field=q", f"run_dir={tmp_path}/r"],
+                   "has no 'answer' field (its 'solution' has no \\boxed{} answer)", "answer_field=NAME")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
     one_line_error(capsys, ["train", f"dataset={bad}", f"run_dir={tmp_path}/r"], "line 2 is not valid JSON")
@@ -181,6 +192,7 @@ def test_plot_and_eval(capsys, done_run, tmp_path):
     one_line_error(capsys, ["plot", str(tmp_path)], "has no metrics.jsonl")
 
     capsys.readouterr()
+    # the long form: run_dir= and the eval_ keys of the config
     assert main(["eval", f"run_dir={run}", "eval_temperatures=0.5,1.0", "eval_n_samples=2", "eval_k_values=1,2",
                  "eval_limit=3", "progress=false"]) == 0
     report = os.path.join(run, "eval", "run-step-000002")
@@ -188,8 +200,130 @@ def test_plot_and_eval(capsys, done_run, tmp_path):
         result = json.load(f)
     assert result["n_problems"] == 3 and [r["temperature"] for r in result["rows"]] == [0.5, 1.0]
     assert os.path.isfile(os.path.join(report, "eval.md")) and os.path.isfile(os.path.join(report, "eval.png"))
-    assert "greedy Pass@1" in capsys.readouterr().out
+    assert "Greedy Pass@1" in capsys.readouterr().out
     one_line_error(capsys, ["eval", f"run_dir={run}", "eval_checkpoints=/no/such/dir"], "does not exist")
+
+
+def test_eval_short_keys_end_to_end(capsys, done_run, tmp_path):
+    """`erpo eval model=RUN n= temperatures= limit=` on a tiny checkpoint: every k <= n, a
+    table on the terminal whose numbers are eval.json's, reports in RUN/eval/NAME."""
+    root, run, cache = done_run
+    capsys.readouterr()
+    assert main(["eval", f"model={run}", "n=3", "temperatures=0.5,1.5", "limit=4", "progress=false"]) == 0
+    out = capsys.readouterr().out
+    report = os.path.join(run, "eval", "run-step-000002")
+    with open(os.path.join(report, "eval.json")) as f:
+        result = json.load(f)
+    assert result["n_problems"] == 4 and result["n_samples"] == 3 and result["k_values"] == [1, 2, 3]
+    assert result["settings"]["reward"] == "exact_match" and result["settings"]["template"] == "plain"
+    assert result["settings"]["model"] == os.path.join(run, "checkpoints", "step-000002")
+    table = table_rows(out)
+    assert table["temperature"] == ["Avg@3", "Pass@1", "Pass@2", "Pass@3"]
+    row = result["rows"][1]
+    assert table["1.5"] == [f"{row['avg_at_n']:.4f}"] + [f"{row['pass_at_k'][k]:.4f}" for k in "123"]
+    assert f"Greedy Pass@1: {result['greedy_pass_at_1']:.4f}" in out
+    for r in result["rows"]:   # the per-problem counts agree with the summary numbers
+        assert len(r["n_correct"]) == 4 and all(0 <= c <= 3 for c in r["n_correct"])
+        assert r["avg_at_n"] == pytest.approx(sum(r["n_correct"]) / 12)
+
+
+def test_eval_compares_runs_on_one_plot(capsys, done_run, tmp_path):
+    """Two models (a checkpoint and a run, here the same weights) in one call: a report
+    each and compare.{md,png,json} in out=; the same weights and seed score the same."""
+    root, run, cache = done_run
+    other = str(root / "run-b")   # trained by test_plot_and_eval; train it here when run alone
+    if not os.path.isdir(os.path.join(other, "checkpoints")):
+        assert main(["train", *tiny_args(other, cache, algorithm="grpo", beta=0.0)]) == 0
+    out = str(tmp_path / "cmp")
+    ckpt = os.path.join(run, "checkpoints", "step-000002")
+    capsys.readouterr()
+    assert main(["eval", f"model={ckpt},{run},{other}", "n=2", "temperatures=1.0", "limit=3", f"out={out}",
+                 "progress=false"]) == 0
+    text = capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["compare.json", "compare.md", "compare.png", "run-b-step-000002",
+                                       "run-step-000002"]   # the checkpoint and its run: evaluated once
+    with open(os.path.join(out, "compare.json")) as f:
+        both = json.load(f)
+    assert set(both) == {"run-step-000002", "run-b-step-000002"}
+    with open(os.path.join(out, "compare.png"), "rb") as f:
+        assert f.read(4) == b"\x89PNG"
+    with open(os.path.join(out, "compare.md")) as f:
+        compared = f.read()
+    assert table_rows(compared)["temperature"] == ["run-step-000002 Avg@2", "run-b-step-000002 Avg@2"]
+    assert compared.split("![")[0].strip().splitlines()[-1] in text   # the comparison is printed too
+    # reports of the same checkpoint with the same seed are the same numbers
+    with open(os.path.join(out, "run-step-000002", "eval.json")) as f:
+        again = json.load(f)
+    assert again["rows"] == both["run-step-000002"]["rows"]
+
+
+def test_eval_math_style_jsonl(capsys, done_run, tmp_path):
+    """data= a local MATH-style JSONL: read as it is, r1 template, graded by math-verify."""
+    root, run, cache = done_run
+    data = tmp_path / "math.jsonl"
+    rows = [{"problem": f"What is {a}+1?", "solution": f"It is $\\boxed{{{a + 1}}}$.", "type": "Algebra"}
+            for a in range(3)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "ev")
+    capsys.readouterr()
+    assert main(["eval", f"model={run}", f"data={data}", "n=1", "temperatures=1.0", "max_new_tokens=4",
+                 f"out={out}", "progress=false"]) == 0
+    with open(os.path.join(out, "run-step-000002", "eval.json")) as f:
+        result = json.load(f)
+    assert result["n_problems"] == 3 and result["k_values"] == [1]
+    assert result["settings"]["reward"] == "math_verify" and result["settings"]["template"] == "r1"
+    assert result["settings"]["data"] == str(data) and result["settings"]["max_new_tokens"] == 4
+
+
+def test_eval_config_resolution(done_run, tmp_path):
+    """Which saved config `erpo eval` starts from and where its reports go."""
+    from erpo.cli import resolve_config
+
+    root, run, cache = done_run
+    ckpt = os.path.join(run, "checkpoints", "step-000002")
+    for entry in (run, ckpt):   # a run, or a checkpoint of it: that run's config and eval/
+        cfg = resolve_config([f"model={entry}"], "eval")
+        assert cfg.run_dir == run and cfg.task_eval_size == 5 and cfg.eval_checkpoints == [entry]
+        assert cfg.eval_out == ""   # = <run>/eval
+    # the long form: run_dir= names the base config, the entries may lie elsewhere
+    cfg = resolve_config([f"run_dir={run}", f"eval_checkpoints={tmp_path}"], "eval")
+    assert cfg.task_eval_size == 5 and cfg.eval_out == ""
+    # a model directory outside any run: defaults, and reports in runs/eval, not in the demo's run
+    outside = tmp_path / "hf-model"
+    outside.mkdir()
+    cfg = resolve_config([f"model={outside}"], "eval")
+    assert cfg.task_eval_size == 200 and cfg.eval_out == os.path.join("runs", "eval")
+    # n= alone: Pass@k for every k <= n, whatever k the saved config held
+    saved = TrainConfig(**{**__import__("yaml").safe_load(open(os.path.join(run, "config.yaml"))),
+                           "eval_k_values": [1, 4, 8]})
+    other = tmp_path / "old-run"
+    (other / "checkpoints").mkdir(parents=True)
+    from erpo.config import save_config
+    save_config(saved, str(other / "config.yaml"))
+    assert resolve_config([f"model={other}"], "eval").eval_k_values == [1, 4, 8]
+    assert resolve_config([f"model={other}", "n=2"], "eval").eval_k_values == []
+    assert resolve_config([f"model={other}", "n=8", "k=2"], "eval").eval_k_values == [2]
+
+
+def test_eval_bad_input(capsys, done_run, tmp_path):
+    root, run, cache = done_run
+    base = [f"model={run}", "limit=2", "progress=false"]
+    one_line_error(capsys, ["eval", "model=/no/such/dir", "progress=false"], "model= '/no/such/dir' does not exist")
+    empty_run = tmp_path / "fresh"
+    (empty_run / "checkpoints").mkdir(parents=True)
+    (empty_run / "config.yaml").write_text("steps: 3\n")
+    one_line_error(capsys, ["eval", f"model={empty_run}"], "has no checkpoint yet")
+    one_line_error(capsys, ["eval", f"run_dir={tmp_path}/nothing"], "holds no checkpoint to evaluate",
+                   "make demo", "model=tiny")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    one_line_error(capsys, ["eval", *base, f"data={empty}"], "holds no records")
+    one_line_error(capsys, ["eval", *base, "n=2", "k=1,3"], "each k of Pass@k must lie in [1, eval_n_samples=2]")
+    one_line_error(capsys, ["eval", *base, "temperatures=0,1.0"], "temperatures > 0", "greedy")
+    one_line_error(capsys, ["eval", *base, "temperatures=-0.5"], "temperatures > 0")
+    one_line_error(capsys, ["eval", *base, "n=0"], "eval_n_samples=0 must be")
+    one_line_error(capsys, ["eval", *base, "temps=1"], "unknown key 'temps'", "did you mean temperatures?")
+    assert not os.path.exists(os.path.join(run, "eval", "run-step-000002", "eval.json.tmp"))
 
 
 def test_resume_rules_and_eval_of_a_resumed_run(capsys, done_run, tmp_path):
@@ -206,7 +340,7 @@ def test_resume_rules_and_eval_of_a_resumed_run(capsys, done_run, tmp_path):
     capsys.readouterr()
     assert main(["eval", f"run_dir={lin}", "device=cpu", "eval_temperatures=1.0", "eval_n_samples=1",
                  "eval_k_values=1", "eval_limit=2", "progress=false"]) == 0
-    assert "erpo: eval lin-step-000001" in capsys.readouterr().out
+    assert os.path.join(lin, "eval", "lin-step-000001", "eval.json") in capsys.readouterr().out
     assert main(["eval", os.path.join(lin, "config.yaml"), "eval_temperatures=1.0", "eval_n_samples=1",
                  "eval_k_values=1", "eval_limit=2", "progress=false"]) == 0  # its own config file, resume= and all
 

@@ -29,8 +29,17 @@ def test_every_format_reads_the_same_examples(tmp_path, ext):
 
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
 def test_missing_field_names_it_and_the_fix(tmp_path, ext):
-    with pytest.raises(DataError, match="has no 'prompt' field.*set prompt_field=NAME"):
-        read_examples(_write(tmp_path, ext), "prompt", "gold")
+    with pytest.raises(DataError, match="has no 'text' field.*set prompt_field=NAME"):
+        read_examples(_write(tmp_path, ext), "text", "gold")
+    with pytest.raises(DataError, match="has no 'answer' field.*set answer_field=NAME"):
+        read_examples(_write(tmp_path, ext), "question", "answer")
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "parquet"])
+def test_default_prompt_field_falls_back_to_question(tmp_path, ext):
+    """With the default prompt_field, a record's "question" (or "problem") is its prompt."""
+    examples = read_examples(_write(tmp_path, ext), "prompt", "gold")
+    assert [(e.prompt, e.answer) for e in examples] == [("1+2=", "3"), ("4+4=", "8")]
 
 
 @pytest.mark.parametrize("name, content", [("d.parquet", b"not parquet"), ("d.jsonl", b'\xff\xfe{"prompt": 1}\n')])

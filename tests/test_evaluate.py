@@ -14,6 +14,8 @@ from erpo.evaluate import (
     EvalResult,
     compare_report,
     evaluate,
+    evaluate_sampler,
+    format_table,
     pass_at_k,
     write_report,
 )
@@ -50,6 +52,137 @@ def test_pass_at_k_edges():
 def test_pass_at_k_rejects_bad_input(n, c, k, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         pass_at_k(n, c, k)
+
+
+# ----------------------------------------------------------------------------- a stubbed sampler
+
+
+class PatternSampler:
+    """A sampler whose correctness is known in advance: at temperature index t, the j-th
+    sample of problem i is "right" iff j < CORRECT[t][i]; greedily, problem i is right iff
+    GREEDY[i]. It records each call (problems, temperature)."""
+
+    TEMPS = (0.2, 0.8, 1.4)
+    CORRECT = ([5, 0, 2, 1], [3, 5, 0, 0], [0, 1, 4, 5])   # [temperature][problem], n = 5
+    GREEDY = [1, 0, 1, 1]
+
+    def __init__(self):
+        self.calls, self.drawn = [], {}
+
+    def __call__(self, problems, temperature):
+        self.calls.append((list(problems), temperature))
+        if temperature == 0.0:
+            return ["right" if self.GREEDY[i] else "wrong" for i in problems]
+        t = self.TEMPS.index(temperature)
+        out = []
+        for i in problems:
+            j = self.drawn.get((t, i), 0)
+            self.drawn[(t, i)] = j + 1
+            out.append("right" if j < self.CORRECT[t][i] else "wrong")
+        return out
+
+
+def test_evaluate_sampler_aggregates_a_known_pattern():
+    sampler, n, problems = PatternSampler(), 5, 4
+    result = evaluate_sampler(sampler, ["right"] * problems, reward_fn=lambda c, a: float(c == a),
+                              temperatures=PatternSampler.TEMPS, n_samples=n, batch_size=3, seed=0,
+                              order=[2, 0, 3, 1], progress=False)
+    assert result.k_values == [1, 2, 3, 4, 5]      # k_values=None: every k <= n
+    for t, row in enumerate(result.rows):
+        counts = PatternSampler.CORRECT[t]
+        assert row.temperature == PatternSampler.TEMPS[t]
+        assert row.n_correct == counts
+        assert row.avg_at_n == pytest.approx(sum(counts) / (problems * n), abs=1e-12)
+        for k in range(1, n + 1):
+            brute = sum(_pass_at_k_brute(n, c, k) for c in counts) / problems
+            assert row.pass_at_k[k] == pytest.approx(brute, abs=1e-12), (t, k)
+    assert result.greedy_correct == PatternSampler.GREEDY and result.greedy_pass_at_1 == 0.75
+    # the means over temperatures, by hand: Avg@5 = (8 + 8 + 10) / 3 / 20; Pass@5 = (3/4 + 2/4 + 3/4) / 3
+    assert result.mean_avg_at_n == pytest.approx(26 / 60, abs=1e-12)
+    assert result.mean_pass_at_k[5] == pytest.approx(2 / 3, abs=1e-12)
+    assert result.mean_pass_at_k[1] == pytest.approx(result.mean_avg_at_n, abs=1e-12)   # Pass@1 = Avg@n
+    # greedy first, then each temperature; batches of at most 3, problems in the given order
+    temps = [t for _, t in sampler.calls]
+    assert temps == sorted(temps) and set(temps) == {0.0, *PatternSampler.TEMPS}
+    assert all(len(p) <= 3 for p, _ in sampler.calls)
+    assert [i for p, t in sampler.calls if t == 0.0 for i in p] == [2, 0, 3, 1]
+    assert [i for p, t in sampler.calls if t == 0.8 for i in p] == [i for i in [2, 0, 3, 1] for _ in range(n)]
+    # the terminal table holds these numbers
+    table = _table(format_table(result))
+    assert table["0.8"] == pytest.approx([result.rows[1].avg_at_n] + [result.rows[1].pass_at_k[k] for k in range(1, 6)],
+                                         abs=5e-5)
+    assert "Greedy Pass@1: 0.7500" in format_table(result)
+
+
+def test_progress_bar_counts_temperatures_times_problems(monkeypatch):
+    """The bar runs over (greedy + each temperature) x problems, advancing as problems finish."""
+    import tqdm.auto
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **kw):
+            self.total, self.n, self.steps, self.stages = total, 0, [], []
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, k):
+            self.n += k
+            self.steps.append(self.n)
+
+        def set_postfix_str(self, text):
+            self.stages.append((text, self.n))
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    evaluate_sampler(PatternSampler(), ["right"] * 4, reward_fn=lambda c, a: float(c == a),
+                     temperatures=PatternSampler.TEMPS, n_samples=5, batch_size=3, progress=True)
+    (bar,) = bars
+    assert bar.total == 4 * (1 + 3) and bar.n == bar.total
+    assert bar.stages == [("greedy", 0), ("T=0.2", 4), ("T=0.8", 8), ("T=1.4", 12)]
+    # 20 samples per temperature in batches of 3: a problem counts once its 5 samples are done
+    # (after 3, 6, 9, ..., 18, 20 samples: 0, 1, 1, 2, 3, 3, 4 problems done)
+    assert bar.steps[bar.steps.index(4) + 1:bar.steps.index(8) + 1] == [4, 5, 5, 6, 7, 7, 8]
+
+
+def test_evaluate_sampler_rejects_bad_input():
+    kw = dict(reward_fn=lambda c, a: 0.0, temperatures=(1.0,), n_samples=2, progress=False)
+    with pytest.raises(ValueError, match="^sampler:"):
+        evaluate_sampler(lambda problems, t: ["x"], ["a", "b"], **kw)   # one completion for two sequences
+    with pytest.raises(ValueError, match="^order:"):
+        evaluate_sampler(lambda problems, t: ["x"] * len(problems), ["a", "b"], order=[0, 0], **kw)
+    with pytest.raises(ValueError, match="^answers:"):
+        evaluate_sampler(lambda problems, t: [], [], **kw)
+    for temperatures in [(0.0,), (-0.5, 1.0), (float("inf"),), ()]:
+        with pytest.raises(ValueError, match="^temperatures: need finite temperatures > 0"):
+            evaluate_sampler(lambda problems, t: ["x"] * len(problems), ["a"], **{**kw, "temperatures": temperatures})
+
+
+def test_math_style_data_graded_by_math_verify(tmp_path):
+    """A MATH-style JSONL (problem, solution with a \\boxed{} answer) reads as it is, and
+    math-verify grades equivalent forms that exact match misses."""
+    from erpo.data import read_examples
+    from erpo.rewards import get_reward_fn
+
+    rows = [{"problem": "Half of one?", "solution": "One over two: $\\boxed{\\frac{1}{2}}$.", "level": "Level 1"},
+            {"problem": "Two squared?", "solution": "$2^2 = \\boxed{4}$"}]
+    path = tmp_path / "math.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    examples = read_examples(str(path), "prompt", "answer")
+    assert [(e.prompt, e.answer) for e in examples] == [("Half of one?", "\\frac{1}{2}"), ("Two squared?", "4")]
+
+    said = {0: "so the answer is \\boxed{0.5}", 1: "\\boxed{4.0}"}
+    sampler = lambda problems, t: [said[i] for i in problems]
+    answers = [e.answer for e in examples]
+    kw = dict(temperatures=(1.0,), n_samples=2, progress=False)
+    verified = evaluate_sampler(sampler, answers, reward_fn=get_reward_fn("math_verify"), **kw)
+    exact = evaluate_sampler(sampler, answers, reward_fn=get_reward_fn("exact_match"), **kw)
+    assert verified.greedy_pass_at_1 == 1.0 and verified.rows[0].avg_at_n == 1.0
+    assert exact.greedy_pass_at_1 == 0.0 and exact.rows[0].avg_at_n == 0.0
 
 
 # ----------------------------------------------------------------------------- a tiny model
@@ -274,7 +407,7 @@ def test_write_report(tmp_path):
 
     md = paths["md"].read_text()
     assert md.startswith("# tiny eval")
-    assert "| temperature | Avg@4 | Pass@1 | Pass@4 |" in md
+    assert "| temperature | Avg@4 | Pass@1 | Pass@4 |" in re.sub(r" +", " ", md)
     table = _table(md)
     assert len(table) == len(TEMPERATURES) + 1
     for row in result.rows:
@@ -297,7 +430,8 @@ def test_compare_report(tmp_path):
     path = compare_report(runs, tmp_path)
     assert path.name == "compare.md" and (tmp_path / "compare.png").stat().st_size > 0
     md = path.read_text()
-    assert "| temperature | grpo Avg@4 | erpo Avg@4 |" in md
+    assert "| temperature | grpo Avg@4 | erpo Avg@4 |" in re.sub(r" +", " ", md)
+    assert set(json.loads((tmp_path / "compare.json").read_text())) == {"grpo", "erpo"}
     table = _table(md)
     assert table["1.5"] == pytest.approx([runs["grpo"].rows[-1].avg_at_n, runs["erpo"].rows[-1].avg_at_n],
                                          abs=5e-5)
