@@ -16,6 +16,7 @@ import time
 from typing import Any, List, Sequence
 
 import torch
+import transformers
 
 from .config import TrainConfig
 from .data import Example, derived_seed, render_prompt
@@ -100,8 +101,23 @@ def warmstart_key(cfg: TrainConfig, examples: Sequence[Example], template: str) 
         "data": examples_fingerprint(examples),
         "template": template,
         "torch": torch.__version__.split("+")[0],
+        "transformers": transformers.__version__,
+        "code": _code_digest(),
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _code_digest() -> str:
+    """The source of what computes the warm start (this recipe and the loss it trains
+    with): a change there, even an ulp-level one, gives other weights, so a cached warm
+    start built by older code is not reused."""
+    import importlib  # the package re-exports functions under its modules' names
+
+    h = hashlib.sha256()
+    for name in ("erpo.tiny", "erpo_kernels.reference", "erpo_kernels.linear_token_logprobs"):
+        with open(importlib.import_module(name).__file__, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
 
 
 def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log=print) -> str:
