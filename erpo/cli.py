@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import glob
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -95,7 +96,18 @@ def resolve_config(args: Sequence[str], command: str = "train") -> TrainConfig:
 def _eval_config(cfg: TrainConfig, given: Dict[str, Any], from_file: bool) -> TrainConfig:
     """The config `erpo eval` runs with: the evaluated run's saved config under the given
     keys (unless a config file was given), and where its reports go."""
-    entries = list(cfg.eval_checkpoints)
+    entries = []
+    for entry in cfg.eval_checkpoints:  # model=runs/erpo/checkpoints/* (quoted): every checkpoint, in order
+        if any(ch in entry for ch in "*?["):
+            matches = sorted(m for m in glob.glob(entry) if os.path.isdir(m))
+            if not matches:
+                raise ConfigError(f"model={entry} matches no directory")
+            entries += matches
+        else:
+            entries.append(entry)
+    if "eval_checkpoints" in given:
+        cfg.eval_checkpoints = entries
+        given = {**given, "eval_checkpoints": entries}
     run = run_of(entries[0]) if entries and "run_dir" not in given else None
     if run is not None:
         given = {**given, "run_dir": run}
@@ -142,7 +154,8 @@ eval.md and eval.png in <out>/<name>/; with several models compare.md/png/json i
 
   model=         runs (their latest checkpoint), checkpoints (RUN/checkpoints/step-N),
                  Hugging Face model directories, or tiny (the demo's starting model);
-                 comma-separated to compare them on one plot.  [default: run_dir's latest checkpoint]
+                 comma-separated to compare them on one plot; a quoted glob
+                 ("runs/erpo/checkpoints/*") takes every match.  [default: run_dir's latest checkpoint]
   data=          a .jsonl/.json/.parquet file (MATH-style problem/solution records work
                  as they are; graded by math-verify unless reward= says otherwise), or
                  arithmetic.  [default: the run's held-out split, or its dataset]

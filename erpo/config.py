@@ -221,6 +221,8 @@ class TrainConfig:
                 f"eval_temperatures={self.eval_temperatures}: need a non-empty list of temperatures > 0; greedy "
                 f"decoding (temperature 0) is always run and reported as Pass@1"
             )
+        if len(set(self.eval_temperatures)) != len(self.eval_temperatures):
+            raise ConfigError(f"eval_temperatures={self.eval_temperatures}: a temperature is listed twice")
         if any(not 1 <= k <= self.eval_n_samples for k in self.eval_k_values):
             raise ConfigError(
                 f"eval_k_values={self.eval_k_values}: each k of Pass@k must lie in [1, eval_n_samples="

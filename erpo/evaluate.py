@@ -170,6 +170,8 @@ def _check_eval_args(answers, temperatures, n_samples, k_values, batch_size, rew
     if len(temperatures) == 0 or any(not (t > 0) or math.isinf(t) for t in temperatures):
         raise ValueError(f"temperatures: need finite temperatures > 0, got {tuple(temperatures)} (greedy decoding, "
                          f"temperature 0, is always reported as Pass@1)")
+    if len(set(temperatures)) != len(temperatures):
+        raise ValueError(f"temperatures: a temperature is listed twice in {tuple(temperatures)}")
     if n_samples < 1:
         raise ValueError(f"n_samples: must be >= 1, got {n_samples}")
     if k_values is not None and (len(k_values) == 0 or any(not 1 <= int(k) <= n_samples for k in k_values)):
@@ -387,11 +389,11 @@ def _eval_figure(result: EvalResult, title: str):
 
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.add_subplot(1, 1, 1)
-    temps = result.temperatures
-    ax.plot(temps, [r.avg_at_n for r in result.rows], marker="o", linewidth=2,
-            label=f"Avg@{result.n_samples} (= Pass@1)")
+    rows = sorted(result.rows, key=lambda r: r.temperature)
+    temps = [r.temperature for r in rows]
+    ax.plot(temps, [r.avg_at_n for r in rows], marker="o", linewidth=2, label=f"Avg@{result.n_samples} (= Pass@1)")
     for k in _plotted_ks(result.k_values):
-        ax.plot(temps, [r.pass_at_k[k] for r in result.rows], marker=".", linestyle="--", label=f"Pass@{k}")
+        ax.plot(temps, [r.pass_at_k[k] for r in rows], marker=".", linestyle="--", label=f"Pass@{k}")
     ax.axhline(result.greedy_pass_at_1, color="black", linestyle=":", label="greedy Pass@1")
     ax.set_xlabel("sampling temperature")
     ax.set_ylabel("accuracy")
@@ -462,11 +464,12 @@ def compare_report(results: dict[str, EvalResult], out_dir: str | Path) -> Path:
     ax = fig.add_subplot(1, 1, 1)
     for i, (name, r) in enumerate(results.items()):
         color = f"C{i % 10}"
-        ax.plot(r.temperatures, [row.avg_at_n for row in r.rows], marker="o", color=color,
-                label=f"{name} Avg@{r.n_samples}")
+        rows = sorted(r.rows, key=lambda row: row.temperature)
+        temps = [row.temperature for row in rows]
+        ax.plot(temps, [row.avg_at_n for row in rows], marker="o", color=color, label=f"{name} Avg@{r.n_samples}")
         top = max(r.k_values)
         if top > 1:
-            ax.plot(r.temperatures, [row.pass_at_k[top] for row in r.rows], marker=".", linestyle="--", color=color,
+            ax.plot(temps, [row.pass_at_k[top] for row in rows], marker=".", linestyle="--", color=color,
                     label=f"{name} Pass@{top}")
         ax.axhline(r.greedy_pass_at_1, color=color, linestyle=":", linewidth=1, label=f"{name} greedy Pass@1")
     ax.set_xlabel("sampling temperature")
@@ -579,6 +582,8 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
         log(f"\n{name} ({result.settings['seconds']:.0f}s)\n\n{format_table(result, brief=True)}\n"
             f"-> {out}/eval.json, eval.md, eval.png{every}")
         del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the next model gets the memory back
     if len(results) > 1:
         path = compare_report(results, out_root)
         log(f"\n{compare_table(results)}\n-> {path}, compare.png, compare.json")

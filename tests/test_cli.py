@@ -281,6 +281,9 @@ def test_eval_config_resolution(done_run, tmp_path):
 
     root, run, cache = done_run
     ckpt = os.path.join(run, "checkpoints", "step-000002")
+    # a quoted glob: every match, in order, and the run they belong to
+    cfg = resolve_config([f"model={run}/checkpoints/step-*"], "eval")
+    assert cfg.eval_checkpoints == [ckpt] and cfg.run_dir == run
     for entry in (run, ckpt):   # a run, or a checkpoint of it: that run's config and eval/
         cfg = resolve_config([f"model={entry}"], "eval")
         assert cfg.run_dir == run and cfg.task_eval_size == 5 and cfg.eval_checkpoints == [entry]
@@ -322,7 +325,9 @@ def test_eval_bad_input(capsys, done_run, tmp_path):
     one_line_error(capsys, ["eval", *base, "temperatures=0,1.0"], "temperatures > 0", "greedy")
     one_line_error(capsys, ["eval", *base, "temperatures=-0.5"], "temperatures > 0")
     one_line_error(capsys, ["eval", *base, "n=0"], "eval_n_samples=0 must be")
+    one_line_error(capsys, ["eval", *base, "temperatures=0.5,1.0,0.5"], "a temperature is listed twice")
     one_line_error(capsys, ["eval", *base, "temps=1"], "unknown key 'temps'", "did you mean temperatures?")
+    one_line_error(capsys, ["eval", f"model={run}/checkpoints/nope-*"], "matches no directory")
     assert not os.path.exists(os.path.join(run, "eval", "run-step-000002", "eval.json.tmp"))
 
 

@@ -157,6 +157,8 @@ def test_evaluate_sampler_rejects_bad_input():
         evaluate_sampler(lambda problems, t: ["x"] * len(problems), ["a", "b"], order=[0, 0], **kw)
     with pytest.raises(ValueError, match="^answers:"):
         evaluate_sampler(lambda problems, t: [], [], **kw)
+    with pytest.raises(ValueError, match="^temperatures: a temperature is listed twice"):
+        evaluate_sampler(lambda problems, t: ["x"] * len(problems), ["a"], **{**kw, "temperatures": (0.5, 1.0, 0.5)})
     for temperatures in [(0.0,), (-0.5, 1.0), (float("inf"),), ()]:
         with pytest.raises(ValueError, match="^temperatures: need finite temperatures > 0"):
             evaluate_sampler(lambda problems, t: ["x"] * len(problems), ["a"], **{**kw, "temperatures": temperatures})
