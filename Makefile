@@ -20,8 +20,9 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# overwrite=true: a rerun of the demo replaces runs/demo (erpo train alone refuses to)
 demo: $(STAMP)
-	$(VENV)/bin/erpo train
+	$(VENV)/bin/erpo train overwrite=true
 
 # The accuracy-over-temperatures evaluation of the demo run (runs/demo, after make demo).
 eval: $(STAMP)

@@ -89,6 +89,7 @@ class TrainConfig:
     # ---- run directory
     run_dir: str = "runs/demo"  # where config.yaml, metrics.jsonl, the plot, the reference cache and checkpoints go
     resume: str = ""  # a run directory to continue from its latest checkpoint (same data order and RNG)
+    overwrite: bool = False  # start over in a run_dir that holds an earlier run, deleting its metrics, checkpoints and eval reports; false = refuse
     save_every: int = 50  # checkpoint every N steps (and always at the last step); 0 = only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept; 0 = keep all
     ref_cache: str = ""  # reference-cache file; empty = <run_dir>/ref_cache.safetensors (built when missing)
@@ -429,7 +430,7 @@ def save_config(cfg: TrainConfig, path: str) -> None:
 
 # Keys that may change when a run is resumed: they do not alter what steps 1..k computed.
 RESUMABLE_KEYS = frozenset(
-    {"steps", "save_every", "keep_checkpoints", "progress", "resume", "run_dir"}
+    {"steps", "save_every", "keep_checkpoints", "progress", "resume", "run_dir", "overwrite"}
     | {name for name in FIELDS if name.startswith("eval_")}
 )
 

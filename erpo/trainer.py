@@ -14,6 +14,7 @@ loop, writes metrics.jsonl, checkpoints and the plot.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -239,6 +240,12 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     return scale
 
 
+def earlier_run_files(run_dir: str) -> List[str]:
+    """What an earlier run left in ``run_dir`` that a new run would replace."""
+    names = (METRICS_FILE, ckpt.CHECKPOINTS, CURVES_FILE, "eval")
+    return [os.path.join(run_dir, n) for n in names if os.path.exists(os.path.join(run_dir, n))]
+
+
 # ---------------------------------------------------------------------- the trainer
 
 
@@ -250,6 +257,14 @@ class Trainer:
         cfg.validate()
         self.cfg = cfg
         self.log = log
+        self.earlier_run = [] if cfg.resume else earlier_run_files(cfg.run_dir)
+        if self.earlier_run and not cfg.overwrite:
+            last = ckpt.latest_checkpoint(cfg.run_dir)
+            held = f"checkpoint {os.path.basename(last)}" if last else "metrics of an unfinished run"
+            raise ErpoError(
+                f"run_dir={cfg.run_dir} holds an earlier run ({held}); continue it with: erpo train "
+                f"resume={cfg.run_dir}, start over with overwrite=true (deletes it), or choose another run_dir="
+            )
         self.device = resolve_device(cfg)
         self.compute_dtype = resolve_compute_dtype(cfg, self.device)
         check_setup(cfg, self.device)
@@ -366,16 +381,15 @@ class Trainer:
             if os.path.isfile(metrics):  # drop what was logged after the checkpoint
                 keep = [row for row in read_metrics(run) if row["step"] <= self.start_step]
                 atomic_write(metrics, "".join(json.dumps(row) + "\n" for row in keep).encode("utf-8"))
-        else:
-            old = [p for p in (metrics, os.path.join(run, ckpt.CHECKPOINTS), os.path.join(run, CURVES_FILE),
-                               os.path.join(run, "eval")) if os.path.exists(p)]
-            if old:
-                self.log(f"erpo: {run} holds an earlier run; starting over (continue one with resume={run})")
-                for p in old:
-                    shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        elif self.earlier_run:  # overwrite=true, checked in __init__
+            self.log(f"erpo: overwrite=true: deleting the earlier run in {run} and starting over")
+            for p in self.earlier_run:
+                shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
         if self._cache_is_new:
             save_ref_cache(self.cache, self.cache_path)
-        save_config(cfg, os.path.join(run, "config.yaml"))
+        # overwrite is an instruction for this start, not a setting of the run: a config
+        # file copied from the run must not delete it
+        save_config(dataclasses.replace(cfg, overwrite=False), os.path.join(run, "config.yaml"))
 
     # ------------------------------------------------------------------ one step
 

@@ -151,8 +151,13 @@ def test_stale_cache_loses_nothing(capsys, done_run):
     root, run, cache = done_run
     before = snapshot(run)
     assert "metrics.jsonl" in before and any(k.startswith("checkpoints") for k in before)
+    # a new run into the directory of a finished one is refused, naming the three ways on
+    err = one_line_error(capsys, ["train", *tiny_args(run, cache)],
+                         f"run_dir={run} holds an earlier run (checkpoint step-000002)", f"resume={run}",
+                         "overwrite=true")
+    assert snapshot(run) == before
     # a different warm start = different reference weights than the cache beside the run
-    err = one_line_error(capsys, ["train", *tiny_args(run, cache, warmstart_steps=101)],
+    err = one_line_error(capsys, ["train", *tiny_args(run, cache, warmstart_steps=101), "overwrite=true"],
                          "ref_cache.safetensors is stale: built for model weights", "rebuild it with: erpo ref-cache")
     assert "warmstart_steps=101" in err and f"run_dir={run}" in err
     assert snapshot(run) == before
@@ -172,13 +177,15 @@ def test_missing_query_then_ref_cache_rebuilds(capsys, done_run, tmp_path):
             "max_new_tokens=6", "steps=1", "progress=false", f"run_dir={tmp_path}/run"]
     assert main(["train", f"dataset={small}", *args]) == 0
     capsys.readouterr()
-    err = one_line_error(capsys, ["train", f"dataset={large}", *args],
+    err = one_line_error(capsys, ["train", f"dataset={large}", *args, "overwrite=true"],
                          "has no entry for training query 5 ('5+1=')", "(and 2 more)")
     assert err.endswith(f"rebuild it with: erpo ref-cache model={model_dir} dataset={large} template=plain "
                         f"run_dir={tmp_path}/run")
     assert main(["ref-cache", f"dataset={large}", *args]) == 0
     assert "wrote" in capsys.readouterr().out
-    assert main(["train", f"dataset={large}", *args]) == 0
+    assert main(["train", f"dataset={large}", *args, "overwrite=true"]) == 0
+    with open(f"{tmp_path}/run/config.yaml") as f:
+        assert "overwrite: false" in f.read()   # not kept: a copy of this config cannot delete the run
 
 
 def test_plot_and_eval(capsys, done_run, tmp_path):
