@@ -131,17 +131,21 @@ class TrainConfig:
     def is_demo_task(self) -> bool:
         return self.dataset == "arithmetic"
 
+    def template_for(self, demo_task: bool) -> str:
+        """`template`, with auto resolved: plain for the embedded task, r1 for a dataset file."""
+        return ("plain" if demo_task else "r1") if self.template == "auto" else self.template
+
+    def reward_for(self, demo_task: bool) -> str:
+        """`reward`, with auto resolved: exact_match for the embedded task, math_verify for a file."""
+        return ("exact_match" if demo_task else "math_verify") if self.reward == "auto" else self.reward
+
     @property
     def resolved_template(self) -> str:
-        if self.template == "auto":
-            return "plain" if self.is_demo_task else "r1"
-        return self.template
+        return self.template_for(self.is_demo_task)
 
     @property
     def resolved_reward(self) -> str:
-        if self.reward == "auto":
-            return "exact_match" if self.is_demo_task else "math_verify"
-        return self.reward
+        return self.reward_for(self.is_demo_task)
 
     @property
     def eval_is_demo_task(self) -> bool:
@@ -150,17 +154,13 @@ class TrainConfig:
 
     @property
     def eval_template(self) -> str:
-        """The template at evaluation: `template`, with auto resolved for the evaluation data."""
-        if self.template == "auto":
-            return "plain" if self.eval_is_demo_task else "r1"
-        return self.template
+        """The template at evaluation (auto resolved for the evaluation data)."""
+        return self.template_for(self.eval_is_demo_task)
 
     @property
     def eval_reward(self) -> str:
-        """The reward at evaluation: `reward`, with auto resolved for the evaluation data."""
-        if self.reward == "auto":
-            return "exact_match" if self.eval_is_demo_task else "math_verify"
-        return self.reward
+        """The reward at evaluation (auto resolved for the evaluation data)."""
+        return self.reward_for(self.eval_is_demo_task)
 
     @property
     def ref_cache_path(self) -> str:
