@@ -228,7 +228,9 @@ def evaluate_sampler(
             bar.update((start + len(chunk)) // per_problem - start // per_problem)   # problems finished
         return results
 
-    with torch.random.fork_rng(devices=list(rng_devices)), \
+    rng_devices = [torch.device(d) for d in rng_devices]
+    device_type = rng_devices[0].type if rng_devices else "cuda"
+    with torch.random.fork_rng(devices=rng_devices, device_type=device_type), \
             tqdm(total=n_problems * (1 + len(temperatures)), desc="eval", unit="problem", disable=not progress,
                  leave=False) as bar:
         bar.set_postfix_str("greedy")
