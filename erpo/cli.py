@@ -49,12 +49,19 @@ def run_of(path: str) -> Optional[str]:
     return None
 
 
+# Training keys a user of `erpo eval` may type for an eval key: refused, naming the right one.
+EVAL_LOOKALIKES = {"temperature": "temperatures", "group_size": "n"}
+
+
 def _eval_overrides(overrides: Sequence[str]) -> List[str]:
     """`erpo eval`'s short keys (model=, data=, n=, k=, ...; config.EVAL_KEYS) as the fields they set."""
     out = []
     for item in overrides:
         key, value = item.split("=", 1)
         key = key.strip().replace("-", "_")
+        if key in EVAL_LOOKALIKES:
+            raise ConfigError(f"{key}= is a training key that erpo eval does not use; did you mean "
+                              f"{EVAL_LOOKALIKES[key]}=?")
         if key not in EVAL_KEYS and key not in FIELDS:
             close = (difflib.get_close_matches(key, list(EVAL_KEYS), n=1, cutoff=0.5)
                      or difflib.get_close_matches(key, list(FIELDS), n=1, cutoff=0.6))
@@ -94,8 +101,9 @@ def resolve_config(args: Sequence[str], command: str = "train") -> TrainConfig:
 
 
 def _eval_config(cfg: TrainConfig, given: Dict[str, Any], from_file: bool) -> TrainConfig:
-    """The config `erpo eval` runs with: the evaluated run's saved config under the given
-    keys (unless a config file was given), and where its reports go."""
+    """The config `erpo eval` runs with: the saved config of the first model's run under the
+    given keys (unless a config file was given), and where its reports go: <run>/eval for
+    one run, <the runs' parent>/eval for several, runs/eval for models outside any run."""
     entries = []
     for entry in cfg.eval_checkpoints:  # model=runs/erpo/checkpoints/* (quoted): every checkpoint, in order
         if any(ch in entry for ch in "*?["):
@@ -108,11 +116,12 @@ def _eval_config(cfg: TrainConfig, given: Dict[str, Any], from_file: bool) -> Tr
     if "eval_checkpoints" in given:
         cfg.eval_checkpoints = entries
         given = {**given, "eval_checkpoints": entries}
-    run = run_of(entries[0]) if entries and "run_dir" not in given else None
+    chosen_run_dir = "run_dir" in given
+    run = run_of(entries[0]) if entries and not chosen_run_dir else None
     if run is not None:
         given = {**given, "run_dir": run}
         cfg.run_dir = run
-    outside_runs = bool(entries) and run is None and "run_dir" not in given  # e.g. model=/models/Qwen2.5
+    outside_runs = bool(entries) and run is None and not chosen_run_dir  # e.g. model=/models/Qwen2.5
     base = os.path.join(cfg.run_dir, "config.yaml")
     if not from_file and not outside_runs and os.path.isfile(base):
         saved = read_yaml(base)
@@ -120,17 +129,30 @@ def _eval_config(cfg: TrainConfig, given: Dict[str, Any], from_file: bool) -> Tr
         cfg = TrainConfig(**saved)
     if "eval_n_samples" in given and "eval_k_values" not in given:
         cfg.eval_k_values = []  # a new n: Pass@k for every k <= n, not the k of a saved config
-    if outside_runs and not cfg.eval_out:
-        cfg.eval_out = os.path.join("runs", "eval")  # not into the default run_dir (the demo's run)
+    runs = sorted({r for r in map(run_of, entries) if r is not None})
+    if not cfg.eval_out and not chosen_run_dir:
+        if outside_runs:
+            cfg.eval_out = os.path.join("runs", "eval")  # not into the default run_dir (the demo's run)
+        elif len(runs) > 1:  # several runs compared: beside them, not inside the first (nor lost with it)
+            cfg.eval_out = os.path.join(os.path.commonpath([os.path.abspath(os.path.dirname(r)) for r in runs]),
+                                        "eval")
     return cfg
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, like every other `erpo` error."""
+
+    def error(self, message: str):
+        hint = " (keys are given as key=value, e.g. n=4; `erpo --help` lists the commands)" if "--" in message else ""
+        self.exit(2, f"erpo: error: {message}{hint}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="erpo", description="GRPO / ERPO training with fused loss kernels.", epilog=USAGE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="command", metavar="{train,ref-cache,plot,eval}")
+    sub = p.add_subparsers(dest="command", metavar="{train,ref-cache,plot,eval}", parser_class=_Parser)
     for name, text in (
         ("train", "train a model (no arguments: the embedded demo)"),
         ("ref-cache", "build the reference cache of a run"),
@@ -162,8 +184,10 @@ eval.md and eval.png in <out>/<name>/; with several models compare.md/png/json i
   temperatures=  sampling temperatures, each > 0; greedy is always run.  [default: %s]
   n=             samples per problem and temperature.  [default: 8]
   k=             k of Pass@k, each <= n.  [default: every k from 1 to n]
-  max_new_tokens=, batch_size=, limit= (first N problems), out= (report directory;
-                 default <run_dir>/eval, runs/eval for a model outside any run)
+  max_new_tokens= response length (default: the run's; 8 outside any run: set it)
+  batch_size=, limit= (the first N problems only)
+  out=           report directory  [default: <run>/eval for one run, <their parent>/eval
+                 for several, runs/eval for a model outside any run]
 
 Every training key is accepted too (e.g. device=, dtype=, template=, reward=, seed=):"""
 
@@ -210,7 +234,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             eval_command(cfg)
         return 0
     except ErpoError as exc:
-        print(f"erpo: error: {exc}", file=sys.stderr)
+        message = str(exc)
+        if args.command == "eval":  # name the keys as `erpo eval` takes them: n=, not eval_n_samples=
+            for short, name in EVAL_KEYS.items():
+                message = message.replace(f"{name}=", f"{short}=")
+        print(f"erpo: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         where = ""

@@ -227,7 +227,7 @@ class TrainConfig:
         if any(not 1 <= k <= self.eval_n_samples for k in self.eval_k_values):
             raise ConfigError(
                 f"eval_k_values={self.eval_k_values}: each k of Pass@k must lie in [1, eval_n_samples="
-                f"{self.eval_n_samples}] (k samples are drawn from the n); raise eval_n_samples or lower k"
+                f"{self.eval_n_samples}] (k samples are drawn from the n); raise eval_n_samples= or lower the k"
             )
         if not self.run_dir:
             raise ConfigError("run_dir is empty; give the run a directory, e.g. run_dir=runs/my-run")

@@ -115,15 +115,15 @@ def _record_example(rec: Dict[str, Any], prompt_field: str, answer_field: str) -
     return prompt, answer
 
 
-def read_examples(path: str, prompt_field: str, answer_field: str) -> List[Example]:
+def read_examples(path: str, prompt_field: str, answer_field: str, key: str = "dataset") -> List[Example]:
     """Examples from a local file; a missing file, field or empty set is a DataError.
 
     With the default fields (prompt, answer), a record without them may give its question
     as "problem" or "question" and its answer as the last \\boxed{} of "solution", so a
-    MATH-style JSONL reads as it is.
+    MATH-style JSONL reads as it is. ``key`` names the setting in messages (dataset, data).
     """
     if not os.path.exists(path):
-        raise DataError(f"dataset {path!r} does not exist (give a local .jsonl/.parquet file, or dataset=arithmetic)")
+        raise DataError(f"dataset {path!r} does not exist (give a local .jsonl/.parquet file, or {key}=arithmetic)")
     if os.path.isdir(path):
         raise DataError(f"dataset {path!r} is a directory; give one .jsonl, .json or .parquet file")
     try:
@@ -138,13 +138,15 @@ def read_examples(path: str, prompt_field: str, answer_field: str) -> List[Examp
         if not isinstance(rec, dict):
             raise DataError(f"dataset {path} record {i} is not an object with fields")
         prompt, answer = _record_example(rec, prompt_field, answer_field)
-        for value, key, flag in ((prompt, prompt_field, "prompt_field"), (answer, answer_field, "answer_field")):
+        for value, field, flag in ((prompt, prompt_field, "prompt_field"), (answer, answer_field, "answer_field")):
             if value is None:
                 fields = ", ".join(sorted(map(str, rec))) or "none"
-                boxed = (f" (its {SOLUTION_FIELD!r} has no \\boxed{{}} answer)"
-                         if flag == "answer_field" and SOLUTION_FIELD in rec else "")
+                also = ""
+                if flag == "answer_field" and answer_field == "answer":
+                    also = (f" and its {SOLUTION_FIELD!r} holds no \\boxed{{}} answer" if SOLUTION_FIELD in rec
+                            else f" nor a {SOLUTION_FIELD!r} with a \\boxed{{}} answer")
                 raise DataError(
-                    f"dataset {path} record {i} has no {key!r} field{boxed} (its fields: {fields}); "
+                    f"dataset {path} record {i} has no {field!r} field{also} (its fields: {fields}); "
                     f"set {flag}=NAME to the field that holds it"
                 )
         examples.append(Example(str(prompt), str(answer)))
@@ -154,7 +156,7 @@ def read_examples(path: str, prompt_field: str, answer_field: str) -> List[Examp
 def load_examples(cfg: TrainConfig, split: str = "train") -> List[Example]:
     """The training ("train") or evaluation ("eval") examples the config names."""
     if split == "eval" and cfg.eval_dataset and cfg.eval_dataset != "arithmetic":
-        return read_examples(cfg.eval_dataset, cfg.prompt_field, cfg.answer_field)
+        return read_examples(cfg.eval_dataset, cfg.prompt_field, cfg.answer_field, key="eval_dataset")
     if cfg.is_demo_task or (split == "eval" and cfg.eval_dataset == "arithmetic"):
         train, held_out = arithmetic_split(cfg.task_max_operand, cfg.task_train_size, cfg.task_eval_size, cfg.seed)
         return train if split == "train" else held_out

@@ -46,6 +46,7 @@ __all__ = [
 ]
 
 TEMPERATURES = tuple(EVAL_TEMPERATURES)
+TRUNCATION_WARNING = 0.05  # `erpo eval` warns when more responses than this ran into max_new_tokens
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -302,9 +303,13 @@ def evaluate(
     if empty:
         raise ValueError(f"prompts: prompt {empty[0]} has no tokens")
 
+    counts = {"sequences": 0, "truncated": 0}
+
     def sample(problems: Sequence[int], temperature: float) -> list[str]:
         responses = generate_ids(model, [encoded[i] for i in problems], temperature=temperature,
                                  max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_ids=eos_ids)
+        counts["sequences"] += len(responses)
+        counts["truncated"] += sum(len(r) >= max_new_tokens and r[-1] not in eos_ids for r in responses)
         # generate_ids cuts each response after its first EOS; the EOS itself is not text
         return [tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in eos_ids else tokens, skip_special_tokens=True)
                 for tokens in responses]
@@ -320,7 +325,8 @@ def evaluate(
         )
     finally:
         model.train(was_training)
-    result.settings.update({"max_new_tokens": max_new_tokens, "top_p": 1.0, "top_k": 0})
+    result.settings.update({"max_new_tokens": max_new_tokens, "top_p": 1.0, "top_k": 0,
+                            "truncated_fraction": counts["truncated"] / max(1, counts["sequences"])})
     return result
 
 
@@ -366,7 +372,8 @@ def format_table(result: EvalResult, brief: bool = False) -> str:
 def _eval_markdown(result: EvalResult, title: str) -> str:
     text = f"# {title}\n\n" if title else ""
     text += (f"{result.n_problems} problems, {result.n_samples} samples per problem and temperature; "
-             f"Pass@k is the unbiased estimator.\n\n")
+             f"Pass@k is the unbiased estimator (its Pass@1 at a temperature equals Avg@{result.n_samples}); "
+             f"the method's Pass@1 is greedy decoding's, below the table.\n\n")
     return text + format_table(result) + "\n![accuracy vs temperature](eval.png)\n"
 
 
@@ -514,11 +521,15 @@ def _eval_target(entry: str, cfg: TrainConfig, log: Callable[[str], None]) -> tu
         demo = replace(cfg, model="tiny")
         return resolve_model_dir(demo, load_examples(demo, "train"), log), "tiny-start"
     norm = os.path.normpath(entry)
-    if os.path.isdir(os.path.join(norm, ckpt.CHECKPOINTS)):
+    if os.path.isdir(os.path.join(norm, ckpt.CHECKPOINTS)) or os.path.isfile(os.path.join(norm, "config.yaml")):
         latest = ckpt.latest_checkpoint(norm)
         if latest is None:
             raise ErpoError(f"eval: run {entry} has no checkpoint yet; train it first, or evaluate another model=")
         return latest, f"{os.path.basename(norm)}-{os.path.basename(latest)}"
+    if os.path.basename(norm) == ckpt.CHECKPOINTS and os.path.isdir(norm):
+        run = os.path.dirname(norm) or "."
+        raise ErpoError(f"model={entry} is the checkpoints folder: name the run (model={run}, its latest checkpoint) "
+                        f"or every checkpoint with a quoted glob (model=\"{os.path.join(entry, '*')}\")")
     check_model_dir(entry, "model=", "a run directory, a checkpoint (RUN/checkpoints/step-N), or tiny")
     name = os.path.basename(norm)
     if os.path.basename(os.path.dirname(norm)) == ckpt.CHECKPOINTS:
@@ -549,19 +560,31 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
                 f"demo's starting model)"
             )
         entries = [cfg.run_dir]
+    # a report per model and evaluation set: data= of another file does not replace the default one
+    data_name = cfg.eval_dataset or cfg.dataset
+    suffix = f"-{os.path.splitext(os.path.basename(cfg.eval_dataset))[0]}" if cfg.eval_dataset else ""
     targets: dict[str, str] = {}  # model dir -> report name; every entry checked before the first long evaluation
     for entry in entries:
         model_dir, name = _eval_target(entry, cfg, log)
         if model_dir not in targets:
-            targets[model_dir] = _unique(name, set(targets.values()))
+            targets[model_dir] = _unique(name + suffix, set(targets.values()))
+    out_root = cfg.eval_out or os.path.join(cfg.run_dir, "eval")
+    try:  # a report directory that cannot be written fails now, not after hours of generation
+        os.makedirs(out_root, exist_ok=True)
+        probe = os.path.join(out_root, f".write-test-{os.getpid()}")
+        open(probe, "wb").close()
+        os.remove(probe)
+    except OSError as exc:
+        raise ErpoError(f"out={out_root}: reports cannot be written there ({exc.strerror}); give a writable "
+                        f"directory with out=DIR") from None
     device = resolve_device(cfg)
     dtype = resolve_compute_dtype(cfg, device)
     reward_fn = get_reward_fn(cfg.eval_reward)
-    out_root = cfg.eval_out or os.path.join(cfg.run_dir, "eval")
-    data_name = cfg.eval_dataset or cfg.dataset
+    max_new_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
+    n_temps = len(cfg.eval_temperatures)
     log(f"erpo: eval on {len(examples)} problems of {data_name} (template {cfg.eval_template}, reward "
-        f"{cfg.eval_reward}), {cfg.eval_n_samples} samples at each of {len(cfg.eval_temperatures)} temperatures "
-        f"+ greedy")
+        f"{cfg.eval_reward}, responses of at most {max_new_tokens} tokens), {cfg.eval_n_samples} samples at each of "
+        f"{n_temps} temperature{'s' if n_temps > 1 else ''} + greedy")
 
     results, out_dirs = {}, {}
     for model_dir, name in targets.items():
@@ -572,7 +595,7 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
         result = evaluate(
             model, tokenizer, prompts, [ex.answer for ex in examples], reward_fn=reward_fn,
             temperatures=cfg.eval_temperatures, n_samples=cfg.eval_n_samples, k_values=cfg.eval_k_values or None,
-            max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, batch_size=cfg.eval_batch_size,
+            max_new_tokens=max_new_tokens, batch_size=cfg.eval_batch_size,
             seed=cfg.seed, progress=cfg.progress,
         )
         result.settings.update({"model": model_dir, "data": data_name, "template": cfg.eval_template,
@@ -583,6 +606,10 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
         every = " (every Pass@k in eval.md)" if len(result.k_values) > 8 else ""
         log(f"\n{name} ({result.settings['seconds']:.0f}s)\n\n{format_table(result, brief=True)}\n"
             f"-> {out}/eval.json, eval.md, eval.png{every}")
+        cut = result.settings["truncated_fraction"]
+        if cut > TRUNCATION_WARNING:
+            log(f"erpo: warning: {cut:.0%} of {name}'s responses reached max_new_tokens={max_new_tokens} without "
+                f"ending; their answers may be cut off (raise max_new_tokens=)")
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the next model gets the memory back

@@ -140,8 +140,9 @@ def quiet_transformers() -> None:
 def check_model_dir(path: str, what: str = "model", alternatives: str = "or model=tiny for the embedded demo model") -> None:
     """ErpoError unless `path` is a directory with a config.json (`what` names the setting)."""
     if not os.path.isdir(path):
+        problem = "is a file, not a directory" if os.path.exists(path) else "does not exist"
         raise ErpoError(
-            f"{what} {path!r} does not exist; give a local Hugging Face model directory (with config.json), {alternatives}"
+            f"{what} {path!r} {problem}; give a local Hugging Face model directory (with config.json), {alternatives}"
         )
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ErpoError(f"{what} {path!r} has no config.json; is it a Hugging Face model directory (save_pretrained)?")
@@ -260,10 +261,11 @@ class Trainer:
         self.earlier_run = [] if cfg.resume else earlier_run_files(cfg.run_dir)
         if self.earlier_run and not cfg.overwrite:
             last = ckpt.latest_checkpoint(cfg.run_dir)
-            held = f"checkpoint {os.path.basename(last)}" if last else "metrics of an unfinished run"
+            go_on = f"continue it with: erpo train resume={cfg.run_dir}, " if last else ""
             raise ErpoError(
-                f"run_dir={cfg.run_dir} holds an earlier run ({held}); continue it with: erpo train "
-                f"resume={cfg.run_dir}, start over with overwrite=true (deletes it), or choose another run_dir="
+                f"run_dir={cfg.run_dir} holds an earlier run "
+                f"({f'checkpoint {os.path.basename(last)}' if last else 'one that wrote no checkpoint'}); "
+                f"{go_on}start over with overwrite=true (deletes it), or choose another run_dir="
             )
         self.device = resolve_device(cfg)
         self.compute_dtype = resolve_compute_dtype(cfg, self.device)
@@ -284,8 +286,8 @@ class Trainer:
             self.resume_from = ckpt.latest_checkpoint(cfg.resume)
             if self.resume_from is None:
                 raise ErpoError(
-                    f"resume={cfg.resume}: no checkpoint there (expected {cfg.resume}/checkpoints/step-N); "
-                    f"start it again without resume="
+                    f"resume={cfg.resume}: no checkpoint there yet (expected {cfg.resume}/checkpoints/step-N); "
+                    f"start it over with: erpo train run_dir={cfg.resume} overwrite=true"
                 )
             saved = ckpt.read_state(self.resume_from)
             self.start_step = int(saved["step"])

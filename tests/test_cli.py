@@ -141,7 +141,7 @@ def test_dataset_without_fields(capsys, tmp_path):
                    "record 0 has no 'prompt' field (its fields: q, solution)", "set prompt_field=NAME")
     # a MATH-style record's answer is the \boxed{} of its solution; this one has none
     one_line_error(capsys, ["train", f"dataset={data}", "prompt_field=q", f"run_dir={tmp_path}/r"],
-                   "has no 'answer' field (its 'solution' has no \\boxed{} answer)", "answer_field=NAME")
+                   "has no 'answer' field and its 'solution' holds no \\boxed{} answer", "answer_field=NAME")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
     one_line_error(capsys, ["train", f"dataset={bad}", f"run_dir={tmp_path}/r"], "line 2 is not valid JSON")
@@ -229,6 +229,12 @@ def test_eval_short_keys_end_to_end(capsys, done_run, tmp_path):
     row = result["rows"][1]
     assert table["1.5"] == [f"{row['avg_at_n']:.4f}"] + [f"{row['pass_at_k'][k]:.4f}" for k in "123"]
     assert f"Greedy Pass@1: {result['greedy_pass_at_1']:.4f}" in out
+    # responses cut by max_new_tokens are counted, and a warning says how to fix it
+    assert main(["eval", f"model={run}", "n=1", "temperatures=1.0", "limit=2", "max_new_tokens=1",
+                 f"out={tmp_path}/cut", "progress=false"]) == 0
+    assert "warning: 100% of run-step-000002's responses reached max_new_tokens=1" in capsys.readouterr().out
+    with open(os.path.join(tmp_path, "cut", "run-step-000002", "eval.json")) as f:
+        assert json.load(f)["settings"]["truncated_fraction"] == 1.0
     for r in result["rows"]:   # the per-problem counts agree with the summary numbers
         assert len(r["n_correct"]) == 4 and all(0 <= c <= 3 for c in r["n_correct"])
         assert r["avg_at_n"] == pytest.approx(sum(r["n_correct"]) / 12)
@@ -275,7 +281,7 @@ def test_eval_math_style_jsonl(capsys, done_run, tmp_path):
     capsys.readouterr()
     assert main(["eval", f"model={run}", f"data={data}", "n=1", "temperatures=1.0", "max_new_tokens=4",
                  f"out={out}", "progress=false"]) == 0
-    with open(os.path.join(out, "run-step-000002", "eval.json")) as f:
+    with open(os.path.join(out, "run-step-000002-math", "eval.json")) as f:   # named after model and data
         result = json.load(f)
     assert result["n_problems"] == 3 and result["k_values"] == [1]
     assert result["settings"]["reward"] == "math_verify" and result["settings"]["template"] == "r1"
@@ -303,6 +309,12 @@ def test_eval_config_resolution(done_run, tmp_path):
     outside.mkdir()
     cfg = resolve_config([f"model={outside}"], "eval")
     assert cfg.task_eval_size == 200 and cfg.eval_out == os.path.join("runs", "eval")
+    # several runs: reports beside them, not inside the first
+    sibling = tmp_path / "runs" / "b"
+    (sibling / "checkpoints").mkdir(parents=True)
+    (sibling / "config.yaml").write_text("steps: 2\n")
+    cfg = resolve_config([f"model={run},{sibling}"], "eval")
+    assert cfg.run_dir == run and cfg.eval_out == os.path.commonpath([str(root), str(tmp_path)]) + "/eval"
     # n= alone: Pass@k for every k <= n, whatever k the saved config held
     saved = TrainConfig(**{**__import__("yaml").safe_load(open(os.path.join(run, "config.yaml"))),
                            "eval_k_values": [1, 4, 8]})
@@ -328,13 +340,25 @@ def test_eval_bad_input(capsys, done_run, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     one_line_error(capsys, ["eval", *base, f"data={empty}"], "holds no records")
-    one_line_error(capsys, ["eval", *base, "n=2", "k=1,3"], "each k of Pass@k must lie in [1, eval_n_samples=2]")
+    # messages name the keys as typed: n=, k=, not the config fields eval_n_samples, eval_k_values
+    one_line_error(capsys, ["eval", *base, "n=2", "k=1,3"], "k=[1, 3]: each k of Pass@k must lie in [1, n=2]",
+                   "raise n= or lower the k")
     one_line_error(capsys, ["eval", *base, "temperatures=0,1.0"], "temperatures > 0", "greedy")
     one_line_error(capsys, ["eval", *base, "temperatures=-0.5"], "temperatures > 0")
-    one_line_error(capsys, ["eval", *base, "n=0"], "eval_n_samples=0 must be")
+    one_line_error(capsys, ["eval", *base, "n=0"], "n=0 must be finite and >= 1")
     one_line_error(capsys, ["eval", *base, "temperatures=0.5,1.0,0.5"], "a temperature is listed twice")
     one_line_error(capsys, ["eval", *base, "temps=1"], "unknown key 'temps'", "did you mean temperatures?")
     one_line_error(capsys, ["eval", f"model={run}/checkpoints/nope-*"], "matches no directory")
+    one_line_error(capsys, ["eval", *base, "temperature=0.5"], "did you mean temperatures=?")
+    one_line_error(capsys, ["eval", f"model={run}/config.yaml"], "is a file, not a directory")
+    one_line_error(capsys, ["eval", f"model={run}/checkpoints"], "is the checkpoints folder", "checkpoints/*")
+    one_line_error(capsys, ["eval", *base, f"data={tmp_path}/none.jsonl"], "or data=arithmetic")
+    one_line_error(capsys, ["eval", *base, f"out={run}/config.yaml"], "reports cannot be written there")
+    with pytest.raises(SystemExit) as exit_:   # argparse errors are one line too
+        main(["eval", "--n", "4"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("erpo: error: unrecognized arguments: --n") and "\n" not in err and "n=4" in err
     assert not os.path.exists(os.path.join(run, "eval", "run-step-000002", "eval.json.tmp"))
 
 
