@@ -530,7 +530,7 @@ def _eval_target(entry: str, cfg: TrainConfig, log: Callable[[str], None]) -> tu
         run = os.path.dirname(norm) or "."
         raise ErpoError(f"model={entry} is the checkpoints folder: name the run (model={run}, its latest checkpoint) "
                         f"or every checkpoint with a quoted glob (model=\"{os.path.join(entry, '*')}\")")
-    check_model_dir(entry, "model=", "a run directory, a checkpoint (RUN/checkpoints/step-N), or tiny")
+    check_model_dir(entry, "model", "a run directory, a checkpoint (RUN/checkpoints/step-N), or tiny")
     name = os.path.basename(norm)
     if os.path.basename(os.path.dirname(norm)) == ckpt.CHECKPOINTS:
         name = f"{os.path.basename(os.path.dirname(os.path.dirname(norm)))}-{name}"
@@ -569,6 +569,8 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
         if model_dir not in targets:
             targets[model_dir] = _unique(name + suffix, set(targets.values()))
     out_root = cfg.eval_out or os.path.join(cfg.run_dir, "eval")
+    if os.path.exists(out_root) and not os.path.isdir(out_root):
+        raise ErpoError(f"out={out_root} is a file; give a directory for the reports with out=DIR")
     try:  # a report directory that cannot be written fails now, not after hours of generation
         os.makedirs(out_root, exist_ok=True)
         probe = os.path.join(out_root, f".write-test-{os.getpid()}")

@@ -330,7 +330,7 @@ def test_eval_config_resolution(done_run, tmp_path):
 def test_eval_bad_input(capsys, done_run, tmp_path):
     root, run, cache = done_run
     base = [f"model={run}", "limit=2", "progress=false"]
-    one_line_error(capsys, ["eval", "model=/no/such/dir", "progress=false"], "model= '/no/such/dir' does not exist")
+    one_line_error(capsys, ["eval", "model=/no/such/dir", "progress=false"], "model '/no/such/dir' does not exist")
     empty_run = tmp_path / "fresh"
     (empty_run / "checkpoints").mkdir(parents=True)
     (empty_run / "config.yaml").write_text("steps: 3\n")
@@ -353,7 +353,10 @@ def test_eval_bad_input(capsys, done_run, tmp_path):
     one_line_error(capsys, ["eval", f"model={run}/config.yaml"], "is a file, not a directory")
     one_line_error(capsys, ["eval", f"model={run}/checkpoints"], "is the checkpoints folder", "checkpoints/*")
     one_line_error(capsys, ["eval", *base, f"data={tmp_path}/none.jsonl"], "or data=arithmetic")
-    one_line_error(capsys, ["eval", *base, f"out={run}/config.yaml"], "reports cannot be written there")
+    one_line_error(capsys, ["eval", *base, f"out={run}/config.yaml"], "config.yaml is a file; give a directory")
+    blocked = tmp_path / "blocked"
+    blocked.write_text("")
+    one_line_error(capsys, ["eval", *base, f"out={blocked}/sub"], "reports cannot be written there")
     with pytest.raises(SystemExit) as exit_:   # argparse errors are one line too
         main(["eval", "--n", "4"])
     assert exit_.value.code == 2
