@@ -186,6 +186,7 @@ eval.md and eval.png in <out>/<name>/; with several models compare.md/png/json i
   k=             k of Pass@k, each <= n.  [default: every k from 1 to n]
   max_new_tokens= response length (default: the run's; 8 outside any run: set it)
   batch_size=, limit= (the first N problems only)
+  save_samples=true  also write samples.jsonl: every completion, its question, gold answer and grade
   out=           report directory  [default: <run>/eval for one run, <their parent>/eval
                  for several, runs/eval for a model outside any run]
 

@@ -117,6 +117,7 @@ class TrainConfig:
     eval_batch_size: int = 256  # sequences per generate call at evaluation
     eval_limit: int = 0  # evaluate the first N problems only; 0 = all
     eval_out: str = ""  # where reports go; empty = <run_dir>/eval (runs/eval for a model outside any run)
+    eval_save_samples: bool = False  # also write samples.jsonl: every completion with its question, gold answer and grade
 
     # ------------------------------------------------------------------ helpers
 
@@ -293,7 +294,7 @@ ALIASES = {
 EVAL_KEYS = {
     "model": "eval_checkpoints", "data": "eval_dataset", "temperatures": "eval_temperatures", "n": "eval_n_samples",
     "k": "eval_k_values", "max_new_tokens": "eval_max_new_tokens", "batch_size": "eval_batch_size",
-    "limit": "eval_limit", "out": "eval_out",
+    "limit": "eval_limit", "out": "eval_out", "save_samples": "eval_save_samples",
 }
 
 

@@ -104,6 +104,8 @@ class EvalResult:
     n_problems: int
     greedy_correct: list[int] = field(default_factory=list)  # [n_problems] 0/1
     settings: dict[str, Any] = field(default_factory=dict)   # max_new_tokens, seed, ...
+    # every completion, when kept: {"problem", "temperature" (0 = greedy), "completion", "correct"}
+    samples: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def temperatures(self) -> list[float]:
@@ -194,6 +196,7 @@ def evaluate_sampler(
     order: Sequence[int] | None = None,
     progress: bool = True,
     rng_devices: Sequence[torch.device] = (),
+    keep_samples: bool = False,
 ) -> EvalResult:
     """The protocol of erpo-method.md s.8 around any sampler: greedy Pass@1, then at every
     temperature ``n_samples`` completions per problem, Avg@n and Pass@k (every k in
@@ -204,7 +207,8 @@ def evaluate_sampler(
     most ``batch_size`` sequences at a time, problems in ``order`` (default 0..P-1; the
     samples of one problem are consecutive). Torch's RNG is seeded per temperature from
     ``seed`` inside a fork (CPU and ``rng_devices``), so the caller's state is kept. The
-    progress bar counts temperatures x problems (greedy included).
+    progress bar counts temperatures x problems (greedy included). ``keep_samples`` keeps
+    every completion and its grade in ``result.samples``.
     """
     from tqdm.auto import tqdm
 
@@ -215,6 +219,7 @@ def evaluate_sampler(
         raise ValueError(f"order: must be a permutation of the {n_problems} problem indices")
     k_values = list(range(1, n_samples + 1)) if k_values is None else sorted({int(k) for k in k_values})
     sampled_items = [i for i in order for _ in range(n_samples)]  # problem index of each sampled sequence
+    samples: list[dict[str, Any]] = []
 
     def run(items: list[int], temperature: float, per_problem: int, bar) -> list[int]:
         """Correctness (0/1) of one completion for each problem index in ``items``."""
@@ -226,6 +231,9 @@ def evaluate_sampler(
                 raise ValueError(f"sampler: returned {len(completions)} completions for {len(chunk)} sequences")
             for completion, i in zip(completions, chunk):
                 results.append(int(float(reward_fn(completion, answers[i])) >= CORRECT_THRESHOLD))
+                if keep_samples:
+                    samples.append({"problem": i, "temperature": temperature, "completion": completion,
+                                    "correct": results[-1]})
             bar.update((start + len(chunk)) // per_problem - start // per_problem)   # problems finished
         return results
 
@@ -259,6 +267,7 @@ def evaluate_sampler(
         n_problems=n_problems,
         greedy_correct=greedy_correct,
         settings={"seed": seed, "batch_size": batch_size, "correct_threshold": CORRECT_THRESHOLD},
+        samples=samples,
     )
 
 
@@ -276,6 +285,7 @@ def evaluate(
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
+    keep_samples: bool = False,
 ) -> EvalResult:
     """Avg@n and Pass@k at every temperature, and greedy Pass@1 (erpo-method.md s.8), of a
     Hugging Face causal LM: ``evaluate_sampler`` with batched ``model.generate``.
@@ -321,7 +331,7 @@ def evaluate(
             sample, answers, reward_fn=reward_fn, temperatures=temperatures, n_samples=n_samples,
             k_values=k_values, batch_size=batch_size, seed=seed, progress=progress,
             order=sorted(range(len(prompts)), key=lambda i: len(encoded[i])),  # similar lengths batch together
-            rng_devices=[model.device] if model.device.type != "cpu" else [],
+            rng_devices=[model.device] if model.device.type != "cpu" else [], keep_samples=keep_samples,
         )
     finally:
         model.train(was_training)
@@ -413,11 +423,14 @@ def _eval_figure(result: EvalResult, title: str):
     return fig
 
 
-def write_report(result: EvalResult, out_dir: str | Path, title: str = "") -> dict[str, Path]:
+def write_report(result: EvalResult, out_dir: str | Path, title: str = "",
+                 questions: Sequence[str] | None = None, answers: Sequence[str] | None = None) -> dict[str, Path]:
     """Write eval.json, eval.md (table: a row per temperature, a mean row, greedy Pass@1)
-    and eval.png (accuracy vs temperature) into ``out_dir``, each atomically.
+    and eval.png (accuracy vs temperature) into ``out_dir``, each atomically; with kept
+    samples also samples.jsonl, a line per completion (with its problem's question and
+    gold answer when given).
 
-    Returns {"json": path, "md": path, "png": path}.
+    Returns {"json": path, "md": path, "png": path} (and "samples").
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -428,6 +441,19 @@ def write_report(result: EvalResult, out_dir: str | Path, title: str = "") -> di
     atomic_write(paths["json"], (json.dumps(payload, indent=2) + "\n").encode("utf-8"))
     atomic_write(paths["md"], _eval_markdown(result, title).encode("utf-8"))
     atomic_write(paths["png"], _png_bytes(_eval_figure(result, title)))
+    if result.samples:
+        paths["samples"] = out / "samples.jsonl"
+        lines = []
+        for sample in result.samples:
+            extra = {}
+            if questions is not None:
+                extra["question"] = questions[sample["problem"]]
+            if answers is not None:
+                extra["answer"] = answers[sample["problem"]]
+            lines.append(json.dumps({**sample, **extra}) + "\n")
+        atomic_write(paths["samples"], "".join(lines).encode("utf-8"))
+    elif (out / "samples.jsonl").exists():
+        (out / "samples.jsonl").unlink()   # an earlier evaluation's: it would not match this report
     return paths
 
 
@@ -598,16 +624,17 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
             model, tokenizer, prompts, [ex.answer for ex in examples], reward_fn=reward_fn,
             temperatures=cfg.eval_temperatures, n_samples=cfg.eval_n_samples, k_values=cfg.eval_k_values or None,
             max_new_tokens=max_new_tokens, batch_size=cfg.eval_batch_size,
-            seed=cfg.seed, progress=cfg.progress,
+            seed=cfg.seed, progress=cfg.progress, keep_samples=cfg.eval_save_samples,
         )
         result.settings.update({"model": model_dir, "data": data_name, "template": cfg.eval_template,
                                 "reward": cfg.eval_reward, "seconds": round(time.perf_counter() - t0, 2)})
         out = os.path.join(out_root, name)
-        write_report(result, out, title=name)
+        written = write_report(result, out, title=name, questions=[ex.prompt for ex in examples],
+                               answers=[ex.answer for ex in examples])
         results[name], out_dirs[name] = result, out
         every = " (every Pass@k in eval.md)" if len(result.k_values) > 8 else ""
         log(f"\n{name} ({result.settings['seconds']:.0f}s)\n\n{format_table(result, brief=True)}\n"
-            f"-> {out}/eval.json, eval.md, eval.png{every}")
+            f"-> {out}/{', '.join(p.name for p in written.values())}{every}")
         cut = result.settings["truncated_fraction"]
         if cut > TRUNCATION_WARNING:
             log(f"erpo: warning: {cut:.0%} of {name}'s responses reached max_new_tokens={max_new_tokens} without "

@@ -229,12 +229,22 @@ def test_eval_short_keys_end_to_end(capsys, done_run, tmp_path):
     row = result["rows"][1]
     assert table["1.5"] == [f"{row['avg_at_n']:.4f}"] + [f"{row['pass_at_k'][k]:.4f}" for k in "123"]
     assert f"Greedy Pass@1: {result['greedy_pass_at_1']:.4f}" in out
-    # responses cut by max_new_tokens are counted, and a warning says how to fix it
-    assert main(["eval", f"model={run}", "n=1", "temperatures=1.0", "limit=2", "max_new_tokens=1",
-                 f"out={tmp_path}/cut", "progress=false"]) == 0
-    assert "warning: 100% of run-step-000002's responses reached max_new_tokens=1" in capsys.readouterr().out
-    with open(os.path.join(tmp_path, "cut", "run-step-000002", "eval.json")) as f:
-        assert json.load(f)["settings"]["truncated_fraction"] == 1.0
+    # responses cut by max_new_tokens are counted, and a warning says how to fix it; save_samples
+    # writes every completion with its question, gold answer and grade
+    assert main(["eval", f"model={run}", "n=2", "temperatures=1.0", "limit=2", "max_new_tokens=1",
+                 "save_samples=true", f"out={tmp_path}/cut", "progress=false"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: 100% of run-step-000002's responses reached max_new_tokens=1" in out
+    assert "eval.json, eval.md, eval.png, samples.jsonl" in out
+    report = os.path.join(tmp_path, "cut", "run-step-000002")
+    with open(os.path.join(report, "eval.json")) as f:
+        cut = json.load(f)
+    assert cut["settings"]["truncated_fraction"] == 1.0
+    with open(os.path.join(report, "samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert len(samples) == 2 * (1 + 2)
+    assert {s["question"] for s in samples} == {s["question"] for s in samples if s["temperature"] == 0.0}
+    assert sum(s["correct"] for s in samples if s["temperature"] == 1.0) == sum(cut["rows"][0]["n_correct"])
     for r in result["rows"]:   # the per-problem counts agree with the summary numbers
         assert len(r["n_correct"]) == 4 and all(0 <= c <= 3 for c in r["n_correct"])
         assert r["avg_at_n"] == pytest.approx(sum(r["n_correct"]) / 12)

@@ -114,6 +114,31 @@ def test_evaluate_sampler_aggregates_a_known_pattern():
     assert "Greedy Pass@1: 0.7500" in format_table(result)
 
 
+def test_kept_samples_and_samples_jsonl(tmp_path):
+    """keep_samples: every completion with its problem, temperature and grade, in the
+    pattern's counts; write_report puts them in samples.jsonl with question and answer."""
+    answers = ["right"] * 4
+    kw = dict(reward_fn=lambda c, a: float(c == a), temperatures=PatternSampler.TEMPS, n_samples=5, progress=False)
+    assert evaluate_sampler(PatternSampler(), answers, **kw).samples == []     # off by default
+    result = evaluate_sampler(PatternSampler(), answers, keep_samples=True, **kw)
+    assert len(result.samples) == 4 * (1 + 3 * 5)
+    for t_index, t in enumerate(PatternSampler.TEMPS):
+        for i in range(4):
+            mine = [s for s in result.samples if s["temperature"] == t and s["problem"] == i]
+            assert len(mine) == 5 and sum(s["correct"] for s in mine) == PatternSampler.CORRECT[t_index][i]
+            assert all(s["correct"] == (s["completion"] == "right") for s in mine)
+    greedy = sorted((s["problem"], s["correct"]) for s in result.samples if s["temperature"] == 0.0)
+    assert greedy == list(enumerate(PatternSampler.GREEDY))
+
+    paths = write_report(result, tmp_path, questions=[f"q{i}" for i in range(4)], answers=answers)
+    lines = [json.loads(line) for line in paths["samples"].read_text().splitlines()]
+    assert len(lines) == len(result.samples)
+    assert all(line["question"] == f"q{line['problem']}" and line["answer"] == "right" for line in lines)
+    assert "samples" not in json.loads(paths["json"].read_text())   # eval.json stays small
+    write_report(evaluate_sampler(PatternSampler(), answers, **kw), tmp_path)   # a later report without samples
+    assert not (tmp_path / "samples.jsonl").exists()                           # leaves no stale ones beside it
+
+
 def test_progress_bar_counts_temperatures_times_problems(monkeypatch):
     """The bar runs over (greedy + each temperature) x problems, advancing as problems finish."""
     import tqdm.auto
