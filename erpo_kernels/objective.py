@@ -7,7 +7,9 @@ goes in; a scalar loss and python-float metrics come out:
     erpo_loss_from_logp(logp, batch, config)   per-row log-probs already computed
 
     erpo:  L = L_PG(w_B) + alpha R_query,   R_query = weighted_k3(query_logp, ref_query_logp, query_weights)
-    grpo:  L = L_PG(w = 1) + beta * token-mean over response tokens of k3(ref_logp - logp)
+    grpo:  L = L_PG(w = 1) + beta * KL,   KL = k3(ref_logp - logp) per response token,
+           aggregated with the same loss_agg as L_PG (DeepSeekMath eq. 3: token-mean, or
+           (1/m) sum_q (1/G_q) sum_i (1/L_i) sum_t k3 under seq-mean-token-mean)
 
 The pieces are the public ops (segment_sum, weighted_k3, linear_token_logprobs,
 policy_loss), run with the caller's `backend`. Row layout: see PackedLossBatch.
@@ -22,7 +24,7 @@ import torch
 
 from ._utils import FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_rows, check_tensor, compute_dtype
 from .linear_token_logprobs import linear_token_logprobs
-from .policy_loss import _policy_loss, check_clip_args, check_loss_agg
+from .policy_loss import _policy_loss, aggregation_coef, check_clip_args, check_loss_agg
 from .segment_sum import segment_sum
 from .weighted_k3 import MAX_GUARD, weighted_k3
 
@@ -88,8 +90,9 @@ class PackedLossBatch:
 class LossConfig:
     """Hyper-parameters of the objective (erpo-method.md sections 2, 4, 5).
 
-    algorithm: "erpo" (L_PG(w_B) + alpha R_query) or "grpo" (L_PG(w = 1) + beta
-        token-mean k3 on response tokens). alpha: Query-KL coefficient (erpo).
+    algorithm: "erpo" (L_PG(w_B) + alpha R_query) or "grpo" (L_PG(w = 1) + beta KL,
+        KL the per-token k3 on response tokens aggregated with loss_agg). alpha:
+        Query-KL coefficient (erpo).
     beta: per-token KL coefficient (grpo); 0 drops the term and needs no ref_logp.
     loss_agg: "token-mean" or "seq-mean-token-mean". eps_low, eps_high, dual_clip: the
         clip range and the dual-clip constant c. kl_guard: the linear guard c of the K3
@@ -266,8 +269,8 @@ def erpo_loss_from_logp(
         "qkl/guarded_frac", "qkl/loss" (R_query with the algorithm's weights: w_B for
         erpo, ones for grpo where it is monitored, not optimised), "weights/ess",
         "weights/min", "weights/max" (of the weights L_PG uses), "response_length/mean",
-        "entropy/mean" (response tokens, when entropy is given), "policy_kl" (token-mean
-        k3 on response tokens, when ref_logp is given), "query_logp/mean".
+        "entropy/mean" (response tokens, when entropy is given), "policy_kl" (k3 on response
+        tokens aggregated with loss_agg at w = 1, grpo's KL term; when ref_logp is given), "query_logp/mean".
     """
     check_tensor("logp", logp, ndim=1, dtypes=FLOAT_DTYPES)
     _check_inputs(batch, config, logp.shape[0], logp.device)
@@ -321,8 +324,13 @@ def _loss_from_logp(
     if batch.ref_logp is not None and n_tok > 0:
         ref_resp = batch.ref_logp.detach().to(cdt)[rows]  # [T]
         use_kl = (not is_erpo) and config.beta > 0
+        # KL = sum_t c_t k3_t with the policy loss's aggregation at w = 1 (section 5):
+        # token-mean c_t = 1 / T, seq-mean-token-mean c_t = 1 / (m G_q L_i).
+        coef = aggregation_coef(layout.resp_len, batch.group_index, torch.ones(m, dtype=cdt, device=dev),
+                                config.loss_agg)  # [T]
+        coef_mass = coef.sum()  # 1 unless some response is empty (seq-mean-token-mean)
         with nullcontext() if use_kl else torch.no_grad():
-            policy_kl = weighted_k3(resp_logp, ref_resp, None, guard=guard, backend=backend)  # token-mean k3
+            policy_kl = coef_mass * weighted_k3(resp_logp, ref_resp, coef, guard=guard, backend=backend)
         if use_kl:
             loss = loss + config.beta * policy_kl
         metrics["policy_kl"] = policy_kl.detach()

@@ -42,6 +42,34 @@ def check_loss_agg(loss_agg: str) -> None:
         raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
 
 
+def aggregation_coef(
+    lengths: torch.Tensor,
+    group_index: torch.Tensor,
+    query_weights: torch.Tensor,
+    loss_agg: str,
+    *,
+    seq: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """[T] coefficient c_t of each response token, so that an aggregate is sum_t c_t x_t.
+
+    lengths [B] int64 (L_i, sum = T); group_index [B]; query_weights [m] (w(q)).
+        token-mean:           c_t = w(q) / T
+        seq-mean-token-mean:  c_t = w(q) / (m G_q L_i)
+    seq: [T] sequence of each token (recomputed from lengths when None).
+    """
+    n_tok = int(lengths.sum()) if seq is None else seq.shape[0]
+    if seq is None:
+        seq = torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths, output_size=n_tok)
+    gi = group_index.long()
+    w = query_weights
+    if loss_agg == "token-mean":
+        return w[gi[seq]] / max(n_tok, 1)
+    m = w.shape[0]
+    g_count = torch.zeros(m, dtype=w.dtype, device=w.device).index_add_(0, gi, torch.ones_like(gi, dtype=w.dtype))
+    per_seq = w[gi] / (m * g_count[gi] * lengths.clamp(min=1).to(w.dtype))  # [B]
+    return per_seq[seq]
+
+
 def _policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -62,10 +90,8 @@ def _policy_loss(
     cdt = compute_dtype(logp.dtype)
     n_tok = logp.shape[0]
     n_seq = lengths.shape[0]
-    m = query_weights.shape[0]
     dev = logp.device
     seq = torch.repeat_interleave(torch.arange(n_seq, device=dev), lengths, output_size=n_tok)  # [T]
-    q_tok = group_index.long()[seq]  # [T] query of each token
     adv = advantages.detach().to(cdt)[seq]  # [T]
     w = query_weights.detach().to(cdt)  # [m]
 
@@ -79,13 +105,7 @@ def _policy_loss(
     dual_active = (adv < 0) & (tok_loss > dual_bound)
     tok_loss = torch.where(dual_active, dual_bound, tok_loss)  # [T]
 
-    # Per-token coefficient so that the loss is sum_t coef_t tok_loss_t.
-    if loss_agg == "token-mean":
-        coef = w[q_tok] / max(n_tok, 1)
-    else:
-        g_count = torch.bincount(group_index.long(), minlength=m).to(cdt)  # [m] G_q
-        per_seq = w[group_index.long()] / (m * g_count[group_index.long()] * lengths.clamp(min=1).to(cdt))  # [B]
-        coef = per_seq[seq]
+    coef = aggregation_coef(lengths, group_index, w, loss_agg, seq=seq)  # [T]
     loss = (coef * tok_loss).sum()
 
     zero = torch.zeros((), dtype=cdt, device=dev)

@@ -172,11 +172,15 @@ def objective_formula(logp, desc, batch, cfg, entropy=None):
         "response_length/mean": sum(len(rr) for _, _, rr in desc) / len(desc),
     }
     if batch.ref_logp is not None:
+        # the per-token KL aggregated like the policy loss at w = 1 (section 5)
         kl = torch.zeros((), dtype=torch.float64)
-        for _, _, rr in desc:
-            for r in rr:
-                kl = kl + k3_formula(batch.ref_logp[r] - logp[r], cfg.kl_guard)
-        kl = kl / n_total
+        for i, (q, _, rr) in enumerate(desc):
+            seq_kl = sum((k3_formula(batch.ref_logp[r] - logp[r], cfg.kl_guard) for r in rr),
+                         torch.zeros((), dtype=torch.float64))
+            if cfg.loss_agg == "token-mean":
+                kl = kl + seq_kl / n_total
+            elif rr:
+                kl = kl + seq_kl / m / g_count[q] / len(rr)
         metrics["policy_kl"] = fl(kl)
         if not erpo and cfg.beta > 0:
             total = total + cfg.beta * kl
@@ -247,6 +251,57 @@ def test_objective_matches_formula(algorithm, loss_agg, scheme, beta):
     assert ref_metrics["pg/dual_clipfrac"] > 0 and ref_metrics["pg/clipfrac"] > ref_metrics["pg/dual_clipfrac"]
     # ignored rows (value 123) get no gradient
     assert (grad[batch.targets == IGN] == 0).all()
+
+
+def deepseekmath_eq3_loss(logp, old_logp, ref_logp, desc, advantages, cfg):
+    """-J_GRPO of DeepSeekMath (Shao et al. 2024) eq. 3, written as the paper writes it:
+        J = E_q [ 1/G sum_i 1/|o_i| sum_t ( min(rho A, clip(rho) A) - beta D_KL ) ],
+        D_KL = pi_ref / pi_theta - log(pi_ref / pi_theta) - 1,
+    the expectation over the batch's queries a plain mean; the token-mean variant puts
+    every token of the batch under one 1 / (sum_i |o_i|). Our dual clip is applied to the
+    surrogate term (as in erpo's policy loss)."""
+    queries = sorted({q for q, _, _ in desc})
+    n_total = sum(len(rr) for _, _, rr in desc)
+    j_seq = torch.zeros((), dtype=torch.float64)
+    j_tok = torch.zeros((), dtype=torch.float64)
+    for q in queries:
+        group = [(i, rr) for i, (qq, _, rr) in enumerate(desc) if qq == q]
+        j_q = torch.zeros((), dtype=torch.float64)
+        for i, rr in group:
+            j_i = torch.zeros((), dtype=torch.float64)
+            for r in rr:
+                surrogate, _, _ = token_loss_formula(logp[r], old_logp[r], advantages[i], cfg)  # = -min(...)
+                log_ratio_ref = ref_logp[r] - logp[r]
+                d_kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1
+                j_i = j_i + (-surrogate - cfg.beta * d_kl)
+                j_tok = j_tok + (-surrogate - cfg.beta * d_kl) / n_total
+            if rr:
+                j_q = j_q + j_i / len(rr)
+        j_seq = j_seq + j_q / len(group)
+    j_seq = j_seq / len(queries)
+    return -(j_tok if cfg.loss_agg == "token-mean" else j_seq)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_grpo_kl_aggregated_like_deepseekmath_eq3(loss_agg):
+    """grpo's KL sits inside the same aggregation as the policy loss (method section 5)."""
+    batch, desc, logp, _ = make_point("softmax", with_ref_logp=True)  # non-unit weights: grpo ignores them
+    cfg = LossConfig(algorithm="grpo", beta=0.3, loss_agg=loss_agg)
+    x = logp.clone().requires_grad_(True)
+    loss, metrics = erpo_loss_from_logp(x, batch, cfg, backend="torch")
+    (grad,) = torch.autograd.grad(loss, x)
+    y = logp.clone().requires_grad_(True)
+    ref = deepseekmath_eq3_loss(y, batch.old_logp, batch.ref_logp, desc, batch.advantages.tolist(), cfg)
+    (ref_grad,) = torch.autograd.grad(ref, y)
+    assert abs(fl(loss) - fl(ref)) <= 1e-12 * (1 + abs(fl(ref)))
+    assert torch.allclose(grad, ref_grad, rtol=1e-11, atol=1e-13), (grad - ref_grad).abs().max()
+    # the KL term matters here (and under seq-mean-token-mean differs from its token-mean)
+    cfg0 = replace(cfg, beta=0.0)
+    loss0, _ = erpo_loss_from_logp(logp, batch, cfg0, backend="torch")
+    assert abs(fl(loss) - fl(loss0) - 0.3 * metrics["policy_kl"]) <= 1e-12
+    other = "token-mean" if loss_agg != "token-mean" else "seq-mean-token-mean"
+    _, m_other = erpo_loss_from_logp(logp, batch, replace(cfg, loss_agg=other), backend="torch")
+    assert abs(metrics["policy_kl"] - m_other["policy_kl"]) > 1e-3
 
 
 @pytest.mark.parametrize("algorithm,loss_agg", [("erpo", "token-mean"), ("grpo", "seq-mean-token-mean")])
