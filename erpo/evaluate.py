@@ -541,7 +541,8 @@ def _eval_target(entry: str, cfg: TrainConfig, log: Callable[[str], None]) -> tu
 
     from . import checkpoint as ckpt
     from .data import load_examples
-    from .trainer import check_model_dir, resolve_model_dir
+    from .models import check_model_dir
+    from .tiny import resolve_model_dir
 
     if entry == "tiny":
         demo = replace(cfg, model="tiny")
@@ -571,7 +572,7 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
     from . import checkpoint as ckpt
     from .data import encode_prompts, load_examples
     from .rewards import get_reward_fn
-    from .trainer import load_model, load_tokenizer, resolve_compute_dtype, resolve_device
+    from .models import load_model, load_tokenizer, resolve_compute_dtype, resolve_device
 
     cfg.validate()
     examples = load_examples(cfg, "eval")

@@ -13,13 +13,14 @@ import json
 import os
 import shutil
 import time
-from typing import Any, List, Sequence
+from typing import Any, Callable, List, Sequence
 
 import torch
 import transformers
 
 from .config import TrainConfig
 from .data import Example, derived_seed, render_prompt
+from .models import check_model_dir, quiet_transformers
 
 WARMSTART_VERSION = 2  # bump when the warm start's recipe changes
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -120,6 +121,15 @@ def _code_digest() -> str:
     return h.hexdigest()[:16]
 
 
+def resolve_model_dir(cfg: TrainConfig, examples: Sequence[Example], log: Callable[[str], None] = print) -> str:
+    """cfg.model (checked to be a model directory), or for model=tiny the (cached)
+    warm-started demo model's directory."""
+    if cfg.is_demo_model:
+        return warm_start(cfg, examples, cfg.resolved_template, log=log)
+    check_model_dir(cfg.model)
+    return cfg.model
+
+
 def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log=print) -> str:
     """The directory of the warm-started demo model for these settings (trained and
     cached on first use)."""
@@ -127,8 +137,6 @@ def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
     from erpo_kernels import linear_token_logprobs
-
-    from .trainer import quiet_transformers
 
     quiet_transformers()
     t0 = time.perf_counter()

@@ -13,7 +13,6 @@ loop, writes metrics.jsonl, checkpoints and the plot.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -42,6 +41,7 @@ from .data import (
     step_indices,
     template_text,
 )
+from .models import autocast, load_model, load_tokenizer, resolve_compute_dtype, resolve_device
 from .packing import PackedSequences, forward_hidden, lm_head_of, pack
 from .plot import CURVES_FILE, METRICS_FILE, plot_runs, read_metrics
 from .query_weights import QueryWeighter
@@ -56,6 +56,7 @@ from .ref_cache import (
 )
 from .rewards import CORRECT_THRESHOLD, get_reward_fn
 from .rollout import HFRolloutEngine, RolloutEngine, eos_ids_of
+from .tiny import resolve_model_dir
 
 # Logged every step (erpo-method.md section 6); "policy_kl" too when a reference model is monitored.
 METRIC_KEYS = (
@@ -87,35 +88,6 @@ def group_advantages(rewards: torch.Tensor, adv_norm: str = "std") -> torch.Tens
     return centred / (r.std(dim=1, unbiased=True, keepdim=True) + ADV_EPS)
 
 
-def resolve_device(cfg: TrainConfig) -> torch.device:
-    """The torch device of the run (and, on CPU, the number of threads torch uses)."""
-    threads = cfg.cpu_threads or (1 if cfg.is_demo_model else 0)
-    if threads:
-        torch.set_num_threads(threads)
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(cfg.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={cfg.device} but no CUDA device is available; use device=cpu or device=auto")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ConfigError(f"device={cfg.device} but there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)")
-    return device
-
-
-def resolve_compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    """The dtype of forward passes (parameters and optimizer state stay fp32)."""
-    if cfg.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
-
-
-def autocast(device: torch.device, dtype: torch.dtype) -> Any:
-    """Mixed precision for forward passes of fp32 parameters (a no-op for fp32)."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
-
-
 def check_setup(cfg: TrainConfig, device: torch.device) -> None:
     """ConfigError, before anything is loaded, for a kernel backend this device cannot run
     or an output path that cannot be written."""
@@ -129,63 +101,6 @@ def check_setup(cfg: TrainConfig, device: torch.device) -> None:
         raise ConfigError(f"ref_cache={cfg.ref_cache_path} is a directory; give a file path (e.g. DIR/ref_cache.safetensors)")
 
 
-def quiet_transformers() -> None:
-    """No per-file progress bars or advisory warnings from transformers in our output."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
-
-def check_model_dir(path: str, what: str = "model", alternatives: str = "or model=tiny for the embedded demo model") -> None:
-    """ErpoError unless `path` is a directory with a config.json (`what` names the setting)."""
-    if not os.path.isdir(path):
-        problem = "is a file, not a directory" if os.path.exists(path) else "does not exist"
-        raise ErpoError(
-            f"{what} {path!r} {problem}; give a local Hugging Face model directory (with config.json), {alternatives}"
-        )
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ErpoError(f"{what} {path!r} has no config.json; is it a Hugging Face model directory (save_pretrained)?")
-
-
-def load_model(path: str, device: torch.device, dtype: torch.dtype = torch.float32) -> Any:
-    """A causal LM from a local directory (never the network)."""
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    check_model_dir(path)
-    quiet_transformers()
-    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **{key: dtype})
-    except (OSError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ErpoError(f"model {path!r} could not be loaded as a causal LM: {first}") from None
-    # The fused loss reads hidden @ lm_head.weight.T as the logits: a model that transforms
-    # them further would be scored under a different distribution than it samples from.
-    for key, off in (("final_logit_softcapping", (None, 0.0)), ("logit_scale", (None, 1.0)), ("logits_scaling", (None, 1.0))):
-        value = getattr(model.config, key, None)
-        if value not in off:
-            raise ErpoError(f"model {path!r} transforms its logits ({key}={value}), which the fused loss does not model yet")
-    return model.to(device)
-
-
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ErpoError(f"model {path!r}: no usable tokenizer in the directory ({first})") from None
-    if tok.eos_token_id is None:
-        raise ErpoError(f"model {path!r}: the tokenizer has no EOS token, so a response cannot end; set eos_token "
-                        f"in its tokenizer_config.json")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
 def reference_meta(model_dir: str, model: Any, tokenizer: Any, template: str) -> Dict[str, str]:
     """What the reference cache is checked against (erpo-method.md section 7): the
     starting model's path and weights fingerprint, the tokenizer fingerprint, the template."""
@@ -195,16 +110,6 @@ def reference_meta(model_dir: str, model: Any, tokenizer: Any, template: str) ->
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "template": template_text(template),
     }
-
-
-def resolve_model_dir(cfg: TrainConfig, examples: Sequence[Example], log: Callable[[str], None]) -> str:
-    """cfg.model, or for model=tiny the (cached) warm-started demo model's directory."""
-    if cfg.is_demo_model:
-        from .tiny import warm_start
-
-        return warm_start(cfg, examples, cfg.resolved_template, log=log)
-    check_model_dir(cfg.model)
-    return cfg.model
 
 
 # Keys that decide which prompts the cache holds and under which model.
@@ -247,6 +152,64 @@ def earlier_run_files(run_dir: str) -> List[str]:
     return [os.path.join(run_dir, n) for n in names if os.path.exists(os.path.join(run_dir, n))]
 
 
+# ---------------------------------------------------------------------- set-up steps
+# Shared by Trainer (erpo train) and build_cache_command (erpo ref-cache).
+
+
+def check_run_dir(cfg: TrainConfig) -> List[str]:
+    """What an earlier run left in run_dir (replaced only with overwrite=true; ErpoError
+    without it); [] when resuming."""
+    earlier = [] if cfg.resume else earlier_run_files(cfg.run_dir)
+    if earlier and not cfg.overwrite:
+        last = ckpt.latest_checkpoint(cfg.run_dir)
+        go_on = f"continue it with: erpo train resume={cfg.run_dir}, " if last else ""
+        raise ErpoError(
+            f"run_dir={cfg.run_dir} holds an earlier run "
+            f"({f'checkpoint {os.path.basename(last)}' if last else 'one that wrote no checkpoint'}); "
+            f"{go_on}start over with overwrite=true (deletes it), or choose another run_dir="
+        )
+    return earlier
+
+
+def setup_device(cfg: TrainConfig) -> Tuple[torch.device, torch.dtype]:
+    """(device, compute dtype) of the run, after checking the kernel backend and output paths."""
+    device = resolve_device(cfg)
+    dtype = resolve_compute_dtype(cfg, device)
+    check_setup(cfg, device)
+    return device, dtype
+
+
+def setup_data(cfg: TrainConfig) -> Tuple[List[Example], str]:
+    """(the training examples, their fingerprint); a missing file or field fails here."""
+    examples = load_examples(cfg, "train")
+    batches_per_epoch(len(examples), cfg.queries_per_step)
+    return examples, examples_fingerprint(examples)
+
+
+def setup_prompts(cfg: TrainConfig, examples: Sequence[Example], tokenizer_dir: str) -> Tuple[Any, List[List[int]]]:
+    """(tokenizer, prompt token ids of every example under the run's template), prompt lengths checked."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    prompt_ids = encode_prompts(tokenizer, examples, cfg.resolved_template)
+    check_prompts(prompt_ids, examples, cfg.max_prompt_tokens)
+    return tokenizer, prompt_ids
+
+
+def starting_model(model_dir: str, tokenizer: Any, template: str, device: torch.device) -> Tuple[Any, Dict[str, str]]:
+    """(the starting model in fp32, the reference meta the cache is checked against)."""
+    model = load_model(model_dir, device)
+    return model, reference_meta(model_dir, model, tokenizer, template)
+
+
+def score_reference(cfg: TrainConfig, model: Any, prompt_ids: Sequence[Sequence[int]], meta: Dict[str, str],
+                    pad_token_id: int, device: torch.device, dtype: torch.dtype) -> Tuple[RefCache, float]:
+    """(the reference cache of every prompt under `model`, seconds it took)."""
+    t0 = time.perf_counter()
+    with autocast(device, dtype):
+        cache = build_ref_cache(model, prompt_ids, meta, pad_token_id=pad_token_id,
+                                backend=cfg.kernel_backend, compute_dtype=dtype)
+    return cache, time.perf_counter() - t0
+
+
 # ---------------------------------------------------------------------- the trainer
 
 
@@ -258,63 +221,63 @@ class Trainer:
         cfg.validate()
         self.cfg = cfg
         self.log = log
-        self.earlier_run = [] if cfg.resume else earlier_run_files(cfg.run_dir)
-        if self.earlier_run and not cfg.overwrite:
-            last = ckpt.latest_checkpoint(cfg.run_dir)
-            go_on = f"continue it with: erpo train resume={cfg.run_dir}, " if last else ""
-            raise ErpoError(
-                f"run_dir={cfg.run_dir} holds an earlier run "
-                f"({f'checkpoint {os.path.basename(last)}' if last else 'one that wrote no checkpoint'}); "
-                f"{go_on}start over with overwrite=true (deletes it), or choose another run_dir="
-            )
-        self.device = resolve_device(cfg)
-        self.compute_dtype = resolve_compute_dtype(cfg, self.device)
-        check_setup(cfg, self.device)
+        self.earlier_run = check_run_dir(cfg)
+        self.device, self.compute_dtype = setup_device(cfg)
         self.template = cfg.resolved_template
         self.reward_fn = get_reward_fn(cfg.resolved_reward)
+        self.examples, self.data_fingerprint = setup_data(cfg)
+        saved = self._setup_resume()
+        initial = self._setup_model(saved)
+        initial = self._setup_reference_cache(initial)
+        self._setup_policy(initial, engine)
+        self._setup_optimizer()
+        self._prepare_run_dir()
 
-        # Data (a missing file or field fails here).
-        self.examples: List[Example] = load_examples(cfg, "train")
-        batches_per_epoch(len(self.examples), cfg.queries_per_step)
-        self.data_fingerprint = examples_fingerprint(self.examples)
+    # ------------------------------------------------------------------ set-up steps
 
-        # Where we start from.
+    def _setup_resume(self) -> Dict[str, Any]:
+        """Where we start from: step 0, or (resume=RUN) its latest checkpoint, whose saved
+        state is returned after checking that the training data is the run's."""
+        cfg = self.cfg
         self.start_step = 0
         self.resume_from: Optional[str] = None
-        saved: Dict[str, Any] = {}
-        if cfg.resume:
-            self.resume_from = ckpt.latest_checkpoint(cfg.resume)
-            if self.resume_from is None:
-                raise ErpoError(
-                    f"resume={cfg.resume}: no checkpoint there yet (expected {cfg.resume}/checkpoints/step-N); "
-                    f"start it over with: erpo train run_dir={cfg.resume} overwrite=true"
-                )
-            saved = ckpt.read_state(self.resume_from)
-            self.start_step = int(saved["step"])
-            if saved.get("data_fingerprint") != self.data_fingerprint:
-                raise ErpoError(
-                    f"resume={cfg.resume}: the training data differs from the run's (fingerprint "
-                    f"{saved.get('data_fingerprint')} -> {self.data_fingerprint}); restore it or start a new run"
-                )
+        if not cfg.resume:
+            return {}
+        self.resume_from = ckpt.latest_checkpoint(cfg.resume)
+        if self.resume_from is None:
+            raise ErpoError(
+                f"resume={cfg.resume}: no checkpoint there yet (expected {cfg.resume}/checkpoints/step-N); "
+                f"start it over with: erpo train run_dir={cfg.resume} overwrite=true"
+            )
+        saved = ckpt.read_state(self.resume_from)
+        self.start_step = int(saved["step"])
+        if saved.get("data_fingerprint") != self.data_fingerprint:
+            raise ErpoError(
+                f"resume={cfg.resume}: the training data differs from the run's (fingerprint "
+                f"{saved.get('data_fingerprint')} -> {self.data_fingerprint}); restore it or start a new run"
+            )
+        return saved
 
-        # Model, tokenizer, prompts.
-        self.model_dir = resolve_model_dir(cfg, self.examples, log)
-        self.tokenizer = load_tokenizer(self.resume_from or self.model_dir)
+    def _setup_model(self, saved: Dict[str, Any]) -> Optional[Any]:
+        """Model directory, tokenizer, prompts and the reference meta; returns the starting
+        (pre-RL) model when loaded (a fresh run), None when resuming."""
+        self.model_dir = resolve_model_dir(self.cfg, self.examples, self.log)
+        self.tokenizer, self.prompt_ids = setup_prompts(
+            self.cfg, self.examples, self.resume_from or self.model_dir
+        )
         self.pad_token_id = int(self.tokenizer.pad_token_id)
-        self.prompt_ids = encode_prompts(self.tokenizer, self.examples, self.template)
-        check_prompts(self.prompt_ids, self.examples, cfg.max_prompt_tokens)
-
-        # The starting model (pre-RL): what the reference cache describes.
-        initial = None
         if not self.resume_from:
-            initial = load_model(self.model_dir, self.device)
-            self.reference = reference_meta(self.model_dir, initial, self.tokenizer, self.template)
-        else:
-            self.reference = dict(saved["reference"])
-            if tokenizer_fingerprint(self.tokenizer) != self.reference["tokenizer_fingerprint"]:
-                raise ErpoError(f"resume={cfg.resume}: the checkpoint's tokenizer does not match the run's")
+            initial, self.reference = starting_model(self.model_dir, self.tokenizer, self.template, self.device)
+            return initial
+        self.reference = dict(saved["reference"])
+        if tokenizer_fingerprint(self.tokenizer) != self.reference["tokenizer_fingerprint"]:
+            raise ErpoError(f"resume={self.cfg.resume}: the checkpoint's tokenizer does not match the run's")
+        return None
 
-        # The reference cache: validated, or built from the starting model when missing.
+    def _setup_reference_cache(self, initial: Optional[Any]) -> Optional[Any]:
+        """The reference cache (validated, or built from the starting model when missing)
+        and the query weighter over its scores; returns the starting model if loaded."""
+        cfg = self.cfg
         self.cache_path = cfg.ref_cache_path
         self.rebuild = rebuild_command(cfg)
         self._cache_is_new = not os.path.isfile(self.cache_path)
@@ -326,7 +289,9 @@ class Trainer:
                         f"resume={cfg.resume}: the reference cache {self.cache_path} is gone and {self.model_dir} no "
                         f"longer holds the run's starting weights, so it cannot be rebuilt; restore either"
                     )
-            self.cache = self._build_cache(initial)
+            self.cache, seconds = score_reference(cfg, initial, self.prompt_ids, self.reference, self.pad_token_id,
+                                                  self.device, self.compute_dtype)
+            self.log(f"erpo: reference cache: {len(self.cache)} queries scored in {seconds:.1f}s")
         else:
             self.cache = read_ref_cache(self.cache_path, self.rebuild)
         self.cache_rows = validate_ref_cache(
@@ -337,8 +302,12 @@ class Trainer:
             self.cache.score[self.cache_rows], scheme=cfg.query_weighting, bins=cfg.bins, gamma=cfg.gamma,
             temperature=cfg.weight_temperature, w_min=cfg.w_min, w_max=cfg.w_max,
         )
+        return initial
 
-        # The policy (the starting weights, or the checkpoint's) and, when needed, a frozen reference.
+    def _setup_policy(self, initial: Optional[Any], engine: Optional[RolloutEngine]) -> None:
+        """The policy (the starting weights, or the checkpoint's), a frozen reference model
+        when needed, the loss settings and the rollout engine."""
+        cfg = self.cfg
         self.model = load_model(self.resume_from, self.device) if self.resume_from else initial
         self.model.eval()  # no dropout: the sampler and the loss see the same function
         self.ref_model = None
@@ -349,6 +318,13 @@ class Trainer:
             algorithm=cfg.algorithm, alpha=cfg.alpha, beta=cfg.beta, loss_agg=cfg.loss_agg,
             eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, kl_guard=cfg.kl_guard,
         )
+        self.engine = engine or HFRolloutEngine(
+            self.model, self.pad_token_id, eos_ids_of(self.model, self.tokenizer), cfg.rollout_batch_size
+        )
+
+    def _setup_optimizer(self) -> None:
+        """AdamW and the learning-rate schedule (their state restored when resuming)."""
+        cfg = self.cfg
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
         )
@@ -357,20 +333,6 @@ class Trainer:
             state = ckpt.load_optimizer_state(self.resume_from)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-        self.engine = engine or HFRolloutEngine(
-            self.model, self.pad_token_id, eos_ids_of(self.model, self.tokenizer), cfg.rollout_batch_size
-        )
-        self._prepare_run_dir()
-
-    # ------------------------------------------------------------------ set-up helpers
-
-    def _build_cache(self, initial: Any) -> RefCache:
-        t0 = time.perf_counter()
-        with autocast(self.device, self.compute_dtype):
-            cache = build_ref_cache(initial, self.prompt_ids, self.reference, pad_token_id=self.pad_token_id,
-                                    backend=self.cfg.kernel_backend, compute_dtype=self.compute_dtype)
-        self.log(f"erpo: reference cache: {len(cache)} queries scored in {time.perf_counter() - t0:.1f}s")
-        return cache
 
     def _prepare_run_dir(self) -> None:
         """Called last in __init__, after every check passed: only now is the run dir touched."""
@@ -553,25 +515,18 @@ class Trainer:
 
 
 def build_cache_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> str:
-    """`erpo ref-cache`: score every training query under cfg.model and write the cache."""
+    """`erpo ref-cache`: score every training query under cfg.model and write the cache
+    (the set-up steps of `erpo train`, up to the reference cache)."""
     cfg.validate()
-    device = resolve_device(cfg)
-    dtype = resolve_compute_dtype(cfg, device)
-    check_setup(cfg, device)
-    examples = load_examples(cfg, "train")
+    device, dtype = setup_device(cfg)
+    examples, _ = setup_data(cfg)
     model_dir = resolve_model_dir(cfg, examples, log)
-    tokenizer = load_tokenizer(model_dir)
-    prompt_ids = encode_prompts(tokenizer, examples, cfg.resolved_template)
-    check_prompts(prompt_ids, examples, cfg.max_prompt_tokens)
-    model = load_model(model_dir, device).eval()
-    meta = reference_meta(model_dir, model, tokenizer, cfg.resolved_template)
-    t0 = time.perf_counter()
-    with autocast(device, dtype):
-        cache = build_ref_cache(model, prompt_ids, meta, pad_token_id=int(tokenizer.pad_token_id),
-                                backend=cfg.kernel_backend, compute_dtype=dtype)
+    tokenizer, prompt_ids = setup_prompts(cfg, examples, model_dir)
+    model, meta = starting_model(model_dir, tokenizer, cfg.resolved_template, device)
+    cache, seconds = score_reference(cfg, model.eval(), prompt_ids, meta, int(tokenizer.pad_token_id), device, dtype)
     save_ref_cache(cache, cfg.ref_cache_path)
     log(
         f"erpo: wrote {cfg.ref_cache_path}: {len(cache)} queries, mean l_0(q) {float(cache.ref_query_logp.mean()):.2f} "
-        f"nats over {float(cache.n_tokens.float().mean()):.1f} tokens, in {time.perf_counter() - t0:.1f}s"
+        f"nats over {float(cache.n_tokens.float().mean()):.1f} tokens, in {seconds:.1f}s"
     )
     return cfg.ref_cache_path

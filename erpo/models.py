@@ -1,0 +1,112 @@
+"""Loading models and tokenizers, and where and in which dtype they run: what the
+trainer, the evaluation and the demo model share.
+
+    device = resolve_device(cfg)                      # torch.device (cuda when available)
+    dtype = resolve_compute_dtype(cfg, device)        # the dtype of forward passes
+    model = load_model(path, device)                  # a local causal LM, never the network
+    with autocast(device, dtype): ...                 # mixed precision over fp32 parameters
+
+Imports only erpo.config (and transformers, lazily): tiny, trainer and evaluate import
+this module, never the other way round.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+from .config import ConfigError, ErpoError, TrainConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    """The torch device of the run (and, on CPU, the number of threads torch uses)."""
+    threads = cfg.cpu_threads or (1 if cfg.is_demo_model else 0)
+    if threads:
+        torch.set_num_threads(threads)
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={cfg.device} but no CUDA device is available; use device=cpu or device=auto")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device={cfg.device} but there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)")
+    return device
+
+
+def resolve_compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """The dtype of forward passes (parameters and optimizer state stay fp32)."""
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[cfg.dtype]
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> Any:
+    """Mixed precision for forward passes of fp32 parameters (a no-op for fp32)."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def quiet_transformers() -> None:
+    """No per-file progress bars or advisory warnings from transformers in our output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def check_model_dir(path: str, what: str = "model", alternatives: str = "or model=tiny for the embedded demo model") -> None:
+    """ErpoError unless `path` is a directory with a config.json (`what` names the setting)."""
+    if not os.path.isdir(path):
+        problem = "is a file, not a directory" if os.path.exists(path) else "does not exist"
+        raise ErpoError(
+            f"{what} {path!r} {problem}; give a local Hugging Face model directory (with config.json), {alternatives}"
+        )
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ErpoError(f"{what} {path!r} has no config.json; is it a Hugging Face model directory (save_pretrained)?")
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype = torch.float32) -> Any:
+    """A causal LM from a local directory (never the network)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    check_model_dir(path)
+    quiet_transformers()
+    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **{key: dtype})
+    except (OSError, ValueError, KeyError) as exc:
+        raise ErpoError(f"model {path!r} could not be loaded as a causal LM: {_first_line(exc)}") from None
+    # The fused loss reads hidden @ lm_head.weight.T as the logits: a model that transforms
+    # them further would be scored under a different distribution than it samples from.
+    for key, off in (("final_logit_softcapping", (None, 0.0)), ("logit_scale", (None, 1.0)), ("logits_scaling", (None, 1.0))):
+        value = getattr(model.config, key, None)
+        if value not in off:
+            raise ErpoError(f"model {path!r} transforms its logits ({key}={value}), which the fused loss does not model yet")
+    return model.to(device)
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a local model directory, with pad = EOS when it has no pad token."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ErpoError(f"model {path!r}: no usable tokenizer in the directory ({_first_line(exc)})") from None
+    if tok.eos_token_id is None:
+        raise ErpoError(f"model {path!r}: the tokenizer has no EOS token, so a response cannot end; set eos_token "
+                        f"in its tokenizer_config.json")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
