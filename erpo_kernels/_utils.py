@@ -1,7 +1,15 @@
-"""Backend dispatch and input checks shared by every op.
+"""Backend dispatch, input checks and autocast handling shared by every op.
 
 Every public op validates its inputs here *before* anything reaches a kernel: a bad
 shape, dtype, device or index is a ValueError that names the argument.
+
+Two kinds of checks:
+    structure  rank, shape, dtype, device: read from tensor metadata, free, always run.
+    values     targets in range, cu_seqlens monotone, temperatures and weights valid:
+               they read tensor contents, i.e. a device-to-host sync on a GPU. They run
+               only when the op is called with `validate=True` (the default); a caller
+               that has validated a batch once (where it was built, on the CPU) passes
+               `validate=False` in the hot path.
 """
 from __future__ import annotations
 
@@ -77,19 +85,23 @@ def check_tensor(
     return t
 
 
-def check_rows(name: str, t: torch.Tensor, n: int) -> None:
-    """Raise ValueError unless `t` has exactly `n` rows (its first dimension)."""
+def check_rows(name: str, t: torch.Tensor, n: int, what: str = "one per row of the main input") -> None:
+    """Raise ValueError unless `t` has exactly `n` rows (its first dimension); `what`
+    says what each row stands for."""
     if t.shape[0] != n:
-        raise ValueError(f"{name} has {t.shape[0]} rows, expected {n} (one per row of the main input)")
+        raise ValueError(f"{name} has {t.shape[0]} rows, expected {n} ({what})")
 
 
-def check_targets(targets: object, n: int, vocab: int, ignore_index: int, device: torch.device) -> torch.Tensor:
-    """targets [n] int32/int64 on `device`, each in [0, vocab) or equal to ignore_index (an int)."""
+def check_targets(
+    targets: object, n: int, vocab: int, ignore_index: int, device: torch.device, *, validate: bool = True
+) -> torch.Tensor:
+    """targets [n] int32/int64 on `device`, each in [0, vocab) or equal to ignore_index
+    (an int); the range is checked only when `validate` (it syncs)."""
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     check_tensor("targets", targets, ndim=1, dtypes=INDEX_DTYPES, device=device)
     check_rows("targets", targets, n)
-    if n > 0:
+    if validate and n > 0:
         bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
@@ -100,12 +112,13 @@ def check_targets(targets: object, n: int, vocab: int, ignore_index: int, device
 
 
 def row_inv_temperature(
-    inv_temperature: Union[None, float, torch.Tensor], n: int, device: torch.device
+    inv_temperature: Union[None, float, torch.Tensor], n: int, device: torch.device, *, validate: bool = True
 ) -> torch.Tensor:
     """Normalise inv_temperature (None, a float, or a [n] tensor) to a contiguous fp32 [n] tensor.
 
     It is a runtime value, never a compile-time constant, so a new temperature never
-    recompiles a kernel. It must be positive and finite.
+    recompiles a kernel. It must be positive and finite (checked for a tensor only when
+    `validate`: it syncs).
     """
     if inv_temperature is None:
         return torch.ones(n, dtype=torch.float32, device=device)
@@ -113,7 +126,7 @@ def row_inv_temperature(
         check_tensor("inv_temperature", inv_temperature, ndim=1, dtypes=FLOAT_DTYPES, device=device)
         check_rows("inv_temperature", inv_temperature, n)
         inv = inv_temperature.detach().to(torch.float32).contiguous()
-        if n > 0 and not bool(((inv > 0) & torch.isfinite(inv)).all()):
+        if validate and n > 0 and not bool(((inv > 0) & torch.isfinite(inv)).all()):
             raise ValueError("inv_temperature must be positive and finite in every row")
         return inv
     if isinstance(inv_temperature, bool) or not isinstance(inv_temperature, (int, float)):
@@ -124,16 +137,49 @@ def row_inv_temperature(
     return torch.full((n,), value, dtype=torch.float32, device=device)
 
 
-def check_cu_seqlens(cu_seqlens: object, n: int, device: torch.device, name: str = "cu_seqlens") -> torch.Tensor:
-    """cu_seqlens [S + 1] int32/int64, non-decreasing, within [0, n]; errors name `name`."""
+def check_cu_seqlens(
+    cu_seqlens: object,
+    n: int,
+    device: torch.device,
+    name: str = "cu_seqlens",
+    *,
+    covers: bool = False,
+    validate: bool = True,
+) -> torch.Tensor:
+    """cu_seqlens [S + 1] int32/int64, non-decreasing, within [0, n]; with `covers`, also
+    starting at 0 and ending at n (the segments cover every row). Errors name `name`.
+    The values are checked only when `validate` (it syncs); rank, dtype, device and
+    length always."""
     check_tensor(name, cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
     if cu_seqlens.numel() < 1:
         raise ValueError(f"{name} must hold at least one offset (S + 1 entries for S segments)")
+    if not validate:
+        return cu_seqlens
+    if covers:
+        first, last = (int(v) for v in cu_seqlens[[0, -1]].tolist())
+        if first != 0 or last != n:
+            raise ValueError(
+                f"{name} must start at 0 and end at N = {n} (the number of values), got {first} ... {last}"
+            )
     if bool((cu_seqlens < 0).any()) or bool((cu_seqlens > n).any()):
         raise ValueError(f"{name} must lie in [0, {n}] (the number of rows)")
     if cu_seqlens.numel() > 1 and bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
         raise ValueError(f"{name} must be non-decreasing")
     return cu_seqlens
+
+
+def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    """The dtype autocast is running matmuls in on `device`'s type, or None when autocast is off there."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+def no_autocast(device: torch.device):
+    """A context that turns autocast off for `device`'s type: inside an op every tensor
+    keeps the dtype the op chose (fp32 accumulation, outputs in the documented dtype),
+    whatever autocast the caller runs under."""
+    return torch.autocast(device.type, enabled=False)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -39,7 +39,15 @@ import torch
 
 from . import reference
 from ._triton import interpreting, round_to, tl, triton
-from ._utils import FLOAT_DTYPES, check_rows, check_targets, check_tensor, resolve_kernel_backend, row_inv_temperature
+from ._utils import (
+    FLOAT_DTYPES,
+    autocast_dtype,
+    check_targets,
+    check_tensor,
+    no_autocast,
+    resolve_kernel_backend,
+    row_inv_temperature,
+)
 
 
 @triton.jit
@@ -465,6 +473,11 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy):
+        with no_autocast(hidden.device):
+            return _LinearTokenLogprobs._forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy):
         n = hidden.shape[0]
         cfg = TILES or DEFAULT_TILES[hidden.dtype]  # the backward reuses these (see Tiles)
         rows = (targets != ignore_index).nonzero().squeeze(1)  # [n_valid]
@@ -489,6 +502,11 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
+        with no_autocast(ctx.saved_tensors[0].device):
+            return _LinearTokenLogprobs._backward(ctx, g_logp, g_entropy)
+
+    @staticmethod
+    def _backward(ctx, g_logp, g_entropy):
         hidden, weight, bias, rows, tgt, inv_t, lse_parts, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n_valid = rows.numel()
@@ -567,6 +585,7 @@ def linear_token_logprobs(
     ignore_index: int = -100,
     return_entropy: bool = False,
     backend: str = "auto",
+    validate: bool = True,
 ):
     """Log-probability of each row's target under softmax((hidden @ weight.T + bias) * inv_T).
 
@@ -579,12 +598,30 @@ def linear_token_logprobs(
         inv_temperature: None, a float, or a [N] tensor (runtime value).
         return_entropy: also return the full-vocabulary entropy of each row.
         backend: "auto" (Triton on CUDA, the reference elsewhere), "triton" or "torch".
+        validate: check the values of targets (in range) and of a tensor
+            inv_temperature (positive, finite). These checks read the tensors on the
+            host (a device sync); pass False in a hot loop once the batch has been
+            validated. Shapes, dtypes and devices are always checked.
     Returns:
         logp [N] fp32 (fp64 for fp64 inputs), and entropy [N] when return_entropy.
         Gradients flow to hidden, weight and bias.
+
+    Under autocast (enabled for hidden's device type) the op treats the product
+    hidden @ weight.T as autocast treats a linear layer: fp16/bf16/fp32 hidden, weight
+    and bias are cast to the autocast dtype first (so fp32 parameters with bf16 hidden
+    states work), and the softmax side stays fp32. Gradients reach the uncast tensors
+    in their own dtypes.
     """
     check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device)
+    check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=hidden.device)
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, device=hidden.device)
+    amp = autocast_dtype(hidden.device)
+    if amp is not None:  # as autocast casts a linear layer's operands (fp64 is left alone)
+        hidden, weight, bias = (
+            t.to(amp) if t is not None and t.dtype != torch.float64 else t for t in (hidden, weight, bias)
+        )
+    check_tensor("weight", weight, dtypes=(hidden.dtype,))
     n, d = hidden.shape
     vocab = weight.shape[0]
     if weight.shape[1] != d:
@@ -592,10 +629,13 @@ def linear_token_logprobs(
     if vocab < 1:
         raise ValueError("weight must have at least one row (V >= 1)")
     if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=(hidden.dtype,), device=hidden.device)
-        check_rows("bias", bias, vocab)
-    check_targets(targets, n, vocab, ignore_index, hidden.device)
-    inv_t = row_inv_temperature(inv_temperature, n, hidden.device)
+        check_tensor("bias", bias, dtypes=(hidden.dtype,))
+        if bias.shape[0] != vocab:
+            raise ValueError(
+                f"bias has {bias.shape[0]} entries, expected {vocab} (one per vocabulary row of weight)"
+            )
+    check_targets(targets, n, vocab, ignore_index, hidden.device, validate=validate)
+    inv_t = row_inv_temperature(inv_temperature, n, hidden.device, validate=validate)
     if resolve_kernel_backend(backend, {"hidden": hidden}) == "torch":
         return reference.linear_token_logprobs(
             hidden,
@@ -605,6 +645,7 @@ def linear_token_logprobs(
             inv_temperature=inv_t,
             ignore_index=ignore_index,
             return_entropy=return_entropy,
+            validate=False,  # inv_t was checked above
         )
     logp, entropy = _linear_token_logprobs_triton(hidden, weight, bias, targets, inv_t, ignore_index, return_entropy)
     return (logp, entropy) if return_entropy else logp

@@ -19,7 +19,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ._utils import compute_dtype, row_inv_temperature
+from ._utils import compute_dtype, no_autocast, row_inv_temperature
 
 # Elements of one chunk's [rows, V] fp32 work buffer (~16 MB). The reference keeps
 # about four such buffers alive at once.
@@ -38,21 +38,13 @@ def chunk_rows_for(vocab: int, chunk_rows: Optional[int] = None, elements: Optio
     return max(1, (elements or CHUNK_ELEMENTS) // max(1, vocab))
 
 
-def _scaled(z: torch.Tensor, it: torch.Tensor, mx: Optional[torch.Tensor]) -> torch.Tensor:
-    """The scaled logits of a chunk: z itself when every inverse temperature is 1
-    (log_softmax shifts by the max exactly), else (z - M) * inv_T with M the row max,
-    subtracted before scaling so logits of magnitude 1e4 keep full accuracy."""
-    if mx is None:
-        return z
-    return (z - mx[:, None]).mul_(it)
-
-
-def _row_shift(z: torch.Tensor, it: torch.Tensor) -> Optional[torch.Tensor]:
-    """The row max M used by _scaled, or None when the chunk needs no scaling."""
-    if bool((it == 1).all()):
-        return None
-    mx = z.max(dim=-1).values
-    return torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # a row of -inf (ignored) stays nan-free
+def _scaled(z: torch.Tensor, it: torch.Tensor) -> torch.Tensor:
+    """The scaled logits of a chunk, (z - M) * inv_T with M the row max, subtracted
+    before scaling so logits of magnitude 1e4 keep full accuracy. (No data-dependent
+    shortcut for inv_T = 1: reading the tensor's values would sync the device.)"""
+    mx = z.max(dim=-1, keepdim=True).values
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # a row of -inf (ignored) stays nan-free
+    return (z - mx).mul_(it)
 
 
 def _rows_forward(
@@ -64,7 +56,7 @@ def _rows_forward(
     The entropy is -sum p log p, a sum of non-negative terms. Rows with valid == False
     get logp = 0 and entropy = 0.
     """
-    log_p = torch.log_softmax(_scaled(z, it, _row_shift(z, it)), dim=-1)  # [c, V]
+    log_p = torch.log_softmax(_scaled(z, it), dim=-1)  # [c, V]
     logp = log_p.gather(1, tgt[:, None]).squeeze(1)
     logp = torch.where(valid, logp, torch.zeros_like(logp))
     entropy = None
@@ -92,8 +84,7 @@ def _rows_grad(
     g_logp and g_entropy are already zero on ignored rows, whose gradient is 0 (also
     when all their logits are -inf).
     """
-    mx = _row_shift(z, it)
-    s = _scaled(z, it, mx)
+    s = _scaled(z, it)
     if g_entropy is None:
         grad = torch.softmax(s, dim=-1).mul_(-g_logp[:, None])  # -g_logp * p
     else:
@@ -104,14 +95,20 @@ def _rows_grad(
         grad.masked_fill_(p == 0, 0.0)
         del p
     grad.scatter_add_(1, tgt[:, None], g_logp[:, None])
-    if not bool(valid.all()):
-        grad.masked_fill_(~valid[:, None], 0.0)
-    return grad if mx is None else grad.mul_(it)
+    grad.masked_fill_(~valid[:, None], 0.0)
+    return grad.mul_(it)
 
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows):
+        with no_autocast(logits.device):
+            return _TokenLogprobs._forward(
+                ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows
+            )
+
+    @staticmethod
+    def _forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows):
         n, vocab = logits.shape
         cdt = compute_dtype(logits.dtype)
         logp = torch.empty(n, dtype=cdt, device=logits.device)
@@ -136,6 +133,11 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
+        with no_autocast(ctx.saved_tensors[0].device):
+            return _TokenLogprobs._backward(ctx, g_logp, g_entropy)
+
+    @staticmethod
+    def _backward(ctx, g_logp, g_entropy):
         logits, tgt, valid, inv_t, entropy = ctx.saved_tensors
         if not ctx.return_entropy:
             entropy, g_entropy = None, None
@@ -165,12 +167,15 @@ def token_logprobs(
     return_entropy: bool = False,
     inplace_backward: bool = False,
     chunk_rows: Optional[int] = None,
+    validate: bool = True,
 ):
     """Reference of `erpo_kernels.token_logprobs`: logits [N, V] -> logp [N] (and entropy [N]).
 
     Outputs are fp32 (fp64 for fp64 logits). Differentiable with respect to logits.
+    `validate` checks a tensor inv_temperature's values (a sync); the public op checks
+    everything else.
     """
-    inv_t = row_inv_temperature(inv_temperature, logits.shape[0], logits.device)
+    inv_t = row_inv_temperature(inv_temperature, logits.shape[0], logits.device, validate=validate)
     logp, entropy = _TokenLogprobs.apply(
         logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows
     )
@@ -180,6 +185,13 @@ def token_logprobs(
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows):
+        with no_autocast(hidden.device):
+            return _LinearTokenLogprobs._forward(
+                ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows
+            )
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows):
         n = hidden.shape[0]
         vocab = weight.shape[0]
         cdt = compute_dtype(hidden.dtype)
@@ -209,6 +221,11 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
+        with no_autocast(ctx.saved_tensors[0].device):
+            return _LinearTokenLogprobs._backward(ctx, g_logp, g_entropy)
+
+    @staticmethod
+    def _backward(ctx, g_logp, g_entropy):
         hidden, weight, bias, rows, tgt, inv_t, entropy = ctx.saved_tensors
         if not ctx.return_entropy:
             entropy, g_entropy = None, None
@@ -258,6 +275,7 @@ def linear_token_logprobs(
     ignore_index: int = -100,
     return_entropy: bool = False,
     chunk_rows: Optional[int] = None,
+    validate: bool = True,
 ):
     """Reference of `erpo_kernels.linear_token_logprobs`: hidden [N, D], weight [V, D] ->
     logp [N] (and entropy [N]) of softmax((hidden @ weight.T + bias) * inv_T).
@@ -265,7 +283,7 @@ def linear_token_logprobs(
     Row chunks through a matmul: peak extra memory is bounded by chunk x V, not N x V.
     Rows whose target is ignore_index are skipped and return 0.
     """
-    inv_t = row_inv_temperature(inv_temperature, hidden.shape[0], hidden.device)
+    inv_t = row_inv_temperature(inv_temperature, hidden.shape[0], hidden.device, validate=validate)
     logp, entropy = _LinearTokenLogprobs.apply(
         hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows
     )
@@ -276,15 +294,19 @@ def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """values [N], cu_seqlens [S + 1] -> [S], out[s] = sum(values[cu[s]:cu[s+1]]).
 
     Accumulates in fp32 (fp64 for fp64 values) and casts once to values' dtype. Empty
-    segments give 0. Differentiable; the backward is a gather.
+    segments give 0; values outside every segment are left out. No value is read on
+    the host (no device sync). Differentiable; the backward is a gather.
     """
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    n_seg = lengths.numel()
-    seg = torch.repeat_interleave(torch.arange(n_seg, device=values.device), lengths)  # [covered]
-    start = int(cu_seqlens[0]) if cu_seqlens.numel() else 0
-    covered = values[start : start + seg.numel()].to(compute_dtype(values.dtype))
-    out = torch.zeros(n_seg, dtype=covered.dtype, device=values.device)
-    return out.index_add(0, seg, covered).to(values.dtype)
+    with no_autocast(values.device):
+        n_seg = cu_seqlens.numel() - 1
+        idx = torch.arange(values.shape[0], dtype=cu_seqlens.dtype, device=values.device)
+        # seg[i] = the first s with cu[s + 1] > i; i is in segment s when also cu[0] <= i.
+        seg = torch.searchsorted(cu_seqlens[1:].contiguous(), idx, right=True)
+        inside = (idx >= cu_seqlens[0]) & (seg < n_seg)
+        seg = torch.where(inside, seg, torch.full_like(seg, n_seg))  # outside -> a bucket dropped below
+        out = torch.zeros(n_seg + 1, dtype=compute_dtype(values.dtype), device=values.device)
+        out = out.index_add(0, seg, values.to(out.dtype))
+        return out[:n_seg].to(values.dtype)
 
 
 def k3_guarded(delta: torch.Tensor, guard: float = 10.0) -> torch.Tensor:
@@ -313,9 +335,10 @@ def weighted_k3(
     Computed in fp32 (fp64 for fp64 inputs) and returned in that dtype. An empty batch,
     or weights summing to 0, gives 0 with zero gradients (never 0/0).
     """
-    cdt = compute_dtype(logp.dtype)
-    k3 = k3_guarded(ref_logp.to(cdt) - logp.to(cdt), guard)
-    w = torch.ones_like(k3) if weight is None else weight.to(cdt)
-    total = w.sum()
-    safe = torch.where(total == 0, torch.ones_like(total), total)
-    return torch.where(total == 0, torch.zeros_like(total), (w * k3).sum() / safe)
+    with no_autocast(logp.device):
+        cdt = compute_dtype(logp.dtype)
+        k3 = k3_guarded(ref_logp.to(cdt) - logp.to(cdt), guard)
+        w = torch.ones_like(k3) if weight is None else weight.to(cdt)
+        total = w.sum()
+        safe = torch.where(total == 0, torch.ones_like(total), total)
+        return torch.where(total == 0, torch.zeros_like(total), (w * k3).sum() / safe)

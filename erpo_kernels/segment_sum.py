@@ -8,7 +8,7 @@ import torch
 
 from . import reference
 from ._triton import interpreting, round_to, tl, triton
-from ._utils import FLOAT_DTYPES, check_cu_seqlens, check_tensor, resolve_backend
+from ._utils import FLOAT_DTYPES, check_cu_seqlens, check_tensor, no_autocast, resolve_backend
 
 
 # Elements each program reads or writes per loop step. A segment longer than this
@@ -138,21 +138,27 @@ def _segment_sum_triton(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch
     return _SegmentSum.apply(values, cu_seqlens.contiguous())
 
 
-def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def segment_sum(
+    values: torch.Tensor, cu_seqlens: torch.Tensor, *, backend: str = "auto", validate: bool = True
+) -> torch.Tensor:
     """Sum `values` over each segment [cu_seqlens[s], cu_seqlens[s + 1]).
 
     Args:
         values: [N] float (fp16/bf16/fp32/fp64).
-        cu_seqlens: [S + 1] int32/int64, non-decreasing, within [0, N]; it need not
-            start at 0 nor end at N (values outside every segment are ignored).
+        cu_seqlens: [S + 1] int32/int64, non-decreasing, starting at 0 and ending at N:
+            the segments cover every value (S = 0 needs cu_seqlens = [0] and N = 0).
         backend: "auto", "triton" or "torch".
+        validate: check cu_seqlens' values (start, end, monotone). The check reads
+            them on the host (a device sync); pass False in a hot loop once the batch
+            has been validated. Rank, dtype and device are always checked.
     Returns:
         [S] in values' dtype, accumulated in fp32 (fp64 for fp64 values); empty
         segments give 0. The gradient of each value is the upstream gradient of its
-        segment (0 outside every segment).
+        segment. Autocast does not change the computation.
     """
     check_tensor("values", values, ndim=1, dtypes=FLOAT_DTYPES)
-    check_cu_seqlens(cu_seqlens, values.shape[0], values.device)
+    check_cu_seqlens(cu_seqlens, values.shape[0], values.device, covers=True, validate=validate)
     if resolve_backend(backend, values) == "torch":
         return reference.segment_sum(values, cu_seqlens)
-    return _segment_sum_triton(values, cu_seqlens)
+    with no_autocast(values.device):
+        return _segment_sum_triton(values, cu_seqlens)

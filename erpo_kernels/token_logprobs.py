@@ -21,7 +21,14 @@ from torch.autograd.function import once_differentiable
 
 from . import reference
 from ._triton import interpreting, round_to, tl, triton
-from ._utils import FLOAT_DTYPES, check_targets, check_tensor, resolve_kernel_backend, row_inv_temperature
+from ._utils import (
+    FLOAT_DTYPES,
+    check_targets,
+    check_tensor,
+    no_autocast,
+    resolve_kernel_backend,
+    row_inv_temperature,
+)
 
 # Launch shape, one program per row. Large vocabularies stream the row in blocks:
 # forward 8192 columns with 8 warps (32 values per thread: the three block reductions
@@ -176,6 +183,13 @@ class _TokenLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward):
+        with no_autocast(logits.device):
+            return _TokenLogprobsFunction._forward(
+                ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward
+            )
+
+    @staticmethod
+    def _forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward):
         # The kernels need a unit column stride; any row stride works without a copy.
         x = logits if logits.stride(1) == 1 else logits.contiguous()
         n, vocab = x.shape
@@ -201,6 +215,11 @@ class _TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logp, g_entropy):
+        with no_autocast(ctx.saved_tensors[0].device):
+            return _TokenLogprobsFunction._backward(ctx, g_logp, g_entropy)
+
+    @staticmethod
+    def _backward(ctx, g_logp, g_entropy):
         x, targets, inv_t, row_max, log_norm, entropy = ctx.saved_tensors
         if not ctx.return_entropy:
             g_entropy = None
@@ -252,6 +271,7 @@ def token_logprobs(
     return_entropy: bool = False,
     inplace_backward: bool = False,
     backend: str = "auto",
+    validate: bool = True,
 ):
     """Log-probability of each row's target under softmax(logits * inv_temperature).
 
@@ -266,15 +286,21 @@ def token_logprobs(
             [N, V] buffer (the logits must be contiguous and must not be needed after
             backward; an op that saved them for its own backward raises there).
         backend: "auto" (Triton on CUDA, the reference elsewhere), "triton" or "torch".
+        validate: check the values of targets (in range) and of a tensor
+            inv_temperature (positive, finite). These checks read the tensors on the
+            host (a device sync); pass False in a hot loop once the batch has been
+            validated. Shapes, dtypes and devices are always checked.
     Returns:
         logp [N] fp32 (fp64 for fp64 logits), and entropy [N] when return_entropy.
+        Autocast does not change the computation: it runs on the logits as given,
+        accumulating in fp32, as autocast itself runs a softmax.
     """
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     n, vocab = logits.shape
     if vocab < 1:
         raise ValueError("logits must have at least one column (V >= 1)")
-    check_targets(targets, n, vocab, ignore_index, logits.device)
-    inv_t = row_inv_temperature(inv_temperature, n, logits.device)
+    check_targets(targets, n, vocab, ignore_index, logits.device, validate=validate)
+    inv_t = row_inv_temperature(inv_temperature, n, logits.device, validate=validate)
     if inplace_backward and not logits.is_contiguous():
         raise ValueError(
             "inplace_backward=True needs contiguous logits (the gradient is written into their storage); "
@@ -288,6 +314,7 @@ def token_logprobs(
             ignore_index=ignore_index,
             return_entropy=return_entropy,
             inplace_backward=inplace_backward,
+            validate=False,  # inv_t was checked above
         )
     logp, entropy = _token_logprobs_triton(logits, targets, inv_t, ignore_index, return_entropy, inplace_backward)
     return (logp, entropy) if return_entropy else logp

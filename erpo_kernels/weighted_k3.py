@@ -19,7 +19,7 @@ from torch.autograd.function import once_differentiable
 
 from . import reference
 from ._triton import interpreting, round_to, tl, triton
-from ._utils import FLOAT_DTYPES, check_rows, check_tensor, resolve_kernel_backend
+from ._utils import FLOAT_DTYPES, check_rows, check_tensor, no_autocast, resolve_kernel_backend
 
 BLOCK = 1024
 # exp(guard) must stay far from fp32 overflow (3.4e38 = exp(88.7)).
@@ -200,6 +200,7 @@ def weighted_k3(
     *,
     guard: float = 10.0,
     backend: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """R = sum_q w(q) k3(ref_logp(q) - logp(q)) / sum_q w(q), a scalar.
 
@@ -209,13 +210,20 @@ def weighted_k3(
     Args:
         logp: [M] float (e.g. query_logp), the policy's log-probability of each query.
         ref_logp: [M] float (ref_query_logp), on logp's device.
-        weight: [M] float (query_weights) or None (all ones).
+        weight: [M] float (query_weights), each >= 0, or None (all ones).
         guard: c, in (0, 80]; a runtime value, never recompiles.
         backend: "auto", "triton" or "torch".
+        validate: check that every weight is >= 0 (NaN rejected too). The check
+            reads them on the host (a device sync); pass False in a hot loop once the
+            weights have been validated. Shapes, dtypes and devices are always checked.
     Returns:
         A 0-d tensor: fp32 on the Triton backend (fp16/bf16/fp32 inputs, computed in
         fp32); fp64 inputs go to the reference. Gradients flow to all three inputs.
-        When the weights sum to 0 (M = 0 included) R is 0 and every gradient is 0.
+        Autocast does not change the computation.
+
+    Zero total weight: when the weights sum to 0 (all zero, or M = 0) the weighted mean
+    has no mass to average over. R is then defined as 0, and every gradient (to logp,
+    ref_logp and weight) is exactly 0: never 0/0, never NaN.
     """
     check_tensor("logp", logp, ndim=1, dtypes=FLOAT_DTYPES)
     check_tensor("ref_logp", ref_logp, ndim=1, dtypes=FLOAT_DTYPES, device=logp.device)
@@ -223,6 +231,9 @@ def weighted_k3(
     if weight is not None:
         check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=logp.device)
         check_rows("weight", weight, logp.shape[0])
+        if validate and weight.numel() > 0 and not bool((weight >= 0).all()):
+            i = int((~(weight >= 0)).nonzero()[0, 0])
+            raise ValueError(f"weight must be >= 0 everywhere, got weight[{i}] = {float(weight[i])}")
     if isinstance(guard, bool) or not isinstance(guard, (int, float)):
         raise ValueError(f"guard must be a float, got {type(guard).__name__}")
     guard = float(guard)
@@ -230,4 +241,5 @@ def weighted_k3(
         raise ValueError(f"guard must be in (0, {MAX_GUARD:g}] (exp(guard) must fit in fp32), got {guard}")
     if resolve_kernel_backend(backend, {"logp": logp, "ref_logp": ref_logp, "weight": weight}) == "torch":
         return reference.weighted_k3(logp, ref_logp, weight, guard=guard)
-    return _weighted_k3_triton(logp, ref_logp, weight, guard)
+    with no_autocast(logp.device):
+        return _weighted_k3_triton(logp, ref_logp, weight, guard)

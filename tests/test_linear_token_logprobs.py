@@ -12,6 +12,7 @@ import torch
 
 from _aot import run_aot
 from _compare import assert_close_to_ref
+from _host_reads import HostRead, no_host_reads
 from erpo_kernels import linear_token_logprobs
 
 ltl_module = importlib.import_module("erpo_kernels.linear_token_logprobs")
@@ -269,7 +270,8 @@ def _bad_input_cases(device):
     return [
         ("weight", dict(hidden=h, weight=torch.randn(V, D + 1, device=device), targets=t)),
         ("weight", dict(hidden=h, weight=w.to(torch.bfloat16), targets=t)),
-        ("bias", dict(hidden=h, weight=w, targets=t, bias=torch.randn(V - 1, device=device))),
+        ("bias has 210 entries, expected 211 .one per vocabulary row of weight.",
+         dict(hidden=h, weight=w, targets=t, bias=torch.randn(V - 1, device=device))),
         ("bias", dict(hidden=h, weight=w, targets=t, bias=torch.randn(V, device=device).half())),
         ("targets", dict(hidden=h, weight=w, targets=out_of_range)),
         ("targets", dict(hidden=h, weight=w, targets=t.float())),
@@ -287,6 +289,26 @@ def test_bad_inputs_raise_value_error_naming_the_argument(device, case):
     hidden, weight, targets = kwargs.pop("hidden"), kwargs.pop("weight"), kwargs.pop("targets")
     with pytest.raises(ValueError, match=name):
         linear_token_logprobs(hidden, weight, targets, backend="triton", **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_validate_false_reads_no_values(device, backend):
+    # validate=False: no check reads targets or inv_temperature on the host (a GPU sync),
+    # forward or backward; valid input gives exactly the validated result.
+    hidden, weight, bias, targets, inv_t, g_logp, g_ent = _inputs(torch.float32, device)
+    h, w, b = _leaves(hidden, weight, bias)
+    with no_host_reads():
+        logp, ent = linear_token_logprobs(
+            h, w, targets, bias=b, inv_temperature=inv_t, return_entropy=True, backend=backend, validate=False
+        )
+        grads = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (h, w, b))
+    want = _ours(hidden, weight, bias, targets, inv_t, g_logp, g_ent, backend=backend)
+    for a, b_ in zip((logp, ent, *grads), want):
+        assert torch.equal(a, b_)
+    with no_host_reads(), pytest.raises(HostRead):  # the detector sees validation's reads
+        linear_token_logprobs(hidden, weight, targets, inv_temperature=inv_t, backend=backend)
+    with pytest.raises(ValueError, match="targets"):  # structure is still checked
+        linear_token_logprobs(hidden, weight, targets[:-1], backend=backend, validate=False)
 
 
 _AOT_COMPILE = r"""

@@ -21,6 +21,7 @@ import torch
 
 from erpo_kernels import token_logprobs
 from _compare import assert_close_to_ref
+from _host_reads import HostRead, no_host_reads
 
 # The module, not the function of the same name that erpo_kernels re-exports.
 tlp = importlib.import_module("erpo_kernels.token_logprobs")
@@ -316,3 +317,24 @@ def test_bad_inputs_raise_value_error_naming_the_argument(device, monkeypatch):
         kwargs.update(bad)
         with pytest.raises(ValueError, match=rf"\b{name}\b"):
             token_logprobs(kwargs.pop("logits"), kwargs.pop("targets"), **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_validate_false_reads_no_values(device, backend, small_blocks):
+    # validate=False: no check reads targets or inv_temperature on the host (a GPU sync),
+    # forward or backward, and valid input gives exactly the validated result.
+    logits, targets, g_logp, g_ent = _inputs(7, 40, torch.float32, device)
+    inv_t = torch.rand(7, device=device) + 0.5
+    z = logits.clone().requires_grad_()
+    with no_host_reads():
+        logp, ent = token_logprobs(
+            z, targets, inv_temperature=inv_t, return_entropy=True, backend=backend, validate=False
+        )
+        (grad,) = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), z)
+    want = _ours(logits, targets, inv_t, g_logp, g_ent, backend=backend)
+    assert torch.equal(logp.cpu(), want[0]) and torch.equal(ent.cpu(), want[1]) and torch.equal(grad.cpu(), want[2])
+    with no_host_reads(), pytest.raises(HostRead):  # the detector sees validation's reads
+        token_logprobs(logits, targets, inv_temperature=inv_t, backend=backend)
+    # structure is still checked with validate=False
+    with pytest.raises(ValueError, match="targets"):
+        token_logprobs(logits, targets[:-1], backend=backend, validate=False)

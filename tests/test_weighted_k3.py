@@ -9,6 +9,7 @@ import torch
 from erpo_kernels import weighted_k3
 
 from _compare import assert_close_to_ref
+from _host_reads import HostRead, no_host_reads
 
 
 def _k3(delta: torch.Tensor, c: float) -> torch.Tensor:
@@ -180,3 +181,26 @@ def test_bad_inputs(device):
             weighted_k3(x, x, guard=guard, backend="triton")
     with pytest.raises(ValueError, match="backend"):
         weighted_k3(x, x, backend="gpu")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("bad", [-1e-3, -2.0, float("nan")])
+def test_negative_or_nan_weight_is_refused(device, backend, bad):
+    # a negative weight would make R a difference of KL terms (it can go negative)
+    x, ref = torch.randn(6, device=device), torch.randn(6, device=device)
+    w = torch.rand(6, device=device)
+    w[4] = bad
+    with pytest.raises(ValueError, match=r"weight\[4\]"):
+        weighted_k3(x, ref, w, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_validate_false_reads_no_values(device, backend):
+    logp = torch.randn(9, device=device, requires_grad=True)
+    ref, w = torch.randn(9, device=device), torch.rand(9, device=device)
+    with no_host_reads():
+        r = weighted_k3(logp, ref, w, backend=backend, validate=False)
+        r.backward()
+    assert torch.equal(r, weighted_k3(logp, ref, w, backend=backend))
+    with no_host_reads(), pytest.raises(HostRead):  # the detector sees validation's reads
+        weighted_k3(logp, ref, w, backend=backend)
