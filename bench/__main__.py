@@ -26,7 +26,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--machine", default=None, help="results file name (default: derived from the device)")
     p.add_argument("--budget-s", type=float, default=None, help="start no new case after this many seconds")
     p.add_argument("--worker-timeout-s", type=float, default=1800.0, help="CPU: limit of one measurement")
-    p.add_argument("--no-report", action="store_true", help="do not regenerate the plot / README table")
+    p.add_argument("--no-report", action="store_true", help="do not regenerate the plots (the README table is only written by `bench report`)")
 
 
 def _options(args: argparse.Namespace, cuda: tuple, cpu: tuple) -> RunOptions:
@@ -89,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "report":
         from . import report
 
-        report.regenerate(args.out_dir, echo=args.print)
+        report.regenerate(args.out_dir, write_readme_table=True, echo=args.print)
         return 0
     if args.command == "merge":
         from . import report

@@ -156,7 +156,7 @@ class RunOptions:
     budget_s: Optional[float] = None  # start no new case after this many seconds
     worker_timeout_s: float = 1800.0  # CPU: limit of one measurement subprocess
     args: Dict[str, Any] = field(default_factory=dict)  # the command line, recorded in the run
-    make_report: bool = True  # regenerate the plots (and the README section) at the end
+    make_report: bool = True  # regenerate the plots at the end (never the README: `bench report` does)
 
     def __post_init__(self) -> None:
         if self.device not in MEMORY_DEFINITION:

@@ -3,8 +3,8 @@
 A results file is bench/results/<machine>.json = {"machine": name, "runs": [run, ...]}; every
 `bench kernels` / `bench step` run appends one run (metadata + records). The README table and
 the plots use, for each (op, peer, shape, dtype, pass) or (model, tokens, variant), the
-newest record of each machine. Nothing in them is typed by hand: `python -m bench report`
-rewrites the README between the markers below.
+newest record of each machine. Nothing in them is typed by hand: `python -m bench report`, and
+only it, rewrites the README between the markers below (measuring never edits documentation).
 """
 from __future__ import annotations
 
@@ -90,6 +90,7 @@ class RunWriter:
         print(summary(self.run))
         if self.opts.make_report:
             regenerate(self.opts.out_dir)
+            print("plots regenerated; `python -m bench report` puts these results into the README table")
         return self.run
 
     def _save(self) -> None:
@@ -441,17 +442,20 @@ def kernels_summary(run: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def regenerate(out_dir: str | os.PathLike = RESULTS_DIR, readme: Path = README, echo: bool = False) -> str:
-    """Plots for every results file in out_dir; the README section when out_dir is bench/results.
+def regenerate(out_dir: str | os.PathLike = RESULTS_DIR, write_readme_table: bool = False,
+               echo: bool = False) -> str:
+    """Plots for every results file in out_dir, and the README section's text.
 
-    The section is printed when `echo`, or when the README has no markers to receive it.
+    Only `python -m bench report` passes `write_readme_table` (measuring never edits the README):
+    the section is then written between the README's markers when out_dir is bench/results.
+    It is printed when `echo`, or when the README has no markers to receive it.
     """
     results = all_results(out_dir)
     for machine, data in results.items():
         plot(machine, data, out_dir)
     text = markdown(results)
-    if Path(out_dir).resolve() == Path(RESULTS_DIR).resolve():
-        if write_readme(text, readme):
+    if write_readme_table and Path(out_dir).resolve() == Path(RESULTS_DIR).resolve():
+        if write_readme(text, README):
             print(f"README.md: section between {START} and {END} regenerated")
         else:
             print(f"README.md has no {START} ... {END} markers: nothing written; the section is:\n")

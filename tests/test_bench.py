@@ -177,3 +177,23 @@ def test_spent_budget_skips_and_still_writes_the_run(tmp_path):
     assert run["results"] == [] and "elapsed_s" in run
     assert [s["peer"] for s in run["skipped_cases"]] == ["erpo", "eager"]
     assert all("budget" in s["reason"] for s in run["skipped_cases"])
+
+
+def test_measuring_never_writes_the_readme(tmp_path, monkeypatch):
+    """`bench kernels` / `bench step` (here: a run whose budget is spent, with the report on, into
+    bench/results) write results and plots only; the README table is `python -m bench report`'s."""
+    from bench import kernels
+    from bench.__main__ import main
+    from bench.measure import RunOptions
+
+    written = []
+    monkeypatch.setattr(report, "write_readme", lambda text, readme=None: written.append(readme) or True)
+    monkeypatch.setattr(report, "RESULTS_DIR", tmp_path)
+    cases = kernels.custom_cases(["token_logprobs"], ["qwen2.5-1.5b"], [8], ["fp32"], None, 50)
+    opts = RunOptions(device="cpu", warmup=0, repeats=1, out_dir=str(tmp_path), machine="noreadme", budget_s=0.0)
+    kernels.run(cases, ["erpo"], ["forward"], opts)
+    assert (tmp_path / "noreadme.json").exists() and written == []
+    assert main(["merge", str(tmp_path / "noreadme.json"), "--out-dir", str(tmp_path)]) == 0
+    assert written == []
+    assert main(["report", "--out-dir", str(tmp_path)]) == 0
+    assert written == [report.README]
