@@ -1,5 +1,7 @@
 # The README commands. Both create .venv when missing and install the project.
-# torch comes from the local CPU wheel (torch==2.13.0): never a multi-GB CUDA download.
+# torch: a torch already importable in .venv (e.g. a CUDA build installed first, see the README's
+# "On a GPU machine") is kept; otherwise the local CPU wheel (torch==2.13.0): never a multi-GB
+# CUDA download, and never a CPU torch over a CUDA one.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +11,11 @@ STAMP := $(VENV)/.erpo-installed
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		$(PY) -c "import torch; print('keeping the installed torch', torch.__version__)"; \
+	else \
+		$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0; \
+	fi
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[train,dev]"
 	touch $(STAMP)
 

@@ -6,6 +6,7 @@
     erpo plot RUN [RUN ...] [--out PNG]            curves of one run, or several overlaid
     erpo eval [model=RUN_OR_DIR[,...]] [data=FILE] [temperatures=...] [n=N] [k=...]
                                                    accuracy over temperatures (erpo-method.md section 8)
+    erpo env                                       device, torch, CUDA, triton, and the backend each op uses
 
 Bad input is one line, `erpo: error: ...`, and exit status 2; no traceback.
 """
@@ -152,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="erpo", description="GRPO / ERPO training with fused loss kernels.", epilog=USAGE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="command", metavar="{train,ref-cache,plot,eval}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{train,ref-cache,plot,eval,env}", parser_class=_Parser)
     for name, text in (
         ("train", "train a model (no arguments: the embedded demo)"),
         ("ref-cache", "build the reference cache of a run"),
@@ -161,6 +162,7 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=text, add_help=False)
         sp.add_argument("-h", "--help", action="store_true")
         sp.add_argument("args", nargs="*", metavar="[config.yaml] key=value")
+    sub.add_parser("env", help="device, torch, CUDA, triton and the backend each op will use")
     sp = sub.add_parser("plot", help="plot the curves of one or more runs")
     sp.add_argument("runs", nargs="*", metavar="RUN")
     sp.add_argument("--out", default=None, help="PNG path (default: RUN/curves.png, or compare.png beside the runs)")
@@ -214,6 +216,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     trainer = None
     try:
+        if args.command == "env":
+            from .env import env_report
+
+            print(env_report())
+            return 0
         if args.command == "plot":
             from .plot import plot_runs
 

@@ -400,3 +400,20 @@ def test_console_entry_point_exit_status():
                           text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "erpo: error: unknown config key 'alpah'; did you mean alpha?"
+
+
+def test_env_prints_versions_and_the_backend_of_each_op(capsys):
+    """`erpo env`: device, torch, CUDA, triton, and per op the backend auto picks, run once."""
+    from erpo.env import op_backends
+
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    expected = "triton" if torch.cuda.is_available() else "torch"
+    for needle in ("device:", f"torch:   {torch.__version__}", "CUDA:", "triton:"):
+        assert needle in out, out
+    for op in ("token_logprobs", "linear_token_logprobs", "segment_sum", "weighted_k3"):
+        row = [line for line in out.splitlines() if line.split()[:1] == [op]]
+        assert len(row) == 1 and row[0].split()[1] == expected and "ran;" in row[0], out
+    # the same check with the kernels forced (the CPU interpreter here): they run and match
+    for op, chosen, check in op_backends(torch.device("cpu"), backend="triton"):
+        assert chosen == "triton" and check.startswith("ran;") and "MISMATCH" not in check, (op, check)

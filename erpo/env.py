@@ -1,0 +1,73 @@
+"""`erpo env`: what this machine will run. Device, torch (and the CUDA it was built for),
+Triton, and for each op the backend `backend="auto"` picks on the trainer's default device,
+confirmed by running the op once on tiny inputs and comparing it with the PyTorch reference."""
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+import erpo_kernels as ek
+from erpo_kernels._triton import HAS_TRITON, interpreting
+from erpo_kernels._utils import resolve_backend
+
+
+def _op_calls(device: torch.device) -> Dict[str, Callable[[str], torch.Tensor]]:
+    """Each public op on small fixed inputs: backend name -> output (one tensor)."""
+    g = torch.Generator().manual_seed(0)
+    n, d, v = 7, 16, 37
+    logits = torch.randn(n, v, generator=g).to(device)
+    hidden = torch.randn(n, d, generator=g).to(device)
+    weight = (0.1 * torch.randn(v, d, generator=g)).to(device)
+    targets = torch.randint(0, v, (n,), generator=g).to(device)
+    values = torch.randn(n, generator=g).to(device)
+    cu = torch.tensor([0, 3, 7], device=device)
+    logp, ref = -torch.rand(5, generator=g).to(device), -torch.rand(5, generator=g).to(device)
+    w = torch.rand(5, generator=g).to(device)
+    return {
+        "token_logprobs": lambda b: ek.token_logprobs(logits, targets, backend=b),
+        "linear_token_logprobs": lambda b: ek.linear_token_logprobs(hidden, weight, targets, backend=b),
+        "segment_sum": lambda b: ek.segment_sum(values, cu, backend=b),
+        "weighted_k3": lambda b: ek.weighted_k3(logp, ref, w, backend=b).reshape(1),
+    }
+
+
+def op_backends(device: torch.device, backend: str = "auto") -> List[Tuple[str, str, str]]:
+    """(op, the backend `backend` resolves to on `device`, result of running it against the reference)."""
+    rows = []
+    for name, call in _op_calls(device).items():
+        chosen = resolve_backend(backend, torch.empty(0, device=device))
+        try:
+            err = (call(backend).double() - call("torch").double()).abs().max().item()
+            check = f"ran; max |{backend} - reference| = {err:.1e}" + ("" if err < 1e-4 else "  (MISMATCH)")
+        except Exception as exc:  # noqa: BLE001 - reported, this command is a diagnosis
+            check = f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        rows.append((name, chosen, check))
+    return rows
+
+
+def env_report() -> str:
+    """The lines `erpo env` prints."""
+    triton_version = "not installed"
+    if HAS_TRITON:
+        import triton
+
+        triton_version = getattr(triton, "__version__", "?")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    where = torch.cuda.get_device_name(0) if cuda else f"{os.cpu_count()} logical cores"
+    lines = [
+        f"device:  {device} ({where}); the trainer's device=auto picks it",
+        f"torch:   {torch.__version__} (CUDA build: {torch.version.cuda or 'none, a CPU-only build'})",
+        f"CUDA:    {'available, ' + str(torch.cuda.device_count()) + ' device(s)' if cuda else 'not available'}",
+        f"triton:  {triton_version}"
+        + ("  (TRITON_INTERPRET=1: kernels run in the CPU interpreter)" if interpreting() else ""),
+        "backend=\"auto\" on this device (triton = the fused kernels; torch = the PyTorch reference):",
+    ]
+    for name, chosen, check in op_backends(device):
+        lines.append(f"  {name:<22} {chosen:<7} {check}")
+    if not cuda:
+        lines.append("no CUDA device: the Triton kernels run only on CUDA tensors (see the README's "
+                     "\"On a GPU machine\")")
+    return "\n".join(lines)

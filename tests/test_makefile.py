@@ -1,0 +1,38 @@
+"""The Makefile's install step, run against a fake venv whose `python` only logs its arguments:
+a torch already in the venv (a CUDA build the user installed) is kept, and a fresh venv (no
+torch) gets the CPU wheel, as a fresh clone's `make test` needs."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _install(tmp_path: Path, torch_importable: bool) -> str:
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "calls.log"
+    fake = venv / "bin" / "python"
+    # `python -c "import torch..."` fails when no torch is importable; every call is logged
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\n'
+                    f'case "$*" in *"import torch"*) exit {0 if torch_importable else 1};; esac\nexit 0\n')
+    fake.chmod(0o755)
+    proc = subprocess.run(["make", "-s", "-C", str(REPO), f"VENV={venv}", "install"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (venv / ".erpo-installed").exists()
+    return log.read_text()
+
+
+def test_make_keeps_an_installed_torch(tmp_path):
+    calls = _install(tmp_path, torch_importable=True)
+    assert "torch==" not in calls
+    assert '-e .[train,dev]' in calls  # the project itself is still installed
+
+
+def test_make_installs_the_cpu_torch_into_a_fresh_venv(tmp_path):
+    calls = _install(tmp_path, torch_importable=False)
+    assert "install" in calls and "torch==2.13.0" in calls
+    assert calls.index("torch==2.13.0") < calls.index("-e .[train,dev]")
