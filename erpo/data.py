@@ -145,6 +145,9 @@ def read_examples(path: str, prompt_field: str, answer_field: str, key: str = "d
                 if flag == "answer_field" and answer_field == "answer":
                     also = (f" and its {SOLUTION_FIELD!r} holds no \\boxed{{}} answer" if SOLUTION_FIELD in rec
                             else f" nor a {SOLUTION_FIELD!r} with a \\boxed{{}} answer")
+                if field in rec:  # the field is there, its value is null
+                    raise DataError(f"dataset {path} record {i} has {field!r}: null{also.replace(' nor a ', ' and no ')}; give it a value or "
+                                    f"remove the record")
                 raise DataError(
                     f"dataset {path} record {i} has no {field!r} field{also} (its fields: {fields}); "
                     f"set {flag}=NAME to the field that holds it"

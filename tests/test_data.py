@@ -48,3 +48,16 @@ def test_unreadable_file_is_a_data_error(tmp_path, name, content):
     path.write_bytes(content)
     with pytest.raises(DataError, match=f"dataset {path} could not be read"):
         read_examples(str(path), "prompt", "answer")
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "json"])
+def test_null_field_is_reported_as_null_not_missing(tmp_path, ext):
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "4+4=", "answer": None}, {"prompt": None, "answer": "1"}]
+    path = tmp_path / f"d.{ext}"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) if ext == "jsonl" else json.dumps(rows))
+    with pytest.raises(DataError, match=r"record 1 has 'answer': null") as info:
+        read_examples(str(path), "prompt", "answer")
+    assert "no 'answer' field" not in str(info.value) and "answer_field=" not in str(info.value)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[::2]) if ext == "jsonl" else json.dumps(rows[::2]))
+    with pytest.raises(DataError, match=r"record 1 has 'prompt': null"):
+        read_examples(str(path), "prompt", "answer")
