@@ -128,6 +128,7 @@ def _eval_config(cfg: TrainConfig, given: Dict[str, Any], from_file: bool) -> Tr
         saved = read_yaml(base)
         saved.update(given)
         cfg = TrainConfig(**saved)
+        _own_template_and_reward(cfg, given, [r for r in map(run_of, entries) if r is not None])
     if "eval_n_samples" in given and "eval_k_values" not in given:
         cfg.eval_k_values = []  # a new n: Pass@k for every k <= n, not the k of a saved config
     runs = sorted({r for r in map(run_of, entries) if r is not None})
@@ -138,6 +139,23 @@ def _eval_config(cfg: TrainConfig, given: Dict[str, Any], from_file: bool) -> Tr
             cfg.eval_out = os.path.join(os.path.commonpath([os.path.abspath(os.path.dirname(r)) for r in runs]),
                                         "eval")
     return cfg
+
+
+def _own_template_and_reward(cfg: TrainConfig, given: Dict[str, Any], runs: List[str]) -> None:
+    """A run is evaluated with the template and reward it was trained with (auto resolved
+    against its training data), whatever data= names; template=/reward= choose others.
+    Runs trained with different ones are refused together unless those keys are given."""
+    for key in ("template", "reward"):
+        if key in given:
+            continue
+        own = getattr(cfg, f"{key}_for")(cfg.is_demo_task)
+        setattr(cfg, key, own)
+        for run in runs:
+            other = TrainConfig(**read_yaml(os.path.join(run, "config.yaml")))
+            theirs = getattr(other, f"{key}_for")(other.is_demo_task)
+            if theirs != own:
+                raise ConfigError(f"{run} was trained with {key}={theirs}, {cfg.run_dir} with {key}={own}: evaluate "
+                                  f"them separately, or give {key}= to score both the same way")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -181,8 +199,9 @@ eval.md and eval.png in <out>/<name>/; with several models compare.md/png/json i
                  comma-separated to compare them on one plot; a quoted glob
                  ("runs/erpo/checkpoints/*") takes every match.  [default: run_dir's latest checkpoint]
   data=          a .jsonl/.json/.parquet file (MATH-style problem/solution records work
-                 as they are; graded by math-verify unless reward= says otherwise), or
-                 arithmetic.  [default: the run's held-out split, or its dataset]
+                 as they are), or arithmetic.  [default: the run's held-out split, or its dataset]
+  template=, reward=  [default: the run's own, whatever data= is; outside any run: r1 and
+                 math_verify for a file, plain and exact_match for arithmetic]
   temperatures=  sampling temperatures, each > 0; greedy is always run.  [default: %s]
   n=             samples per problem and temperature.  [default: 8]
   k=             k of Pass@k, each <= n.  [default: every k from 1 to n]
@@ -191,6 +210,7 @@ eval.md and eval.png in <out>/<name>/; with several models compare.md/png/json i
   save_samples=true  also write samples.jsonl: every completion, its question, gold answer and grade
   out=           report directory  [default: <run>/eval for one run, <their parent>/eval
                  for several, runs/eval for a model outside any run]
+  overwrite=true replace reports there made with other settings (refused otherwise)
 
 Every training key is accepted too (e.g. device=, dtype=, template=, reward=, seed=):"""
 

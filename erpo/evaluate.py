@@ -564,6 +564,89 @@ def _eval_target(entry: str, cfg: TrainConfig, log: Callable[[str], None]) -> tu
     return entry, name
 
 
+# What a report depends on (besides the model's weights): `erpo eval` never replaces a
+# report, or a comparison, made with other values without overwrite=true.
+REPORT_SETTINGS = ("model", "data", "problems", "template", "reward", "temperatures", "n", "k", "max_new_tokens",
+                   "seed", "batch_size")
+
+
+def report_settings(report: dict[str, Any]) -> dict[str, Any]:
+    """The REPORT_SETTINGS of an eval.json payload (EvalResult.to_dict)."""
+    s = report.get("settings", {})
+    return {
+        "model": s.get("model_path") or os.path.abspath(str(s.get("model", ""))),
+        "data": s.get("data_path", s.get("data")),
+        "problems": report.get("n_problems"),
+        "template": s.get("template"),
+        "reward": s.get("reward"),
+        "temperatures": sorted(float(row["temperature"]) for row in report.get("rows", [])),
+        "n": report.get("n_samples"),
+        "k": sorted(int(k) for k in report.get("k_values", [])),
+        "max_new_tokens": s.get("max_new_tokens"),
+        "seed": s.get("seed"),
+        "batch_size": s.get("batch_size"),
+    }
+
+
+def _data_path(cfg: TrainConfig) -> str:
+    data = cfg.eval_dataset or cfg.dataset
+    return os.path.abspath(data) if os.path.isfile(data) else data
+
+
+def _planned_settings(cfg: TrainConfig, model_dir: str, n_problems: int, max_new_tokens: int) -> dict[str, Any]:
+    """report_settings of the report this `erpo eval` is about to write for ``model_dir``."""
+    n = cfg.eval_n_samples
+    return {
+        "model": os.path.abspath(model_dir), "data": _data_path(cfg), "problems": n_problems,
+        "template": cfg.eval_template, "reward": cfg.eval_reward,
+        "temperatures": sorted(float(t) for t in cfg.eval_temperatures), "n": n,
+        "k": sorted({int(k) for k in cfg.eval_k_values}) or list(range(1, n + 1)),
+        "max_new_tokens": max_new_tokens, "seed": cfg.seed, "batch_size": cfg.eval_batch_size,
+    }
+
+
+def _fmt_setting(key: str, value: Any) -> str:
+    if isinstance(value, list):
+        value = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+    return f"{key}={value}"
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> tuple[str, str]:
+    keys = [k for k in REPORT_SETTINGS if old.get(k) != new.get(k)]
+    return (" ".join(_fmt_setting(k, old.get(k)) for k in keys), " ".join(_fmt_setting(k, new.get(k)) for k in keys))
+
+
+def check_no_silent_replace(out_root: str, planned: dict[str, dict[str, Any]]) -> None:
+    """ErpoError (before any generation) when <out_root>/<name>/eval.json, or compare.json for
+    several models, holds a report made with other settings than ``planned`` ({name: settings}).
+    The same command again replaces its own report (it gives the same numbers)."""
+    fix = "give another out=DIR to keep both, or overwrite=true to replace it"
+    for name, new in planned.items():
+        path = os.path.join(out_root, name, "eval.json")
+        if not os.path.isfile(path):
+            continue
+        try:
+            old = report_settings(json.loads(Path(path).read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ErpoError(f"{path} is not a report this version can read; {fix}") from None
+        if old != new:
+            was, now = _differences(old, new)
+            raise ErpoError(f"{os.path.join(out_root, name)} holds a report made with {was} (this one: {now}); {fix}")
+    path = os.path.join(out_root, "compare.json")
+    if len(planned) > 1 and os.path.isfile(path):
+        try:
+            old_all = {name: report_settings(r) for name, r in json.loads(Path(path).read_text("utf-8")).items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise ErpoError(f"{path} is not a comparison this version can read; {fix}") from None
+        where = os.path.join(out_root, "compare.md")
+        if list(old_all) != list(planned):
+            raise ErpoError(f"{where} compares {', '.join(old_all)} (this one: {', '.join(planned)}); {fix}")
+        for name, new in planned.items():
+            if old_all[name] != new:
+                was, now = _differences(old_all[name], new)
+                raise ErpoError(f"{where} compares {name} made with {was} (this one: {now}); {fix}")
+
+
 def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, str]:
     """`erpo eval`: evaluate each of cfg.eval_checkpoints (default: the latest checkpoint of
     cfg.run_dir) on the evaluation set; a table per model on the terminal, reports in
@@ -606,10 +689,14 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
     except OSError as exc:
         raise ErpoError(f"out={out_root}: reports cannot be written there ({exc.strerror}); give a writable "
                         f"directory with out=DIR") from None
+    max_new_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
+    planned = {name: _planned_settings(cfg, model_dir, len(examples), max_new_tokens)
+               for model_dir, name in targets.items()}
+    if not cfg.overwrite:
+        check_no_silent_replace(out_root, planned)
     device = resolve_device(cfg)
     dtype = resolve_compute_dtype(cfg, device)
     reward_fn = get_reward_fn(cfg.eval_reward)
-    max_new_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
     n_temps = len(cfg.eval_temperatures)
     log(f"erpo: eval on {len(examples)} problems of {data_name} (template {cfg.eval_template}, reward "
         f"{cfg.eval_reward}, responses of at most {max_new_tokens} tokens), {cfg.eval_n_samples} samples at each of "
@@ -628,7 +715,8 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
             seed=cfg.seed, progress=cfg.progress, keep_samples=cfg.eval_save_samples,
         )
         result.settings.update({"model": model_dir, "data": data_name, "template": cfg.eval_template,
-                                "reward": cfg.eval_reward, "seconds": round(time.perf_counter() - t0, 2)})
+                                "reward": cfg.eval_reward, "seconds": round(time.perf_counter() - t0, 2),
+                                "model_path": os.path.abspath(model_dir), "data_path": _data_path(cfg)})
         out = os.path.join(out_root, name)
         written = write_report(result, out, title=name, questions=[ex.prompt for ex in examples],
                                answers=[ex.answer for ex in examples])

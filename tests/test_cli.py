@@ -216,7 +216,8 @@ def test_eval_short_keys_end_to_end(capsys, done_run, tmp_path):
     table on the terminal whose numbers are eval.json's, reports in RUN/eval/NAME."""
     root, run, cache = done_run
     capsys.readouterr()
-    assert main(["eval", f"model={run}", "n=3", "temperatures=0.5,1.5", "limit=4", "progress=false"]) == 0
+    assert main(["eval", f"model={run}", "n=3", "temperatures=0.5,1.5", "limit=4", "progress=false",
+                 "overwrite=true"]) == 0   # test_plot_and_eval's report there has other settings
     out = capsys.readouterr().out
     report = os.path.join(run, "eval", "run-step-000002")
     with open(os.path.join(report, "eval.json")) as f:
@@ -281,7 +282,8 @@ def test_eval_compares_runs_on_one_plot(capsys, done_run, tmp_path):
 
 
 def test_eval_math_style_jsonl(capsys, done_run, tmp_path):
-    """data= a local MATH-style JSONL: read as it is, r1 template, graded by math-verify."""
+    """data= a local MATH-style JSONL: read as it is; with template=r1 reward=math_verify
+    (the run's own are plain and exact_match) graded by math-verify."""
     root, run, cache = done_run
     data = tmp_path / "math.jsonl"
     rows = [{"problem": f"What is {a}+1?", "solution": f"It is $\\boxed{{{a + 1}}}$.", "type": "Algebra"}
@@ -290,7 +292,7 @@ def test_eval_math_style_jsonl(capsys, done_run, tmp_path):
     out = str(tmp_path / "ev")
     capsys.readouterr()
     assert main(["eval", f"model={run}", f"data={data}", "n=1", "temperatures=1.0", "max_new_tokens=4",
-                 f"out={out}", "progress=false"]) == 0
+                 f"out={out}", "progress=false", "template=r1", "reward=math_verify"]) == 0
     with open(os.path.join(out, "run-step-000002-math", "eval.json")) as f:   # named after model and data
         result = json.load(f)
     assert result["n_problems"] == 3 and result["k_values"] == [1]
@@ -417,3 +419,66 @@ def test_env_prints_versions_and_the_backend_of_each_op(capsys):
     # the same check with the kernels forced (the CPU interpreter here): they run and match
     for op, chosen, check in op_backends(torch.device("cpu"), backend="triton"):
         assert chosen == "triton" and check.startswith("ran;") and "MISMATCH" not in check, (op, check)
+
+
+def _eval_json(path):
+    with open(os.path.join(path, "eval.json")) as f:
+        return json.load(f)
+
+
+def test_eval_uses_the_runs_own_template_and_reward(capsys, done_run, tmp_path):
+    """data=FILE on a run trained with the plain template (the demo task): the run's template
+    and reward, whatever the file; others only when asked; auto for a model outside any run."""
+    import shutil
+
+    root, run, cache = done_run
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(3)))
+    common = [f"data={data}", "n=1", "temperatures=1.0", "progress=false"]
+    capsys.readouterr()
+    assert main(["eval", f"model={run}", *common, f"out={tmp_path}/own"]) == 0
+    assert "template plain, reward exact_match" in capsys.readouterr().out
+    settings = _eval_json(tmp_path / "own" / "run-step-000002-sums")["settings"]
+    assert (settings["template"], settings["reward"]) == ("plain", "exact_match")
+    assert main(["eval", f"model={run}", *common, "template=r1", f"out={tmp_path}/asked"]) == 0
+    settings = _eval_json(tmp_path / "asked" / "run-step-000002-sums")["settings"]
+    assert (settings["template"], settings["reward"]) == ("r1", "exact_match")
+    outside = tmp_path / "hf-model"   # the same weights as a plain Hugging Face directory
+    shutil.copytree(os.path.join(run, "checkpoints", "step-000002"), outside)
+    assert main(["eval", f"model={outside}", *common, f"out={tmp_path}/outside"]) == 0
+    settings = _eval_json(tmp_path / "outside" / "hf-model-sums")["settings"]
+    assert (settings["template"], settings["reward"]) == ("r1", "math_verify")
+
+
+def test_eval_never_silently_replaces_reports(capsys, done_run, tmp_path):
+    """A report (and compare.md) made with other n, limit, temperatures or models is refused in
+    one line naming overwrite=true, before any generation; the same command replaces its own."""
+    import shutil
+
+    root, run, cache = done_run
+    out = tmp_path / "rep"
+    base = ["eval", f"model={run}", "n=2", "temperatures=1.0", "limit=2", f"out={out}", "progress=false"]
+    assert main(base) == 0
+    report = out / "run-step-000002"
+    before = (report / "eval.json").read_bytes()
+    first = json.loads(before)
+    assert main(base) == 0   # same settings: replaced by the same numbers
+    again = _eval_json(report)
+    del again["settings"]["seconds"], first["settings"]["seconds"]
+    assert again == first
+    before = (report / "eval.json").read_bytes()
+    for change, was, now in (("n=3", "n=2", "n=3"), ("limit=3", "problems=2", "problems=3"),
+                             ("temperatures=0.5", "temperatures=1", "temperatures=0.5")):
+        err = one_line_error(capsys, [*base, change], str(report), was, now, "overwrite=true", "out=")
+        assert "this one" in err and (report / "eval.json").read_bytes() == before
+    assert main([*base, "n=3", "overwrite=true"]) == 0
+    assert _eval_json(report)["n_samples"] == 3
+
+    cmp_out = tmp_path / "cmp"
+    two = ["eval", "n=2", "temperatures=1.0", "limit=2", f"out={cmp_out}", "progress=false"]
+    assert main([*two, f"model={run},tiny"]) == 0
+    compared = (cmp_out / "compare.json").read_bytes()
+    outside = tmp_path / "hf-model"
+    shutil.copytree(os.path.join(run, "checkpoints", "step-000002"), outside)
+    one_line_error(capsys, [*two, f"model={run},{outside}"], "compare.md compares", "overwrite=true")
+    assert (cmp_out / "compare.json").read_bytes() == compared and not (cmp_out / "hf-model").exists()
