@@ -97,8 +97,25 @@ def resolve_config(args: Sequence[str], command: str = "train") -> TrainConfig:
         run = os.path.normpath(cfg.resume)
         cfg = merge_for_resume(saved, given)
         cfg.resume = cfg.run_dir = run
+    if command != "eval":
+        cfg.model = model_path(cfg.model)
     cfg.validate()
     return cfg
+
+
+def model_path(model: str) -> str:
+    """model= as a model directory: a run (RUN, holding config.yaml and checkpoints/) stands for
+    its latest checkpoint; a checkpoint, a Hugging Face directory or tiny is kept as it is."""
+    from .checkpoint import latest_checkpoint
+
+    if model == "tiny" or os.path.isfile(os.path.join(model, "config.json")) or not os.path.isfile(
+            os.path.join(model, "config.yaml")):
+        return model
+    latest = latest_checkpoint(model)
+    if latest is None:
+        raise ConfigError(f"model={model} is a run without a checkpoint yet; train it first, or name a model "
+                          f"directory or a checkpoint (RUN/checkpoints/step-N)")
+    return latest
 
 
 def _eval_config(cfg: TrainConfig, given: Dict[str, Any], from_file: bool) -> TrainConfig:

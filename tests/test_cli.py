@@ -482,3 +482,24 @@ def test_eval_never_silently_replaces_reports(capsys, done_run, tmp_path):
     shutil.copytree(os.path.join(run, "checkpoints", "step-000002"), outside)
     one_line_error(capsys, [*two, f"model={run},{outside}"], "compare.md compares", "overwrite=true")
     assert (cmp_out / "compare.json").read_bytes() == compared and not (cmp_out / "hf-model").exists()
+
+
+def test_model_can_be_a_run_or_a_checkpoint(capsys, done_run, tmp_path):
+    """model=RUN (its latest checkpoint) and model=RUN/checkpoints/step-N start a run or build
+    a reference cache; a run without a checkpoint is one line."""
+    from erpo.config import read_yaml
+
+    root, run, cache = done_run
+    latest = os.path.join(run, "checkpoints", "step-000002")
+    for model, name in ((run, "from-run"), (latest, "from-ckpt")):
+        new = str(tmp_path / name)
+        assert main(["train", *tiny_args(new, cache, steps=1), f"model={model}"]) == 0
+        assert read_yaml(os.path.join(new, "config.yaml"))["model"] == latest
+        assert os.path.isdir(os.path.join(new, "checkpoints", "step-000001"))
+    assert main(["ref-cache", *tiny_args(str(tmp_path / "rc"), cache), f"model={run}"]) == 0
+    assert os.path.isfile(tmp_path / "rc" / "ref_cache.safetensors")
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    (empty / "config.yaml").write_text("steps: 1\n")
+    one_line_error(capsys, ["train", *tiny_args(str(tmp_path / "x"), cache), f"model={empty}"],
+                   "is a run without a checkpoint yet")
