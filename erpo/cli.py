@@ -239,7 +239,7 @@ def _print_help(command: str) -> None:
         print(EVAL_HELP % ",".join(map(str, EVAL_TEMPERATURES)))
         print(help_text())
         return
-    print(f"usage: erpo {command} [config.yaml] [key=value ...]\n\nkeys:\n{help_text()}")
+    print(f"usage: erpo {command} [config.yaml] [key=value ...]\n\nkeys, by section:\n\n{help_text()}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -3,16 +3,18 @@
     cfg = load_config("my.yaml", ["alpha=0.05", "group_size=8"])   # file, then overrides
     cfg.validate()                                                 # ConfigError on bad values
 
-Every field carries a one-line comment; `erpo train --help` prints them (read from
-this file's source). Unknown keys are a ConfigError naming the closest valid key.
+Every field carries its help and its section in the field's metadata (declared with a
+Section: ``alpha: float = OBJECTIVE(0.01, "help")``); `erpo train --help` prints them,
+section by section. Unknown keys are a ConfigError naming the closest valid key.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
+import importlib
 import os
 import re
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -32,92 +34,188 @@ class ConfigError(ErpoError):
 EVAL_TEMPERATURES = [0.1, 0.3, 0.5, 0.7, 0.9, 1.0, 1.1, 1.3, 1.5]
 
 
+@dataclass(frozen=True)
+class Section:
+    """A group of keys, printed together by `erpo train --help`. Calling it declares a key
+    of the group: ``alpha: float = OBJECTIVE(0.01, "help")``, the help and the section in
+    the field's metadata. ``choices``: the allowed values, or "module:NAME" of the
+    constant that lists them where they are implemented (imported when first needed)."""
+
+    name: str
+    title: str
+
+    def __call__(self, default: Any, help: str, *, choices: Union[Sequence[str], str, None] = None) -> Any:
+        meta = {"help": help, "section": self.name, "choices": choices}
+        if isinstance(default, list):
+            return field(default_factory=lambda: list(default), metadata=meta)
+        return field(default=default, metadata=meta)
+
+
+OBJECTIVE = Section("objective", "objective (erpo-method.md sections 2-5)")
+ROLLOUT = Section("rollout", "rollout")
+OPTIMISATION = Section("optimisation", "optimisation")
+MODEL = Section("model", "model and data")
+RUN = Section("run", "run directory")
+DEMO = Section("demo", "embedded demo (model=tiny, dataset=arithmetic)")
+EVALUATION = Section("evaluation", "evaluation (erpo-method.md section 8; `erpo eval`, whose short keys are in "
+                                   "`erpo eval --help`)")
+SECTIONS = (OBJECTIVE, ROLLOUT, OPTIMISATION, MODEL, RUN, DEMO, EVALUATION)
+
+
 @dataclass
 class TrainConfig:
     """Everything a run needs; the defaults are the embedded demo (`make demo`)."""
 
-    # ---- objective (erpo-method.md sections 2-5)
-    algorithm: str = "erpo"  # erpo (weighted policy loss + alpha * Query-KL) or grpo (policy loss + beta * per-token KL)
-    alpha: float = 0.01  # Query-KL coefficient of erpo; 0 = the weights-only ablation
-    beta: float = 0.01  # grpo: per-token KL coefficient to a frozen reference model (forwarded every step); 0 = none
-    query_weighting: str = "prevalence"  # erpo's query weights: prevalence, softmax or none (none = the Query-KL-only ablation)
-    bins: int = 20  # K, equal-width histogram bins of the prevalence weights
-    gamma: float = 1.0  # prevalence exponent: u(q) = p(q) ** gamma
-    weight_temperature: float = 1.0  # T_w of the softmax weights: u(q) = exp(s(q) / T_w)
-    w_min: float = 0.1  # lower clip of the batch-normalised query weights
-    w_max: float = 10.0  # upper clip of the batch-normalised query weights
-    adv_norm: str = "std"  # group advantages: std ((R - mean) / (std + 1e-6)) or none (R - mean, Dr.GRPO)
-    loss_agg: str = "token-mean"  # policy-loss aggregation: token-mean or seq-mean-token-mean
-    eps_low: float = 0.2  # lower clip range of the ratio: 1 - eps_low
-    eps_high: float = 0.3  # upper clip range of the ratio: 1 + eps_high
-    dual_clip: float = 3.0  # dual-clip constant c for negative advantages
-    kl_guard: float = 10.0  # c of the K3 guard: linear continuation for delta > c
-    monitor_policy_kl: bool = False  # erpo: also forward a frozen reference model to log policy_kl
+    algorithm: str = OBJECTIVE(
+        "erpo",
+        "erpo (weighted policy loss + alpha * Query-KL) or grpo (policy loss + beta * per-token KL)",
+        choices="erpo_kernels:ALGORITHMS",
+    )
+    alpha: float = OBJECTIVE(0.01, "Query-KL coefficient of erpo; 0 = the weights-only ablation")
+    beta: float = OBJECTIVE(
+        0.01,
+        "grpo: per-token KL coefficient to a frozen reference model (forwarded every step); 0 = none",
+    )
+    query_weighting: str = OBJECTIVE(
+        "prevalence",
+        "erpo's query weights: prevalence, softmax or none (none = the Query-KL-only ablation)",
+        choices="erpo.query_weights:SCHEMES",
+    )
+    bins: int = OBJECTIVE(20, "K, equal-width histogram bins of the prevalence weights")
+    gamma: float = OBJECTIVE(1.0, "prevalence exponent: u(q) = p(q) ** gamma")
+    weight_temperature: float = OBJECTIVE(1.0, "T_w of the softmax weights: u(q) = exp(s(q) / T_w)")
+    w_min: float = OBJECTIVE(0.1, "lower clip of the batch-normalised query weights")
+    w_max: float = OBJECTIVE(10.0, "upper clip of the batch-normalised query weights")
+    adv_norm: str = OBJECTIVE(
+        "std",
+        "group advantages: std ((R - mean) / (std + 1e-6)) or none (R - mean, Dr.GRPO)",
+        choices=("std", "none"),
+    )
+    loss_agg: str = OBJECTIVE(
+        "token-mean",
+        "policy-loss aggregation: token-mean or seq-mean-token-mean",
+        choices="erpo_kernels:LOSS_AGGS",
+    )
+    eps_low: float = OBJECTIVE(0.2, "lower clip range of the ratio: 1 - eps_low")
+    eps_high: float = OBJECTIVE(0.3, "upper clip range of the ratio: 1 + eps_high")
+    dual_clip: float = OBJECTIVE(3.0, "dual-clip constant c for negative advantages")
+    kl_guard: float = OBJECTIVE(10.0, "c of the K3 guard: linear continuation for delta > c")
+    monitor_policy_kl: bool = OBJECTIVE(False, "erpo: also forward a frozen reference model to log policy_kl")
 
-    # ---- rollout
-    group_size: int = 8  # G, responses sampled per query
-    queries_per_step: int = 16  # m, distinct queries per step (a step trains on m * G sequences)
-    temperature: float = 1.0  # tau, the sampling temperature; response tokens are scored at 1 / tau
-    max_new_tokens: int = 8  # longest response in tokens
-    rollout_backend: str = "hf"  # rollout engine: hf (transformers generate); a vllm engine fits the same interface
-    rollout_batch_size: int = 0  # sequences per generate call; 0 = all m * G at once
+    group_size: int = ROLLOUT(8, "G, responses sampled per query")
+    queries_per_step: int = ROLLOUT(16, "m, distinct queries per step (a step trains on m * G sequences)")
+    temperature: float = ROLLOUT(1.0, "tau, the sampling temperature; response tokens are scored at 1 / tau")
+    max_new_tokens: int = ROLLOUT(8, "longest response in tokens")
+    rollout_backend: str = ROLLOUT(
+        "hf",
+        "rollout engine: hf (transformers generate); a vllm engine fits the same interface",
+    )
+    rollout_batch_size: int = ROLLOUT(0, "sequences per generate call; 0 = all m * G at once")
 
-    # ---- optimisation
-    lr: float = 3e-4  # AdamW learning rate
-    lr_schedule: str = "constant"  # constant, linear or cosine decay to 0 over `steps`, after warmup
-    warmup_steps: int = 10  # linear learning-rate warm-up steps
-    weight_decay: float = 0.0  # AdamW weight decay
-    adam_beta1: float = 0.9  # AdamW beta1
-    adam_beta2: float = 0.99  # AdamW beta2
-    max_grad_norm: float = 1.0  # gradient clipping by global norm; 0 = off
-    steps: int = 200  # optimizer steps (one rollout batch each)
-    seed: int = 0  # seeds data order, sampling and the demo model; a run is reproducible from it
+    lr: float = OPTIMISATION(3e-4, "AdamW learning rate")
+    lr_schedule: str = OPTIMISATION(
+        "constant",
+        "constant, linear or cosine decay to 0 over `steps`, after warmup",
+        choices=("constant", "linear", "cosine"),
+    )
+    warmup_steps: int = OPTIMISATION(10, "linear learning-rate warm-up steps")
+    weight_decay: float = OPTIMISATION(0.0, "AdamW weight decay")
+    adam_beta1: float = OPTIMISATION(0.9, "AdamW beta1")
+    adam_beta2: float = OPTIMISATION(0.99, "AdamW beta2")
+    max_grad_norm: float = OPTIMISATION(1.0, "gradient clipping by global norm; 0 = off")
+    steps: int = OPTIMISATION(200, "optimizer steps (one rollout batch each)")
+    seed: int = OPTIMISATION(0, "seeds data order, sampling and the demo model; a run is reproducible from it")
 
-    # ---- model and data
-    model: str = "tiny"  # a local Hugging Face causal-LM directory, or tiny (the embedded demo model)
-    dataset: str = "arithmetic"  # a local .jsonl / .parquet file, or arithmetic (the embedded task)
-    prompt_field: str = "prompt"  # dataset field holding the question
-    answer_field: str = "answer"  # dataset field holding the gold answer
-    template: str = "auto"  # r1 (<think> reasoning, \boxed{} answer), chat (r1 through the tokenizer's chat template), plain, a string with {prompt}; auto = plain for arithmetic, r1 otherwise
-    reward: str = "auto"  # exact_match or math_verify (both read the last \boxed{}); auto = exact_match for arithmetic, math_verify otherwise
-    max_prompt_tokens: int = 0  # refuse prompts longer than this many tokens; 0 = no limit
-    dtype: str = "auto"  # float32, bfloat16 or float16 for the trained model; auto = bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"  # cpu, cuda or cuda:N; auto = cuda when available
-    cpu_threads: int = 0  # torch CPU threads; 0 = 1 for the demo model (its ops are too small to share out), else torch's default
-    kernel_backend: str = "auto"  # erpo_kernels backend: auto (Triton on CUDA, PyTorch elsewhere), triton or torch
+    model: str = MODEL("tiny", "a local Hugging Face causal-LM directory, or tiny (the embedded demo model)")
+    dataset: str = MODEL("arithmetic", "a local .jsonl / .parquet file, or arithmetic (the embedded task)")
+    prompt_field: str = MODEL("prompt", "dataset field holding the question")
+    answer_field: str = MODEL("answer", "dataset field holding the gold answer")
+    template: str = MODEL(
+        "auto",
+        "r1 (<think> reasoning, \\boxed{} answer), chat (r1 through the tokenizer's chat template), plain, a "
+        "string with {prompt}; auto = plain for arithmetic, r1 otherwise",
+    )
+    reward: str = MODEL(
+        "auto",
+        "exact_match or math_verify (both read the last \\boxed{}); auto = exact_match for arithmetic, "
+        "math_verify otherwise",
+        choices=("auto", "exact_match", "math_verify"),
+    )
+    max_prompt_tokens: int = MODEL(0, "refuse prompts longer than this many tokens; 0 = no limit")
+    dtype: str = MODEL(
+        "auto",
+        "float32, bfloat16 or float16 for the trained model; auto = bfloat16 on CUDA, float32 on CPU",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    device: str = MODEL("auto", "cpu, cuda or cuda:N; auto = cuda when available")
+    cpu_threads: int = MODEL(
+        0,
+        "torch CPU threads; 0 = 1 for the demo model (its ops are too small to share out), else torch's "
+        "default",
+    )
+    kernel_backend: str = MODEL(
+        "auto",
+        "erpo_kernels backend: auto (Triton on CUDA, PyTorch elsewhere), triton or torch",
+        choices="erpo_kernels:BACKENDS",
+    )
 
-    # ---- run directory
-    run_dir: str = "runs/demo"  # where config.yaml, metrics.jsonl, the plot, the reference cache and checkpoints go
-    resume: str = ""  # a run directory to continue from its latest checkpoint (same data order and RNG)
-    overwrite: bool = False  # start over in a run_dir that holds an earlier run, deleting its metrics, checkpoints and eval reports; false = refuse
-    save_every: int = 50  # checkpoint every N steps (and always at the last step); 0 = only at the end
-    keep_checkpoints: int = 2  # newest checkpoints kept; 0 = keep all
-    ref_cache: str = ""  # reference-cache file; empty = <run_dir>/ref_cache.safetensors (built when missing)
-    progress: bool = True  # show a progress bar
-    cache_dir: str = ".cache/erpo"  # where the demo model's warm start is cached
+    run_dir: str = RUN(
+        "runs/demo",
+        "where config.yaml, metrics.jsonl, the plot, the reference cache and checkpoints go",
+    )
+    resume: str = RUN("", "a run directory to continue from its latest checkpoint (same data order and RNG)")
+    overwrite: bool = RUN(
+        False,
+        "start over in a run_dir that holds an earlier run, deleting its metrics, checkpoints and eval "
+        "reports; false = refuse",
+    )
+    save_every: int = RUN(50, "checkpoint every N steps (and always at the last step); 0 = only at the end")
+    keep_checkpoints: int = RUN(2, "newest checkpoints kept; 0 = keep all")
+    ref_cache: str = RUN("", "reference-cache file; empty = <run_dir>/ref_cache.safetensors (built when missing)")
+    progress: bool = RUN(True, "show a progress bar")
+    cache_dir: str = RUN(".cache/erpo", "where the demo model's warm start is cached")
 
-    # ---- embedded demo (model=tiny, dataset=arithmetic)
-    task_max_operand: int = 49  # arithmetic task: a + b with a, b in [0, task_max_operand]
-    task_train_size: int = 1500  # arithmetic training problems
-    task_eval_size: int = 200  # arithmetic held-out problems (eval)
-    tiny_hidden_size: int = 64  # demo model width
-    tiny_layers: int = 2  # demo model depth
-    warmstart_steps: int = 1000  # supervised warm-start steps of the demo model (cached)
-    warmstart_lr: float = 3e-3  # warm-start learning rate
-    warmstart_unboxed: float = 0.7  # fraction of warm-start demonstrations answering without \boxed{} (no reward: RL has a format to learn)
-    warmstart_batch_size: int = 64  # warm-start batch size
+    task_max_operand: int = DEMO(49, "arithmetic task: a + b with a, b in [0, task_max_operand]")
+    task_train_size: int = DEMO(1500, "arithmetic training problems")
+    task_eval_size: int = DEMO(200, "arithmetic held-out problems (eval)")
+    tiny_hidden_size: int = DEMO(64, "demo model width")
+    tiny_layers: int = DEMO(2, "demo model depth")
+    warmstart_steps: int = DEMO(1000, "supervised warm-start steps of the demo model (cached)")
+    warmstart_lr: float = DEMO(3e-3, "warm-start learning rate")
+    warmstart_unboxed: float = DEMO(
+        0.7,
+        "fraction of warm-start demonstrations answering without \\boxed{} (no reward: RL has a format to "
+        "learn)",
+    )
+    warmstart_batch_size: int = DEMO(64, "warm-start batch size")
 
-    # ---- evaluation (erpo-method.md section 8; `erpo eval`, whose short keys are in EVAL_KEYS)
-    eval_dataset: str = ""  # evaluation file (a MATH-style .jsonl works as it is) or arithmetic; empty = the arithmetic held-out split, or `dataset`
-    eval_checkpoints: List[str] = field(default_factory=list)  # what `erpo eval` scores: run, checkpoint or model dirs, or tiny (the demo's starting model); empty = the run's latest checkpoint
-    eval_temperatures: List[float] = field(default_factory=lambda: list(EVAL_TEMPERATURES))  # sampling temperatures, each > 0 (greedy Pass@1 is always reported)
-    eval_n_samples: int = 8  # samples per problem and temperature (Avg@n, Pass@k)
-    eval_k_values: List[int] = field(default_factory=list)  # k of Pass@k, each <= eval_n_samples; empty = every k from 1 to eval_n_samples
-    eval_max_new_tokens: int = 0  # response length at evaluation; 0 = max_new_tokens
-    eval_batch_size: int = 256  # sequences per generate call at evaluation
-    eval_limit: int = 0  # evaluate the first N problems only; 0 = all
-    eval_out: str = ""  # where reports go; empty = <run_dir>/eval (runs/eval for a model outside any run)
-    eval_save_samples: bool = False  # also write samples.jsonl: every completion with its question, gold answer and grade
+    eval_dataset: str = EVALUATION(
+        "",
+        "evaluation file (a MATH-style .jsonl works as it is) or arithmetic; empty = the arithmetic held-out "
+        "split, or `dataset`",
+    )
+    eval_checkpoints: List[str] = EVALUATION(
+        [],
+        "what `erpo eval` scores: run, checkpoint or model dirs, or tiny (the demo's starting model); "
+        "empty = the run's latest checkpoint",
+    )
+    eval_temperatures: List[float] = EVALUATION(
+        EVAL_TEMPERATURES,
+        "sampling temperatures, each > 0 (greedy Pass@1 is always reported)",
+    )
+    eval_n_samples: int = EVALUATION(8, "samples per problem and temperature (Avg@n, Pass@k)")
+    eval_k_values: List[int] = EVALUATION(
+        [],
+        "k of Pass@k, each <= eval_n_samples; empty = every k from 1 to eval_n_samples",
+    )
+    eval_max_new_tokens: int = EVALUATION(0, "response length at evaluation; 0 = max_new_tokens")
+    eval_batch_size: int = EVALUATION(256, "sequences per generate call at evaluation")
+    eval_limit: int = EVALUATION(0, "evaluate the first N problems only; 0 = all")
+    eval_out: str = EVALUATION("", "where reports go; empty = <run_dir>/eval (runs/eval for a model outside any run)")
+    eval_save_samples: bool = EVALUATION(
+        False,
+        "also write samples.jsonl: every completion with its question, gold answer and grade",
+    )
 
     # ------------------------------------------------------------------ helpers
 
@@ -167,16 +265,27 @@ class TrainConfig:
     def ref_cache_path(self) -> str:
         return self.ref_cache or os.path.join(self.run_dir, "ref_cache.safetensors")
 
+    def loss_config(self) -> Any:
+        """The objective's settings as erpo_kernels' LossConfig: every LossConfig field
+        this config has (same name, same meaning), the rest at LossConfig's defaults."""
+        from erpo_kernels import LossConfig
+
+        names = [f.name for f in dataclasses.fields(LossConfig) if f.name in FIELDS]
+        return LossConfig(**{name: getattr(self, name) for name in names})
+
     def validate(self) -> None:
         """ConfigError (one line: the key, what is wrong, how to fix it) on the first bad value."""
-        choice("algorithm", self.algorithm, ("erpo", "grpo"))
-        choice("query_weighting", self.query_weighting, ("prevalence", "softmax", "none"))
-        choice("adv_norm", self.adv_norm, ("std", "none"))
-        choice("loss_agg", self.loss_agg, ("token-mean", "seq-mean-token-mean"))
-        choice("lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
-        choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
-        choice("kernel_backend", self.kernel_backend, ("auto", "triton", "torch"))
-        choice("reward", self.reward, ("auto", "exact_match", "math_verify"))
+        for name, f in FIELDS.items():
+            if f.metadata.get("choices") is not None:
+                choice(name, getattr(self, name), field_choices(name))
+        self._validate_ranges()
+        self._validate_combinations()
+        self._validate_eval()
+        if not self.run_dir:
+            raise ConfigError("run_dir is empty; give the run a directory, e.g. run_dir=runs/my-run")
+
+    def _validate_ranges(self) -> None:
+        """Each numeric key within its own range."""
         if self.rollout_backend != "hf":
             raise ConfigError(
                 f"rollout_backend={self.rollout_backend!r} is not available in this version; use rollout_backend=hf"
@@ -204,6 +313,9 @@ class TrainConfig:
             at_least(name, getattr(self, name), 0)
         if not 0.0 <= self.warmstart_unboxed < 1.0:
             raise ConfigError(f"warmstart_unboxed={self.warmstart_unboxed} must lie in [0, 1)")
+
+    def _validate_combinations(self) -> None:
+        """Keys that must agree with each other."""
         if self.group_size < 1:
             raise ConfigError(f"group_size={self.group_size} must be >= 1")
         if self.group_size == 1:
@@ -218,6 +330,9 @@ class TrainConfig:
             raise ConfigError(
                 f"template={self.template!r} is not r1, chat, plain or auto, and has no {{prompt}} placeholder"
             )
+
+    def _validate_eval(self) -> None:
+        """The evaluation keys."""
         if not self.eval_temperatures or any(not (0 < t < float("inf")) for t in self.eval_temperatures):
             raise ConfigError(
                 f"eval_temperatures={self.eval_temperatures}: need a non-empty list of temperatures > 0; greedy "
@@ -230,8 +345,6 @@ class TrainConfig:
                 f"eval_k_values={self.eval_k_values}: each k of Pass@k must lie in [1, eval_n_samples="
                 f"{self.eval_n_samples}] (k samples are drawn from the n); raise eval_n_samples= or lower the k"
             )
-        if not self.run_dir:
-            raise ConfigError("run_dir is empty; give the run a directory, e.g. run_dir=runs/my-run")
 
 
 def choice(name: str, value: Any, allowed: Sequence[str]) -> None:
@@ -256,27 +369,39 @@ def positive(name: str, value: float) -> None:
 FIELDS: Dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
-def field_comments() -> Dict[str, str]:
-    """{field name: its one-line comment}, read from this file's source."""
-    comments: Dict[str, str] = {}
-    for line in inspect.getsource(TrainConfig).splitlines():
-        match = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.*)$", line)
-        if match and match.group(1) in FIELDS:
-            comments[match.group(1)] = match.group(2).strip()
-    return comments
+def field_choices(name: str) -> Sequence[str]:
+    """The allowed values of key `name` (from its field's metadata; a "module:NAME"
+    reference is imported here, so `erpo --help` and plain config loading need no torch)."""
+    choices = FIELDS[name].metadata.get("choices")
+    if isinstance(choices, str):
+        module, constant = choices.split(":")
+        choices = getattr(importlib.import_module(module), constant)
+    return tuple(choices or ())
+
+
+def _shown(value: Any) -> str:
+    return ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
+
+
+HELP_WIDTH = 110
 
 
 def help_text() -> str:
-    """Every key with its default and comment, grouped as in the dataclass."""
-    comments = field_comments()
+    """Every key with its help, choices and default, under the title of its section."""
     default = TrainConfig()
     width = max(len(n) for n in FIELDS)
-    lines = []
-    for name in FIELDS:
-        value = getattr(default, name)
-        shown = ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
-        lines.append(f"  {name:<{width}}  {comments.get(name, '')} [default: {shown}]")
-    return "\n".join(lines)
+    blocks = []
+    for section in SECTIONS:
+        lines = [f"{section.title}:"]
+        for name, f in FIELDS.items():
+            if f.metadata["section"] != section.name:
+                continue
+            choices = f" {{{', '.join(field_choices(name))}}}" if f.metadata.get("choices") else ""
+            text = f"{f.metadata['help']}{choices} [default: {_shown(getattr(default, name))}]"
+            lines.append(textwrap.fill(text, HELP_WIDTH, initial_indent=f"  {name:<{width}}  ",
+                                       subsequent_indent=" " * (width + 4), break_on_hyphens=False))
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
 # Names other trainers (TRL's GRPOConfig, verl) use for our keys: suggested, not accepted.

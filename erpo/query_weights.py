@@ -16,6 +16,7 @@ which all give the same w. When no clip binds, c = m / sum u and w is w_B unchan
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -169,6 +170,13 @@ class QueryWeighter:
         self.edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64)  # [K + 1]
         counts = torch.bincount(self.bin_of(train), minlength=bins).to(torch.float64)  # [K]
         self.bin_fraction = counts / train.numel()  # [K] p of each bin
+
+    @classmethod
+    def from_config(cls, cfg: Any, train_scores: torch.Tensor) -> "QueryWeighter":
+        """The weighter of a run: scheme, bins, gamma, temperature and bounds from the
+        TrainConfig `cfg` (query_weighting, bins, gamma, weight_temperature, w_min, w_max)."""
+        return cls(train_scores, scheme=cfg.query_weighting, bins=cfg.bins, gamma=cfg.gamma,
+                   temperature=cfg.weight_temperature, w_min=cfg.w_min, w_max=cfg.w_max)
 
     def bin_of(self, scores: torch.Tensor) -> torch.Tensor:
         """[m] int64 bin of each score; a score below (above) the training range falls

@@ -26,7 +26,7 @@ import torch
 
 from erpo_kernels import linear_token_logprobs
 from erpo_kernels._utils import resolve_backend
-from erpo_kernels.objective import LossConfig, erpo_loss
+from erpo_kernels.objective import erpo_loss
 
 from . import checkpoint as ckpt
 from .config import ConfigError, ErpoError, TrainConfig, atomic_write, save_config
@@ -298,10 +298,7 @@ class Trainer:
             self.cache, self.cache_path, expect=self.reference, prompt_ids=self.prompt_ids,
             describe=lambda i: f"({self.examples[i].prompt[:40]!r})", rebuild=self.rebuild,
         )  # [M] cache row of each training query
-        self.weighter = QueryWeighter(
-            self.cache.score[self.cache_rows], scheme=cfg.query_weighting, bins=cfg.bins, gamma=cfg.gamma,
-            temperature=cfg.weight_temperature, w_min=cfg.w_min, w_max=cfg.w_max,
-        )
+        self.weighter = QueryWeighter.from_config(cfg, self.cache.score[self.cache_rows])
         return initial
 
     def _setup_policy(self, initial: Optional[Any], engine: Optional[RolloutEngine]) -> None:
@@ -314,10 +311,7 @@ class Trainer:
         if (cfg.algorithm == "grpo" and cfg.beta > 0) or cfg.monitor_policy_kl:
             self.ref_model = load_model(self.model_dir, self.device, self.compute_dtype).eval()
             self.ref_model.requires_grad_(False)
-        self.loss_config = LossConfig(
-            algorithm=cfg.algorithm, alpha=cfg.alpha, beta=cfg.beta, loss_agg=cfg.loss_agg,
-            eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, kl_guard=cfg.kl_guard,
-        )
+        self.loss_config = cfg.loss_config()
         self.engine = engine or HFRolloutEngine(
             self.model, self.pad_token_id, eos_ids_of(self.model, self.tokenizer), cfg.rollout_batch_size
         )
@@ -379,6 +373,28 @@ class Trainer:
         ])  # [m, G]
         advantages = group_advantages(rewards, cfg.adv_norm)  # [m, G]
 
+        # 4.-7. pack, forward, objective, optimizer step
+        metrics, num_rows = self._update(idx, prompts, responses, advantages)
+        self.engine.sync_weights(self.model)
+
+        step_s = time.perf_counter() - t0
+        same = (rewards.max(dim=1).values == rewards.min(dim=1).values).float().mean()
+        metrics.update({
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "reward/accuracy": float((rewards >= CORRECT_THRESHOLD).float().mean()),
+            "reward/zero_std_frac": float(same),
+            "time/rollout_s": t_rollout,
+            "time/step_s": step_s,
+            "throughput/tokens_per_s": num_rows / step_s,
+        })
+        return {"step": step, **{k: metrics[k] for k in sorted(metrics)}}
+
+    def _update(self, idx: Sequence[int], prompts: List[List[int]], responses: List[List[List[int]]],
+                advantages: torch.Tensor) -> Tuple[Dict[str, float], int]:
+        """One optimizer step on queries `idx` (their prompts, responses [m][G] and
+        advantages [m, G]); returns (the loss's metrics with grad_norm and lr, rows N)."""
+        cfg = self.cfg
         # 4. pack: prompt rows at temperature 1 (scored once per group), response rows at 1/tau
         packed = pack(prompts, responses, cfg.temperature).to(self.device)  # N rows, B = m G sequences
         rows = self.cache_rows[idx]  # [m] cache rows of this batch's queries
@@ -404,26 +420,11 @@ class Trainer:
         loss.backward()
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        lr = self.optimizer.param_groups[0]["lr"]
+        metrics.update({"grad_norm": float(grad_norm), "lr": float(self.optimizer.param_groups[0]["lr"])})
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.engine.sync_weights(self.model)
-
-        step_s = time.perf_counter() - t0
-        same = (rewards.max(dim=1).values == rewards.min(dim=1).values).float().mean()
-        metrics.update({
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()),
-            "reward/accuracy": float((rewards >= CORRECT_THRESHOLD).float().mean()),
-            "reward/zero_std_frac": float(same),
-            "grad_norm": float(grad_norm),
-            "lr": float(lr),
-            "time/rollout_s": t_rollout,
-            "time/step_s": step_s,
-            "throughput/tokens_per_s": packed.num_rows / step_s,
-        })
-        return {"step": step, **{k: metrics[k] for k in sorted(metrics)}}
+        return metrics, packed.num_rows
 
     def _to_compute(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]

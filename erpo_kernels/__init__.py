@@ -5,9 +5,10 @@ Every op has a Triton forward and backward, and a memory-bounded PyTorch referen
 """
 from . import reference
 from ._triton import HAS_TRITON
+from ._utils import BACKENDS
 from .linear_token_logprobs import linear_token_logprobs
-from .objective import LossConfig, PackedLossBatch, erpo_loss, erpo_loss_from_logp, query_logp_from_logp
-from .policy_loss import policy_loss
+from .objective import ALGORITHMS, LossConfig, PackedLossBatch, erpo_loss, erpo_loss_from_logp, query_logp_from_logp
+from .policy_loss import LOSS_AGGS, policy_loss
 from .segment_sum import segment_sum
 from .token_logprobs import token_logprobs
 from .weighted_k3 import weighted_k3
@@ -15,7 +16,10 @@ from .weighted_k3 import weighted_k3
 __version__ = "0.1.0"
 
 __all__ = [
+    "ALGORITHMS",
+    "BACKENDS",
     "HAS_TRITON",
+    "LOSS_AGGS",
     "LossConfig",
     "PackedLossBatch",
     "erpo_loss",

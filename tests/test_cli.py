@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from erpo.cli import main
-from erpo.config import FIELDS, TrainConfig, field_comments, help_text
+from erpo.config import FIELDS, SECTIONS, TrainConfig, field_choices, help_text, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,15 +73,59 @@ def snapshot(run):
     return out
 
 
-def test_every_config_key_has_a_comment_and_help_lists_it(capsys):
-    comments = field_comments()
-    assert set(comments) == set(FIELDS)
-    assert all(comments[k] for k in FIELDS)
+def test_every_config_key_has_help_and_a_section_and_help_prints_them_by_section(capsys):
+    names = [section.name for section in SECTIONS]
+    for key, f in FIELDS.items():
+        assert f.metadata["help"], key
+        assert f.metadata["section"] in names, key
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
-    for key in FIELDS:
-        assert f"  {key} " in out
     assert help_text() in out
+    # each key under its own section's title, sections in order
+    starts = [out.index(f"\n{section.title}:\n") for section in SECTIONS]
+    assert starts == sorted(starts)
+    for key, f in FIELDS.items():
+        at = out.index(f"\n  {key} ")
+        section = names.index(f.metadata["section"])
+        assert starts[section] < at < (starts[section + 1] if section + 1 < len(starts) else len(out)), key
+
+
+def test_choice_lists_come_from_the_code_that_implements_them(capsys):
+    from erpo_kernels import ALGORITHMS, BACKENDS, LOSS_AGGS
+    from erpo.query_weights import SCHEMES
+
+    for key, allowed in (("algorithm", ALGORITHMS), ("loss_agg", LOSS_AGGS), ("kernel_backend", BACKENDS),
+                         ("query_weighting", SCHEMES)):
+        assert field_choices(key) == tuple(allowed)
+        assert "{" + ", ".join(allowed) + "}" in " ".join(help_text().split())
+    one_line_error(capsys, ["train", "loss_agg=seq-mean"], "loss_agg='seq-mean' is not one of token-mean, seq-mean-token-mean")
+
+
+def test_loss_config_and_weighter_are_built_from_the_config():
+    import torch
+    from erpo_kernels import LossConfig
+    from erpo.query_weights import QueryWeighter
+
+    cfg = TrainConfig(algorithm="grpo", alpha=0.2, beta=0.05, loss_agg="seq-mean-token-mean", eps_low=0.1,
+                      eps_high=0.25, dual_clip=2.5, kl_guard=5.0, query_weighting="softmax", bins=3, gamma=0.5,
+                      weight_temperature=0.7, w_min=0.2, w_max=4.0)
+    assert cfg.loss_config() == LossConfig(algorithm="grpo", alpha=0.2, beta=0.05, loss_agg="seq-mean-token-mean",
+                                           eps_low=0.1, eps_high=0.25, dual_clip=2.5, kl_guard=5.0)
+    scores = torch.tensor([-3.0, -1.0, -2.0, -0.5, -2.5])
+    by_hand = QueryWeighter(scores, scheme="softmax", bins=3, gamma=0.5, temperature=0.7, w_min=0.2, w_max=4.0)
+    built = QueryWeighter.from_config(cfg, scores)
+    assert torch.equal(built.batch_weights(scores[:3]), by_hand.batch_weights(scores[:3]))
+    assert (built.scheme, built.bins, built.gamma, built.temperature, built.w_min, built.w_max) == (
+        "softmax", 3, 0.5, 0.7, 0.2, 4.0)
+
+
+def test_a_config_yaml_written_before_the_sections_still_loads(tmp_path):
+    path = tmp_path / "config.yaml"  # the flat key: value format runs have always saved
+    path.write_text("algorithm: grpo\nalpha: 0.01\nloss_agg: seq-mean-token-mean\ngroup_size: 4\n"
+                    "eval_temperatures:\n- 0.5\n- 1.0\neval_k_values: []\noverwrite: false\n")
+    cfg, _ = load_config(str(path))
+    assert (cfg.algorithm, cfg.loss_agg, cfg.group_size, cfg.eval_temperatures) == (
+        "grpo", "seq-mean-token-mean", 4, [0.5, 1.0])
 
 
 def test_unknown_key_names_the_closest(capsys):
