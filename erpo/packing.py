@@ -22,6 +22,8 @@ import torch
 
 from erpo_kernels.objective import PackedLossBatch
 
+from .distributed import BASE_FORWARD
+
 IGNORE_INDEX = -100
 
 
@@ -168,5 +170,7 @@ def forward_hidden(model: Any, input_ids: torch.Tensor, seq_cu_seqlens: torch.Te
     padded[seq_of_row, offset] = input_ids
     mask[seq_of_row, offset] = 1
     positions = torch.arange(width, device=dev).expand(n_seq, width)  # [B, Lmax]
-    out = base_model_of(model)(input_ids=padded, attention_mask=mask, position_ids=positions, use_cache=False)
+    # under FSDP2 the base model runs through the root's forward hooks (erpo.distributed.shard_model)
+    base = getattr(model, BASE_FORWARD, None) or base_model_of(model)
+    out = base(input_ids=padded, attention_mask=mask, position_ids=positions, use_cache=False)
     return out.last_hidden_state[seq_of_row, offset]  # [N, D]

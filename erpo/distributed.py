@@ -1,0 +1,264 @@
+"""torchrun + FSDP2 wiring, and nothing else (no engine of our own).
+
+    torchrun --nproc-per-node N -m erpo train [config.yaml] [key=value ...]
+
+`erpo train` alone is one process and never touches this module's collectives. Under
+torchrun each rank runs the same trainer on its share of a step's queries; the model is
+sharded with PyTorch's own FSDP2 (`fully_shard` on every decoder layer and on the root),
+gradients are summed across ranks (not averaged: every rank's loss is already its part
+of the global loss, normalised by counts all-reduced over the ranks, so the sum is the
+gradient of the one-process loss on the same global batch).
+
+The lm_head weight and the fused kernel. The trainer never calls the model's own
+forward (that would form [N, V] logits): it calls the base model for hidden states and
+hands hidden states plus the lm_head weight to the fused kernel. Under FSDP2 that base
+call goes through the root module (`BASE_FORWARD`, registered with
+`register_fsdp_forward_method`), so FSDP all-gathers the root's parameters (embeddings,
+final norm, lm_head; tied or not) for it and keeps them gathered until the backward, as
+it does for the root of any model. Between that call and the backward,
+`model.lm_head.weight` is the whole [V, D] weight (in the compute dtype of the
+mixed-precision policy); the kernel's gradient on it is reduce-scattered back to the
+shards by FSDP's post-backward. No rank ever holds [N, V].
+
+A sharded DTensor reached outside that window is gathered with `gather_for_call`:
+`DTensor.full_tensor()` alone is wrong under autograd (its backward treats the incoming
+gradient as replicated and keeps only the local rows of this rank's gradient, dropping
+the other ranks' contributions); `to_local(grad_placements=[Partial()])` makes the
+backward a reduce-scatter (sum) into the shard. tests/test_distributed.py checks both.
+
+Shutdown: `shutdown()` is a barrier, then destroy_process_group (without the barrier a
+rank can abort in gloo's teardown while another still finishes its last collective).
+"""
+from __future__ import annotations
+
+import os
+import types
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+# Name of the method installed on an FSDP root that runs its base model (decoder without
+# lm_head) through FSDP's forward hooks; erpo.packing.base_model_of calls it when present.
+BASE_FORWARD = "erpo_base_forward"
+
+
+# ---------------------------------------------------------------------- launch
+
+
+def env_world_size() -> int:
+    """WORLD_SIZE that torchrun set for this process (1 without torchrun); readable before init."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched() -> bool:
+    """True in a process started by torchrun (it sets LOCAL_RANK and TORCHELASTIC_RUN_ID)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank (0 without torch.distributed)."""
+    return dist.get_rank() if is_initialized() else 0
+
+
+def world_size() -> int:
+    """Number of ranks (1 without torch.distributed)."""
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def is_main() -> bool:
+    """True on rank 0, and in a plain one-process run: the rank that logs, plots and writes files."""
+    return rank() == 0
+
+
+def init(device_type: str) -> torch.device:
+    """Join torchrun's process group (nccl on CUDA, gloo on CPU) and return this rank's
+    device: cuda:LOCAL_RANK on CUDA, cpu otherwise. Idempotent."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if not is_initialized():
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return device
+
+
+def shutdown() -> None:
+    """End a distributed run: barrier, then destroy the process group (no-op when not initialised)."""
+    if is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if is_initialized():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------- collectives
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum `t` (a tensor of per-rank sums or counts) over the ranks, in place; returned
+    for chaining. Unchanged in a one-process run."""
+    if is_initialized() and world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+    """In-place all-reduce with op "sum", "min" or "max" (unchanged in a one-process run)."""
+    if is_initialized() and world_size() > 1:
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+    return t
+
+
+def all_gather_object(obj: Any) -> List[Any]:
+    """[obj of rank 0, obj of rank 1, ...] on every rank ([obj] in a one-process run)."""
+    if not (is_initialized() and world_size() > 1):
+        return [obj]
+    out: List[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank src's obj on every rank."""
+    if not (is_initialized() and world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def rank_share(n: int, rank_: Optional[int] = None, world: Optional[int] = None) -> slice:
+    """The contiguous slice of n items (n divisible by the world size) that `rank_` owns."""
+    r = rank() if rank_ is None else rank_
+    w = world_size() if world is None else world
+    if n % w:
+        raise ValueError(f"{n} items do not divide over {w} ranks")
+    k = n // w
+    return slice(r * k, (r + 1) * k)
+
+
+# ---------------------------------------------------------------------- FSDP2
+
+
+def decoder_layers(model: Any) -> List[torch.nn.Module]:
+    """The decoder layers of a Hugging Face causal LM (model.model.layers for Llama/Qwen2-style models)."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found at "
+                         f"{getattr(model, 'base_model_prefix', 'model')}.layers to shard")
+    return list(layers)
+
+
+def _base_forward(self: Any, **kwargs: Any) -> Any:
+    """The base model (decoder without lm_head) run inside the FSDP root's forward hooks."""
+    return getattr(self, getattr(self, "base_model_prefix", "model"))(**kwargs)
+
+
+def shard_model(model: Any, compute_dtype: torch.dtype = torch.float32) -> Any:
+    """FSDP2 on `model` in place: fully_shard on each decoder layer, then on the root.
+
+    Parameters (and so AdamW's state) stay fp32 and sharded. compute_dtype bfloat16 or
+    float16 sets the mixed-precision policy: the gathered parameters in that dtype for
+    forward and backward, gradients reduced in fp32. Gradients are summed over ranks
+    (see the module docstring). Returns the model (now an FSDPModule).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (world_size(),))
+    kwargs: Dict[str, Any] = {"mesh": mesh}
+    if compute_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # sum, not mean, over ranks
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+    setattr(model, BASE_FORWARD, types.MethodType(_base_forward, model))
+    register_fsdp_forward_method(model, BASE_FORWARD)
+    return model
+
+
+def is_sharded(model: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def gather_for_call(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded DTensor, for one call, with a gradient that flows
+    back to the shard summed over ranks (reduce-scatter). A plain tensor is returned as is."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if not isinstance(t, DTensor):
+        return t
+    full = t.redistribute(placements=[Replicate()] * t.device_mesh.ndim)
+    return full.to_local(grad_placements=[Partial()] * t.device_mesh.ndim)
+
+
+def lm_head_for_call(model: Any) -> tuple:
+    """(weight [V, D], bias [V] or None) of the output projection, whole: gathered by FSDP
+    after a BASE_FORWARD call, or with gather_for_call outside that window."""
+    head = model.get_output_embeddings()
+    bias = getattr(head, "bias", None)
+    return gather_for_call(head.weight), None if bias is None else gather_for_call(bias)
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+def full_state_dict(model: Any) -> Dict[str, torch.Tensor]:
+    """The whole (unsharded, fp32, CPU) state dict on rank 0 and {} on the others (a
+    collective: every rank calls it). A one-process model's own state dict otherwise."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_optimizer(model: Any, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Every rank writes its shard of the optimizer state into directory `path`
+    (torch.distributed.checkpoint; a collective). Resumes on the same world size."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=path)
+
+
+def load_optimizer(model: Any, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Load what save_optimizer wrote into `optimizer` (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    # get_optimizer_state_dict builds the state to load into only when no parameter holds a gradient
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        state = get_optimizer_state_dict(model, optimizer)
+        dcp.load(state, checkpoint_id=path)
+        set_optimizer_state_dict(model, optimizer, state)
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g

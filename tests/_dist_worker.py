@@ -1,0 +1,130 @@
+"""Run by tests/test_distributed.py under `torchrun --nproc-per-node 2` (gloo, CPU).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/_dist_worker.py units OUT_DIR
+
+Each rank writes OUT_DIR/rank<r>.json with what it measured; the test decides pass/fail
+from those files and the exit code (never from a rank's own asserts alone).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def tiny_qwen2(tied: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=tied, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def units(out_dir: str) -> dict:
+    """Checks of erpo.distributed on 2 ranks: collectives, the lm_head gather's gradient,
+    FSDP2 gradients against one process on the whole batch, optimizer checkpoint round trip."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from erpo import distributed as D
+    from erpo.packing import forward_hidden, pack
+    from erpo_kernels import linear_token_logprobs
+
+    D.init("cpu")
+    rank, world = D.rank(), D.world_size()
+    res: dict = {"rank": rank, "world": world}
+
+    # collectives
+    res["all_reduce_sum"] = D.all_reduce_sum(torch.tensor([rank + 1.0, 1.0])).tolist()  # [1+2, 2]
+    res["all_gather_object"] = D.all_gather_object({"r": rank})
+
+    # a sharded DTensor gathered for one call: the gradient must reach the shard summed over ranks
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    w_full = torch.randn(7, 3, dtype=torch.float64)
+    x_all = torch.randn(2 * world, 3, dtype=torch.float64)
+    x = x_all[2 * rank:2 * rank + 2]
+    expected = (2 * (x_all @ w_full.T)).T @ x_all  # d/dW sum((X W^T)^2) over every rank's rows [7, 3]
+    for how in ("gather_for_call", "full_tensor"):
+        p = torch.nn.Parameter(distribute_tensor(w_full.clone(), mesh, [Shard(0)]))
+        full = D.gather_for_call(p) if how == "gather_for_call" else p.full_tensor()
+        res[f"{how}_is_whole"] = list(full.shape) == [7, 3] and not isinstance(full, DTensor)
+        (x @ full.T).square().sum().backward()
+        res[f"{how}_grad_err"] = float((p.grad.full_tensor() - expected).abs().max())
+
+    # FSDP2: per-rank share of a packed batch, fused log-probs on the gathered lm_head;
+    # summed gradients == the one-process gradient of the whole batch
+    prompts = [[1, 5, 6], [1, 7], [1, 8, 9, 10], [1, 11]]
+    responses = [[[12, 13], [14]], [[15, 16, 17], [18, 2]], [[19], [20, 21]], [[22, 23], [24, 25, 26]]]
+    for tied in (False, True):
+        tag = "tied" if tied else "untied"
+        ref = tiny_qwen2(tied)
+        model = tiny_qwen2(tied)
+        whole = pack(prompts, responses, 0.7)
+
+        def loss_of(m, packed, head):
+            hidden = forward_hidden(m, packed.input_ids, packed.seq_cu_seqlens)  # [N, D]
+            weight, _ = head(m)
+            logp = linear_token_logprobs(hidden, weight, packed.targets, inv_temperature=packed.inv_temperature,
+                                         backend="torch")  # [N]
+            return -(logp * (packed.targets != packed.ignore_index)).sum(), weight
+
+        loss, _ = loss_of(ref, whole, D.lm_head_for_call)
+        loss.backward()
+        D.shard_model(model)
+        share = D.rank_share(len(prompts))
+        mine = pack(prompts[share], responses[share], 0.7)
+        loss, weight = loss_of(model, mine, D.lm_head_for_call)
+        res[f"{tag}_lm_head_whole_in_call"] = list(weight.shape) == [37, 16] and not isinstance(weight, DTensor)
+        loss.backward()
+        res[f"{tag}_lm_head_sharded_after"] = isinstance(model.lm_head.weight, DTensor)
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        err = 0.0
+        for n, p in model.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            err = max(err, float((g - ref_grads[n]).abs().max()))
+        res[f"{tag}_grad_err"] = err
+
+        # optimizer state through torch.distributed.checkpoint: after a reload, the next step is bit-identical
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        opt.step()  # step 1 (the gradients stay in .grad)
+        path = os.path.join(out_dir, f"optim-{tag}")
+        D.save_optimizer(model, opt, path)
+        after_one = [p.detach().to_local().clone() for p in params]
+        opt.step()  # step 2
+        after_two = [p.detach().to_local().clone() for p in params]
+        with torch.no_grad():
+            for p, saved in zip(params, after_one):
+                p.to_local().copy_(saved)
+        again = torch.optim.AdamW(params, lr=1e-2)
+        D.load_optimizer(model, again, path)
+        again.step()  # step 2 again, from the reloaded state
+        res[f"{tag}_optimizer_reload_exact"] = all(torch.equal(p.detach().to_local(), t) for p, t in zip(params, after_two))
+        full = D.full_state_dict(model)  # rank 0: the whole fp32 weights, others: {}
+        res[f"{tag}_full_state_dict_keys"] = len(full)
+        if rank == 0:
+            ref_sd = ref.state_dict()
+            res[f"{tag}_full_state_dict_shapes_ok"] = sorted(full) == sorted(ref_sd) and all(
+                full[k].shape == ref_sd[k].shape and not isinstance(full[k], DTensor) for k in ref_sd)
+    D.barrier()
+    return res
+
+
+def main() -> None:
+    what, out_dir = sys.argv[1], sys.argv[2]
+    from erpo import distributed as D
+
+    try:
+        res = {"units": units}[what](out_dir)
+        with open(os.path.join(out_dir, f"rank{res['rank']}.json"), "w") as f:
+            json.dump(res, f)
+    finally:
+        D.shutdown()
+
+
+if __name__ == "__main__":
+    main()
