@@ -57,4 +57,22 @@ def round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     return y
 
 
-__all__ = ["triton", "tl", "HAS_TRITON", "interpreting", "round_to"]
+@triton.jit
+def soft_cap(x, cap, scale_over_cap):
+    """(cap * tanh(x * scale_over_cap), 1 - tanh^2) in fp32: the Gemma-2 soft cap of the
+    logits x * scale (scale_over_cap = logit_scale / cap) and its derivative with
+    respect to x * scale.
+
+    tanh(a) = sign(a) (1 - e) / (1 + e) and 1 - tanh(a)^2 = 4 e / (1 + e)^2 with
+    e = exp(-2 |a|) in (0, 1]: no overflow, no cancellation in the derivative, and
+    a = -inf (a masked logit) gives -cap with derivative 0, as torch.tanh does.
+    """
+    a = x * scale_over_cap
+    e = tl.exp(-2.0 * tl.abs(a))
+    one_plus_e = 1.0 + e
+    t = (1.0 - e) / one_plus_e
+    t = tl.where(a < 0, -t, t)
+    return cap * t, 4.0 * e / (one_plus_e * one_plus_e)
+
+
+__all__ = ["triton", "tl", "HAS_TRITON", "interpreting", "round_to", "soft_cap"]

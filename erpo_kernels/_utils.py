@@ -137,6 +137,19 @@ def row_inv_temperature(
     return torch.full((n,), value, dtype=torch.float32, device=device)
 
 
+def optional_positive_float(name: str, value: object) -> Optional[float]:
+    """None, or `value` as a positive finite float (a runtime kernel argument); else a
+    ValueError naming `name`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be None or a positive float, got {type(value).__name__}")
+    value = float(value)
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(f"{name} must be positive and finite, got {value}")
+    return value
+
+
 def check_cu_seqlens(
     cu_seqlens: object,
     n: int,

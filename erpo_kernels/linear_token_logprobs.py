@@ -38,13 +38,14 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 
 from . import reference
-from ._triton import interpreting, round_to, tl, triton
+from ._triton import interpreting, round_to, soft_cap, tl, triton
 from ._utils import (
     FLOAT_DTYPES,
     autocast_dtype,
     check_targets,
     check_tensor,
     no_autocast,
+    optional_positive_float,
     resolve_kernel_backend,
     row_inv_temperature,
 )
@@ -101,11 +102,15 @@ def _scaled_logits(
     h_ptr, w_ptr, b_ptr,
     rows, row_mask, cols, col_mask, inv_t, D,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    softcap, softcap_pre,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """s = (hidden[rows] @ weight[cols].T + bias[cols]) * inv_t[:, None] as a
-    [BLOCK_N, BLOCK_V] fp32 tile; -inf in padded columns."""
+    """(s, cap_slope) for a [BLOCK_N, BLOCK_V] tile, fp32, -inf in padded columns:
+    r = hidden[rows] @ weight[cols].T + bias[cols], then with HAS_SOFTCAP
+    z = softcap tanh(r * softcap_pre) (softcap_pre = logit_scale / softcap) and
+    cap_slope = 1 - tanh^2 (else z = r and cap_slope an unread stand-in), and
+    s = z * inv_t[:, None]."""
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -122,8 +127,12 @@ def _scaled_logits(
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols64 * stride_b, mask=col_mask, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
+    if HAS_SOFTCAP:
+        acc, cap_slope = soft_cap(acc, softcap, softcap_pre)
+    else:
+        cap_slope = acc
     s = acc * inv_t[:, None]
-    return tl.where(col_mask[None, :], s, float("-inf"))
+    return tl.where(col_mask[None, :], s, float("-inf")), cap_slope
 
 
 @triton.jit
@@ -145,14 +154,16 @@ def _ltl_fwd_kernel(
     w_ptr,  # [V, D] weight, hidden's dtype
     b_ptr,  # [V] bias (unused when HAS_BIAS is False)
     tgt_ptr,  # [n_rows] int32 targets, all in [0, V)
-    invt_ptr,  # [n_rows] fp32 inverse temperature
+    inv_t_ptr,  # [n_rows] fp32 inverse temperature (times logit_scale without a soft cap)
     max_ptr,  # [splits, n_rows] fp32 out: running max m of s over the split
     sum_ptr,  # [splits, n_rows] fp32 out: l = sum_j exp(s_j - m)
-    ent_ptr,  # [splits, n_rows] fp32 out: a = sum_j exp(s_j - m) (s_j - m)  (WANT_ENTROPY)
+    entropy_ptr,  # [splits, n_rows] fp32 out: a = sum_j exp(s_j - m) (s_j - m)  (WANT_ENTROPY)
     tgt_logit_ptr,  # [splits, n_rows] fp32 out: s_target if the target is in the split, else 0
     n_rows, V, D, v_per_split,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
-    HAS_BIAS: tl.constexpr, WANT_ENTROPY: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    softcap, softcap_pre,  # fp32 runtime values (read with HAS_SOFTCAP)
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WANT_ENTROPY: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One program per (row tile, vocabulary split). Online update per vocabulary tile,
@@ -162,7 +173,7 @@ def _ltl_fwd_kernel(
     # (a is kept relative to m, so H = log l - a / l has no cancellation at large |s|).
     rows, row_mask, split = _row_tile_and_split(n_rows, BLOCK_N)
     tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
-    inv_t = tl.load(invt_ptr + rows, mask=row_mask, other=1.0)
+    inv_t = tl.load(inv_t_ptr + rows, mask=row_mask, other=1.0)
     m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_N,), dtype=tl.float32)
     a = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -172,10 +183,10 @@ def _ltl_fwd_kernel(
     for v0 in range(v_start, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_mask = cols < v_end
-        s = _scaled_logits(
+        s, _ = _scaled_logits(
             h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, inv_t, D,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
-            HAS_BIAS, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, softcap, softcap_pre,
+            HAS_BIAS, HAS_SOFTCAP, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
         )
         m_new = tl.maximum(m, tl.max(s, axis=1))
         # a row whose logits so far are all -inf keeps l = 0: shift by 0, not by -inf
@@ -195,54 +206,63 @@ def _ltl_fwd_kernel(
     tl.store(sum_ptr + out, l, mask=row_mask)
     tl.store(tgt_logit_ptr + out, t, mask=row_mask)
     if WANT_ENTROPY:
-        tl.store(ent_ptr + out, a, mask=row_mask)
+        tl.store(entropy_ptr + out, a, mask=row_mask)
 
 
 @triton.jit
 def _load_row_stats(
-    rows, row_mask, tgt_ptr, invt_ptr, shift_ptr, logl_ptr, ent_ptr, glogp_ptr, gent_ptr,
-    HAS_GENT: tl.constexpr,
+    rows, row_mask, tgt_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr, g_entropy_ptr,
+    HAS_ENTROPY_GRAD: tl.constexpr,
 ):
     """What the backward needs per row: target, inv_T, the forward's m and log l, the
-    entropy and the upstream gradients (neutral values in padded rows; without HAS_GENT,
-    ent and g_ent are placeholders that _softmax_grad never reads)."""
+    entropy and the upstream gradients (neutral values in padded rows; without
+    HAS_ENTROPY_GRAD, entropy and g_entropy are stand-ins that _softmax_grad never reads)."""
     tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
-    inv_t = tl.load(invt_ptr + rows, mask=row_mask, other=1.0)
+    inv_t = tl.load(inv_t_ptr + rows, mask=row_mask, other=1.0)
     shift = tl.load(shift_ptr + rows, mask=row_mask, other=0.0)
-    log_l = tl.load(logl_ptr + rows, mask=row_mask, other=0.0)
-    g_logp = tl.load(glogp_ptr + rows, mask=row_mask, other=0.0)
-    if HAS_GENT:
-        ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
-        g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
+    log_l = tl.load(log_l_ptr + rows, mask=row_mask, other=0.0)
+    g_logp = tl.load(g_logp_ptr + rows, mask=row_mask, other=0.0)
+    if HAS_ENTROPY_GRAD:
+        entropy = tl.load(entropy_ptr + rows, mask=row_mask, other=0.0)
+        g_entropy = tl.load(g_entropy_ptr + rows, mask=row_mask, other=0.0)
     else:
-        ent = log_l
-        g_ent = g_logp
-    return tgt, inv_t, shift, log_l, ent, g_logp, g_ent
+        entropy = log_l
+        g_entropy = g_logp
+    return tgt, inv_t, shift, log_l, entropy, g_logp, g_entropy
 
 
 @triton.jit
 def _softmax_grad(
-    s, row_mask, cols, tgt, shift, log_l, ent, g_logp, g_ent, inv_t, HAS_GENT: tl.constexpr,
+    s, cap_slope, row_mask, cols, tgt, shift, log_l, entropy, g_logp, g_entropy, inv_t, logit_scale,
+    HAS_ENTROPY_GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
-    """dL/dz for a [BLOCK_N, BLOCK_V] tile of scaled logits s (formula above the kernels);
-    lse = shift + log_l, applied in two steps (see the module docstring)."""
+    """dL/dr for a [BLOCK_N, BLOCK_V] tile of scaled logits s (formula above the kernels)
+    with respect to the raw logits r = hidden @ weight.T + bias; lse = shift + log_l,
+    applied in two steps (see the module docstring)."""
     logp = (s - shift[:, None]) - log_l[:, None]
     p = tl.exp(logp)  # 0 in padded (-inf) columns
     coef = -g_logp[:, None] * p
-    if HAS_GENT:
+    if HAS_ENTROPY_GRAD:
         # p log p = 0 where p = 0, even when s = -inf
-        coef -= g_ent[:, None] * (p * tl.where(p > 0, logp + ent[:, None], 0.0))
+        coef -= g_entropy[:, None] * (p * tl.where(p > 0, logp + entropy[:, None], 0.0))
     coef += tl.where(cols[None, :] == tgt[:, None], g_logp[:, None], 0.0)
+    dz = coef * inv_t[:, None]
+    if HAS_SOFTCAP:
+        dz = dz * (cap_slope * logit_scale)
     # Padded rows are exactly 0: the d_weight kernel sums dz over them, and their
     # p = exp(bias) (h = 0, shift = log_l = 0) can overflow, so 0 * inf would be NaN.
-    return tl.where(row_mask[:, None], coef * inv_t[:, None], 0.0)
+    return tl.where(row_mask[:, None], dz, 0.0)
 
 
 # Backward, per valid row with p = softmax(s), s = inv_T z, and upstream g_logp, g_H:
 #     dlogp/ds_j = onehot_j - p_j,     dH/ds_j = -p_j (s_j - lse + H)
 #     dz_j       = inv_T (g_logp (onehot_j - p_j) - g_H p_j (s_j - lse + H))
-#     d_hidden   = dz @ weight                   (this kernel: [n_rows, D])
-#     d_weight   = dz.T @ hidden,  d_bias = sum over rows of dz   (next kernel)
+# with z the logits before the temperature. With a soft cap, z = softcap tanh(a r)
+# of the raw logits r = hidden @ weight.T + bias (a = logit_scale / softcap), and
+#     dr_j       = dz_j logit_scale (1 - tanh^2(a r_j))
+# (without one, a logit scale is folded into inv_T and dr = dz). Then
+#     d_hidden   = dr @ weight                   (this kernel: [n_rows, D])
+#     d_weight   = dr.T @ hidden,  d_bias = sum over rows of dr   (next kernel)
 # This kernel: program pid owns row tile pid % n_tiles and vocabulary split
 # pid // n_tiles. For each vocabulary tile it recomputes s from hidden and weight,
 # forms dz (fp32), rounds it to the input dtype and adds dz @ weight[tile] into its own
@@ -251,19 +271,22 @@ def _softmax_grad(
 @triton.jit
 def _ltl_bwd_dhidden_kernel(
     h_ptr, w_ptr, b_ptr,  # as in the forward kernel
-    tgt_ptr, invt_ptr,  # [n_rows] int32, fp32
-    shift_ptr, logl_ptr,  # [n_rows] fp32 row max m and log l from the forward (lse = m + log l)
-    ent_ptr,  # [n_rows] fp32 entropy from the forward (when HAS_GENT)
-    glogp_ptr, gent_ptr,  # [n_rows] fp32 upstream gradients (gent only when HAS_GENT)
+    tgt_ptr, inv_t_ptr,  # [n_rows] int32, fp32
+    shift_ptr, log_l_ptr,  # [n_rows] fp32 row max m and log l from the forward (lse = m + log l)
+    entropy_ptr,  # [n_rows] fp32 entropy from the forward (when HAS_ENTROPY_GRAD)
+    g_logp_ptr, g_entropy_ptr,  # [n_rows] fp32 upstream gradients (g_entropy when HAS_ENTROPY_GRAD)
     dh_ptr,  # [splits, n_rows, D] fp32, zero-initialised, contiguous
     n_rows, V, D, v_per_split,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
-    HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    softcap, softcap_pre, logit_scale,  # fp32 runtime values (read with HAS_SOFTCAP)
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     rows, row_mask, split = _row_tile_and_split(n_rows, BLOCK_N)
-    tgt, inv_t, shift, log_l, ent, g_logp, g_ent = _load_row_stats(
-        rows, row_mask, tgt_ptr, invt_ptr, shift_ptr, logl_ptr, ent_ptr, glogp_ptr, gent_ptr, HAS_GENT
+    tgt, inv_t, shift, log_l, entropy, g_logp, g_entropy = _load_row_stats(
+        rows, row_mask, tgt_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr, g_entropy_ptr,
+        HAS_ENTROPY_GRAD,
     )
     dh_rows = (split.to(tl.int64) * n_rows + rows.to(tl.int64)) * D
     v_start = split * v_per_split
@@ -271,12 +294,15 @@ def _ltl_bwd_dhidden_kernel(
     for v0 in range(v_start, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_mask = cols < v_end
-        s = _scaled_logits(
+        s, cap_slope = _scaled_logits(
             h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, inv_t, D,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
-            HAS_BIAS, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, softcap, softcap_pre,
+            HAS_BIAS, HAS_SOFTCAP, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
         )
-        dz = _softmax_grad(s, row_mask, cols, tgt, shift, log_l, ent, g_logp, g_ent, inv_t, HAS_GENT)
+        dz = _softmax_grad(
+            s, cap_slope, row_mask, cols, tgt, shift, log_l, entropy, g_logp, g_entropy, inv_t, logit_scale,
+            HAS_ENTROPY_GRAD, HAS_SOFTCAP,
+        )
         # [BLOCK_N, BLOCK_V] in the input dtype; UPCAST (bf16 under the interpreter) is
         # exactly when round_to must round by hand to match the GPU
         dz = round_to(dz, w_ptr.dtype.element_ty, UPCAST)
@@ -294,12 +320,14 @@ def _ltl_bwd_dhidden_kernel(
 @triton.jit
 def _ltl_bwd_dweight_kernel(
     h_ptr, w_ptr, b_ptr,
-    tgt_ptr, invt_ptr, shift_ptr, logl_ptr, ent_ptr, glogp_ptr, gent_ptr,
+    tgt_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr, g_entropy_ptr,
     dw_ptr,  # [V, D] fp32, zero-initialised, contiguous (when WANT_DW)
     db_ptr,  # [V] fp32 (when WANT_DB)
     n_rows, V, D,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
-    HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
+    softcap, softcap_pre, logit_scale,  # fp32 runtime values (read with HAS_SOFTCAP)
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+    WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -312,15 +340,19 @@ def _ltl_bwd_dweight_kernel(
     for n0 in range(0, n_rows, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
         row_mask = rows < n_rows
-        tgt, inv_t, shift, log_l, ent, g_logp, g_ent = _load_row_stats(
-            rows, row_mask, tgt_ptr, invt_ptr, shift_ptr, logl_ptr, ent_ptr, glogp_ptr, gent_ptr, HAS_GENT
+        tgt, inv_t, shift, log_l, entropy, g_logp, g_entropy = _load_row_stats(
+            rows, row_mask, tgt_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr, g_entropy_ptr,
+            HAS_ENTROPY_GRAD,
         )
-        s = _scaled_logits(
+        s, cap_slope = _scaled_logits(
             h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, inv_t, D,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
-            HAS_BIAS, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
+            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, softcap, softcap_pre,
+            HAS_BIAS, HAS_SOFTCAP, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
         )
-        dz = _softmax_grad(s, row_mask, cols, tgt, shift, log_l, ent, g_logp, g_ent, inv_t, HAS_GENT)
+        dz = _softmax_grad(
+            s, cap_slope, row_mask, cols, tgt, shift, log_l, entropy, g_logp, g_entropy, inv_t, logit_scale,
+            HAS_ENTROPY_GRAD, HAS_SOFTCAP,
+        )
         if WANT_DB:
             db += tl.sum(dz, axis=0)
         if WANT_DW:
@@ -408,7 +440,7 @@ def _split_vocab(
 
 
 def _launch_args(
-    h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: Tiles
+    h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: Tiles, softcap: Optional[float]
 ) -> Tuple[torch.Tensor, Tuple[int, ...], Dict[str, object]]:
     """What the three kernels share: the bias pointer (weight as an unread stand-in),
     the strides of hidden, weight and bias, and the meta-parameters (IEEE and UPCAST
@@ -417,6 +449,7 @@ def _launch_args(
     strides = (h.stride(0), h.stride(1), weight.stride(0), weight.stride(1), stride_b)
     meta = dict(
         HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap is not None,
         IEEE=h.dtype == torch.float32,
         UPCAST=h.dtype == torch.bfloat16 and interpreting(),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
@@ -436,9 +469,15 @@ def _int32_safe_columns(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _softcap_args(softcap: Optional[float], logit_scale: Optional[float]) -> Tuple[float, float, float]:
+    """(softcap, logit_scale / softcap, logit_scale) as runtime kernel arguments (1.0 stand-ins when unused)."""
+    scale = logit_scale or 1.0
+    return (softcap, scale / softcap, scale) if softcap is not None else (1.0, 1.0, 1.0)
+
+
 def _forward_stats(
     h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], tgt: torch.Tensor,
-    inv_t: torch.Tensor, want_entropy: bool, cfg: Tiles,
+    inv_t: torch.Tensor, want_entropy: bool, cfg: Tiles, softcap: Optional[float], logit_scale: Optional[float],
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """h [n, D] (n >= 1), tgt [n] int32 valid, inv_t [n] fp32 ->
     lse_parts [2, n] (row max m, log l), logp [n], entropy [n] or None; all fp32."""
@@ -447,10 +486,11 @@ def _forward_stats(
     splits, per_split = _split_vocab(n, vocab, cfg, h.device)
     stats = torch.empty(4, splits, n, dtype=torch.float32, device=h.device)
     m, l, a, t = stats.unbind(0)
-    b_arg, strides, meta = _launch_args(h, weight, bias, cfg)
+    b_arg, strides, meta = _launch_args(h, weight, bias, cfg, softcap)
     grid = (_cdiv(n, cfg.block_n) * splits,)
     _ltl_fwd_kernel[grid](
         h, weight, b_arg, tgt, inv_t, m, l, a, t, n, vocab, d, per_split, *strides,
+        *_softcap_args(softcap, logit_scale)[:2],
         WANT_ENTROPY=want_entropy, **meta,
     )
     # Merge the splits ([splits, n] -> [n]); one split is the common case.
@@ -472,12 +512,14 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     """Saves hidden, weight, bias and per-row statistics (m, log l, entropy); never [N, V]."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy):
+    def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale):
         with no_autocast(hidden.device):
-            return _LinearTokenLogprobs._forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy)
+            return _LinearTokenLogprobs._forward(
+                ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale
+            )
 
     @staticmethod
-    def _forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy):
+    def _forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale):
         n = hidden.shape[0]
         cfg = TILES or DEFAULT_TILES[hidden.dtype]  # the backward reuses these (see Tiles)
         rows = (targets != ignore_index).nonzero().squeeze(1)  # [n_valid]
@@ -490,13 +532,14 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         lse_parts = ent = None
         if rows.numel() > 0:
             h = hidden.index_select(0, rows) if compact else hidden
-            lse_parts, lp, ent = _forward_stats(h, weight, bias, tgt, it, return_entropy, cfg)
+            lse_parts, lp, ent = _forward_stats(h, weight, bias, tgt, it, return_entropy, cfg, softcap, logit_scale)
             logp.index_copy_(0, rows, lp)
             if return_entropy:
                 entropy.index_copy_(0, rows, ent)
         ctx.save_for_backward(hidden, weight, bias, rows, tgt, it, lse_parts, ent)
         ctx.compact = compact
         ctx.cfg = cfg
+        ctx.softcap, ctx.logit_scale = softcap, logit_scale
         ctx.set_materialize_grads(False)  # an unused output costs nothing in backward
         return logp, entropy
 
@@ -515,7 +558,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                 torch.zeros_like(hidden) if need_h else None,
                 torch.zeros_like(weight) if need_w else None,
                 torch.zeros_like(bias) if need_b else None,
-                None, None, None, None,
+                None, None, None, None, None, None,
             )
         d_hidden = d_weight = d_bias = None
         h = hidden.index_select(0, rows) if ctx.compact else hidden
@@ -531,7 +574,8 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         d = h.shape[1]
         vocab = weight.shape[0]
         cfg = ctx.cfg
-        b_arg, strides, meta = _launch_args(h, weight, bias, cfg)
+        b_arg, strides, meta = _launch_args(h, weight, bias, cfg, ctx.softcap)
+        cap_args = _softcap_args(ctx.softcap, ctx.logit_scale)
         if need_h:
             # each split holds an fp32 [n_valid, D] partial d_hidden: at most 4 of them
             splits, per_split = _split_vocab(n_valid, vocab, cfg, h.device, max_splits=4)
@@ -539,8 +583,8 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             grid = (_cdiv(n_valid, cfg.block_n) * splits,)
             _ltl_bwd_dhidden_kernel[grid](
                 h, weight, b_arg, tgt, inv_t, lse_parts[0], lse_parts[1], ent, g, g_ent, dh,
-                n_valid, vocab, d, per_split, *strides,
-                HAS_GENT=has_gent, **meta,
+                n_valid, vocab, d, per_split, *strides, *cap_args,
+                HAS_ENTROPY_GRAD=has_gent, **meta,
             )
             dh = dh[0] if splits == 1 else dh.sum(dim=0)
             if ctx.compact:
@@ -553,14 +597,14 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             grid = (_cdiv(vocab, cfg.block_v),)
             _ltl_bwd_dweight_kernel[grid](
                 h, weight, b_arg, tgt, inv_t, lse_parts[0], lse_parts[1], ent, g, g_ent, dw, db,
-                n_valid, vocab, d, *strides,
-                HAS_GENT=has_gent, WANT_DW=need_w, WANT_DB=need_b, **meta,
+                n_valid, vocab, d, *strides, *cap_args,
+                HAS_ENTROPY_GRAD=has_gent, WANT_DW=need_w, WANT_DB=need_b, **meta,
             )
             if need_w:
                 d_weight = dw.to(weight.dtype)
             if need_b:
                 d_bias = db.to(bias.dtype)
-        return d_hidden, d_weight, d_bias, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
 
 
 def _linear_token_logprobs_triton(
@@ -571,8 +615,12 @@ def _linear_token_logprobs_triton(
     inv_t: torch.Tensor,
     ignore_index: int,
     return_entropy: bool,
+    softcap: Optional[float],
+    logit_scale: Optional[float],
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    return _LinearTokenLogprobs.apply(hidden, weight, bias, targets, inv_t, ignore_index, return_entropy)
+    return _LinearTokenLogprobs.apply(
+        hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale
+    )
 
 
 def linear_token_logprobs(
@@ -584,10 +632,13 @@ def linear_token_logprobs(
     inv_temperature: Union[None, float, torch.Tensor] = None,
     ignore_index: int = -100,
     return_entropy: bool = False,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
     backend: str = "auto",
     validate: bool = True,
 ):
-    """Log-probability of each row's target under softmax((hidden @ weight.T + bias) * inv_T).
+    """Log-probability of each row's target under softmax(z * inv_T), where
+    z = softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) (each step only when given).
 
     Args:
         hidden: [N, D] fp16, bf16 or fp32 (fp64 on the torch backend).
@@ -597,6 +648,10 @@ def linear_token_logprobs(
         bias: optional [V], same dtype as hidden.
         inv_temperature: None, a float, or a [N] tensor (runtime value).
         return_entropy: also return the full-vocabulary entropy of each row.
+        softcap: None, or the Gemma-2 final soft cap c > 0: z = c tanh(x / c) of the
+            (scaled) logits x, before the temperature. A runtime value.
+        logit_scale: None, or a multiplier s > 0 on the logits (bias included),
+            applied first. A runtime value.
         backend: "auto" (Triton on CUDA, the reference elsewhere), "triton" or "torch".
         validate: check the values of targets (in range) and of a tensor
             inv_temperature (positive, finite). These checks read the tensors on the
@@ -636,6 +691,11 @@ def linear_token_logprobs(
             )
     check_targets(targets, n, vocab, ignore_index, hidden.device, validate=validate)
     inv_t = row_inv_temperature(inv_temperature, n, hidden.device, validate=validate)
+    softcap = optional_positive_float("softcap", softcap)
+    logit_scale = optional_positive_float("logit_scale", logit_scale)
+    if logit_scale is not None and softcap is None:
+        # a plain scale is a factor on the temperature (one rounding, no extra pass)
+        inv_t, logit_scale = inv_t * logit_scale, None
     if resolve_kernel_backend(backend, {"hidden": hidden}) == "torch":
         return reference.linear_token_logprobs(
             hidden,
@@ -645,7 +705,11 @@ def linear_token_logprobs(
             inv_temperature=inv_t,
             ignore_index=ignore_index,
             return_entropy=return_entropy,
+            softcap=softcap,
+            logit_scale=logit_scale,
             validate=False,  # inv_t was checked above
         )
-    logp, entropy = _linear_token_logprobs_triton(hidden, weight, bias, targets, inv_t, ignore_index, return_entropy)
+    logp, entropy = _linear_token_logprobs_triton(
+        hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale
+    )
     return (logp, entropy) if return_entropy else logp

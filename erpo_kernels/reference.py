@@ -12,6 +12,10 @@ Math shared with the kernels, per row with s = inv_T * z (z the logits):
     dlogp/ds_j = onehot_j - p_j
     dH/ds_j    = -p_j (log p_j + H) = -p_j (s_j - lse + H)
     dL/dz_j    = inv_T * (g_logp (onehot_j - p_j) - g_H p_j (s_j - lse + H))
+Optional logit transform of the raw logits r, before the temperature:
+    z = logit_scale r                               (no soft cap: folded into inv_T)
+    z = softcap tanh(logit_scale r / softcap)       (soft cap)
+    dL/dr_j = dL/dz_j logit_scale (1 - tanh^2)
 """
 from __future__ import annotations
 
@@ -38,25 +42,35 @@ def chunk_rows_for(vocab: int, chunk_rows: Optional[int] = None, elements: Optio
     return max(1, (elements or CHUNK_ELEMENTS) // max(1, vocab))
 
 
-def _scaled(z: torch.Tensor, it: torch.Tensor) -> torch.Tensor:
+def _scaled(z: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:
     """The scaled logits of a chunk, (z - M) * inv_T with M the row max, subtracted
     before scaling so logits of magnitude 1e4 keep full accuracy. (No data-dependent
     shortcut for inv_T = 1: reading the tensor's values would sync the device.)"""
-    mx = z.max(dim=-1, keepdim=True).values
-    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # a row of -inf (ignored) stays nan-free
-    return (z - mx).mul_(it)
+    row_max = z.max(dim=-1, keepdim=True).values
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # a row of -inf stays nan-free
+    return (z - row_max).mul_(inv_t)
+
+
+def _soft_cap(raw: torch.Tensor, softcap: Optional[float], logit_scale: Optional[float]):
+    """(z, dz/draw) for a chunk of raw logits: z = softcap tanh(logit_scale raw / softcap)
+    and its slope logit_scale (1 - tanh^2); (raw, None) without a soft cap (a plain
+    logit scale is folded into inv_T by the callers)."""
+    if softcap is None:
+        return raw, None
+    t = torch.tanh(raw * ((logit_scale or 1.0) / softcap))
+    return t * softcap, (1 - t * t).mul_(logit_scale or 1.0)
 
 
 def _rows_forward(
-    z: torch.Tensor, it: torch.Tensor, tgt: torch.Tensor, valid: torch.Tensor, want_entropy: bool
+    z: torch.Tensor, inv_t: torch.Tensor, tgt: torch.Tensor, valid: torch.Tensor, want_entropy: bool
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """z [c, V] raw logits (compute dtype, read only), it [c, 1] inverse temperatures ->
+    """z [c, V] logits (compute dtype, read only), inv_t [c, 1] inverse temperatures ->
     logp [c], entropy [c] or None.
 
     The entropy is -sum p log p, a sum of non-negative terms. Rows with valid == False
     get logp = 0 and entropy = 0.
     """
-    log_p = torch.log_softmax(_scaled(z, it), dim=-1)  # [c, V]
+    log_p = torch.log_softmax(_scaled(z, inv_t), dim=-1)  # [c, V]
     logp = log_p.gather(1, tgt[:, None]).squeeze(1)
     logp = torch.where(valid, logp, torch.zeros_like(logp))
     entropy = None
@@ -71,7 +85,7 @@ def _rows_forward(
 
 def _rows_grad(
     z: torch.Tensor,
-    it: torch.Tensor,
+    inv_t: torch.Tensor,
     tgt: torch.Tensor,
     valid: torch.Tensor,
     entropy: Optional[torch.Tensor],
@@ -84,7 +98,7 @@ def _rows_grad(
     g_logp and g_entropy are already zero on ignored rows, whose gradient is 0 (also
     when all their logits are -inf).
     """
-    s = _scaled(z, it)
+    s = _scaled(z, inv_t)
     if g_entropy is None:
         grad = torch.softmax(s, dim=-1).mul_(-g_logp[:, None])  # -g_logp * p
     else:
@@ -96,66 +110,65 @@ def _rows_grad(
         del p
     grad.scatter_add_(1, tgt[:, None], g_logp[:, None])
     grad.masked_fill_(~valid[:, None], 0.0)
-    return grad.mul_(it)
+    return grad.mul_(inv_t)
 
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows):
+    def forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows, softcap,
+                logit_scale):  # fmt: skip
         with no_autocast(logits.device):
-            return _TokenLogprobs._forward(
-                ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows
-            )
-
-    @staticmethod
-    def _forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows):
-        n, vocab = logits.shape
-        cdt = compute_dtype(logits.dtype)
-        logp = torch.empty(n, dtype=cdt, device=logits.device)
-        entropy = torch.empty(n, dtype=cdt, device=logits.device) if return_entropy else None
-        valid = targets != ignore_index
-        tgt = torch.where(valid, targets, torch.zeros_like(targets)).long()
-        step = chunk_rows_for(vocab, chunk_rows)
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            z = logits[a:b].to(cdt)  # [c, V]
-            logp[a:b], h = _rows_forward(z, inv_t[a:b, None].to(cdt), tgt[a:b], valid[a:b], return_entropy)
-            if return_entropy:
-                entropy[a:b] = h
-            del z
+            n, vocab = logits.shape
+            work_dtype = compute_dtype(logits.dtype)
+            logp = torch.empty(n, dtype=work_dtype, device=logits.device)
+            entropy = torch.empty(n, dtype=work_dtype, device=logits.device) if return_entropy else None
+            valid = targets != ignore_index
+            tgt = torch.where(valid, targets, torch.zeros_like(targets)).long()
+            step = chunk_rows_for(vocab, chunk_rows)
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                z, _ = _soft_cap(logits[a:b].to(work_dtype), softcap, logit_scale)  # [c, V]
+                logp[a:b], h = _rows_forward(
+                    z, inv_t[a:b, None].to(work_dtype), tgt[a:b], valid[a:b], return_entropy
+                )
+                if return_entropy:
+                    entropy[a:b] = h
+                del z
         ctx.save_for_backward(logits, tgt, valid, inv_t, entropy if return_entropy else logp)
         ctx.return_entropy = return_entropy
         ctx.inplace_backward = inplace_backward
         ctx.step = step
+        ctx.softcap, ctx.logit_scale = softcap, logit_scale
         if return_entropy:
             return logp, entropy
         return logp, None
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        with no_autocast(ctx.saved_tensors[0].device):
-            return _TokenLogprobs._backward(ctx, g_logp, g_entropy)
-
-    @staticmethod
-    def _backward(ctx, g_logp, g_entropy):
         logits, tgt, valid, inv_t, entropy = ctx.saved_tensors
-        if not ctx.return_entropy:
-            entropy, g_entropy = None, None
-        n = logits.shape[0]
-        cdt = compute_dtype(logits.dtype)
-        zeros = torch.zeros(n, dtype=cdt, device=logits.device)
-        g_logp = zeros if g_logp is None else torch.where(valid, g_logp.to(cdt), zeros)
-        if g_entropy is not None:
-            g_entropy = torch.where(valid, g_entropy.to(cdt), zeros)
-        grad = logits if ctx.inplace_backward else torch.empty_like(logits)
-        for a in range(0, n, ctx.step):
-            b = min(n, a + ctx.step)
-            it = inv_t[a:b, None].to(cdt)
-            ge = g_entropy[a:b] if g_entropy is not None else None
-            h = entropy[a:b] if entropy is not None else None
-            # computed in full before it is written: logits may be the output buffer
-            grad[a:b] = _rows_grad(logits[a:b].to(cdt), it, tgt[a:b], valid[a:b], h, g_logp[a:b], ge)
-        return grad, None, None, None, None, None, None
+        with no_autocast(logits.device):
+            if not ctx.return_entropy:
+                entropy, g_entropy = None, None
+            n = logits.shape[0]
+            work_dtype = compute_dtype(logits.dtype)
+            zeros = torch.zeros(n, dtype=work_dtype, device=logits.device)
+            g_logp = zeros if g_logp is None else torch.where(valid, g_logp.to(work_dtype), zeros)
+            if g_entropy is not None:
+                g_entropy = torch.where(valid, g_entropy.to(work_dtype), zeros)
+            grad = logits if ctx.inplace_backward else torch.empty_like(logits)
+            for a in range(0, n, ctx.step):
+                b = min(n, a + ctx.step)
+                inv_t_rows = inv_t[a:b, None].to(work_dtype)
+                ge = g_entropy[a:b] if g_entropy is not None else None
+                h = entropy[a:b] if entropy is not None else None
+                z, slope = _soft_cap(logits[a:b].to(work_dtype), ctx.softcap, ctx.logit_scale)
+                g = _rows_grad(z, inv_t_rows, tgt[a:b], valid[a:b], h, g_logp[a:b], ge)
+                if slope is not None:
+                    g.mul_(slope)
+                # computed in full before it is written: logits may be the output buffer
+                grad[a:b] = g
+                del z, g, slope
+        return grad, None, None, None, None, None, None, None, None
 
 
 def token_logprobs(
@@ -166,6 +179,8 @@ def token_logprobs(
     ignore_index: int = -100,
     return_entropy: bool = False,
     inplace_backward: bool = False,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
     chunk_rows: Optional[int] = None,
     validate: bool = True,
 ):
@@ -176,93 +191,87 @@ def token_logprobs(
     everything else.
     """
     inv_t = row_inv_temperature(inv_temperature, logits.shape[0], logits.device, validate=validate)
+    if logit_scale is not None and softcap is None:
+        inv_t, logit_scale = inv_t * logit_scale, None  # a plain scale is a factor on the temperature
     logp, entropy = _TokenLogprobs.apply(
-        logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows
+        logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows, softcap, logit_scale
     )
     return (logp, entropy) if return_entropy else logp
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows):
+    def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows, softcap,
+                logit_scale):  # fmt: skip
         with no_autocast(hidden.device):
-            return _LinearTokenLogprobs._forward(
-                ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows
-            )
-
-    @staticmethod
-    def _forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows):
-        n = hidden.shape[0]
-        vocab = weight.shape[0]
-        cdt = compute_dtype(hidden.dtype)
-        logp = torch.zeros(n, dtype=cdt, device=hidden.device)
-        entropy = torch.zeros(n, dtype=cdt, device=hidden.device) if return_entropy else None
-        # Ignored rows are compacted away: they cost nothing.
-        rows = (targets != ignore_index).nonzero().squeeze(1)
-        tgt = targets[rows].long()
-        step = chunk_rows_for(vocab, chunk_rows, LINEAR_CHUNK_ELEMENTS)  # module globals, read per call
-        w = weight.to(cdt)
-        b_ = bias.to(cdt) if bias is not None else None
-        for a in range(0, rows.numel(), step):
-            r = rows[a : a + step]
-            z = hidden[r].to(cdt) @ w.T  # [c, V]
-            if b_ is not None:
-                z += b_
-            ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
-            logp[r], h = _rows_forward(z, inv_t[r, None].to(cdt), tgt[a : a + step], ones, return_entropy)
-            if return_entropy:
-                entropy[r] = h
-            del z
+            n = hidden.shape[0]
+            vocab = weight.shape[0]
+            work_dtype = compute_dtype(hidden.dtype)
+            logp = torch.zeros(n, dtype=work_dtype, device=hidden.device)
+            entropy = torch.zeros(n, dtype=work_dtype, device=hidden.device) if return_entropy else None
+            # Ignored rows are compacted away: they cost nothing.
+            rows = (targets != ignore_index).nonzero().squeeze(1)
+            tgt = targets[rows].long()
+            step = chunk_rows_for(vocab, chunk_rows, LINEAR_CHUNK_ELEMENTS)  # module globals, read per call
+            w = weight.to(work_dtype)
+            b_ = bias.to(work_dtype) if bias is not None else None
+            for a in range(0, rows.numel(), step):
+                r = rows[a : a + step]
+                raw = hidden[r].to(work_dtype) @ w.T  # [c, V]
+                if b_ is not None:
+                    raw += b_
+                z, _ = _soft_cap(raw, softcap, logit_scale)
+                ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
+                logp[r], h = _rows_forward(z, inv_t[r, None].to(work_dtype), tgt[a : a + step], ones, return_entropy)
+                if return_entropy:
+                    entropy[r] = h
+                del z, raw
         ctx.save_for_backward(hidden, weight, bias, rows, tgt, inv_t, entropy if return_entropy else logp)
         ctx.has_bias = bias is not None
         ctx.return_entropy = return_entropy
         ctx.step = step
+        ctx.softcap, ctx.logit_scale = softcap, logit_scale
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        with no_autocast(ctx.saved_tensors[0].device):
-            return _LinearTokenLogprobs._backward(ctx, g_logp, g_entropy)
-
-    @staticmethod
-    def _backward(ctx, g_logp, g_entropy):
         hidden, weight, bias, rows, tgt, inv_t, entropy = ctx.saved_tensors
-        if not ctx.return_entropy:
-            entropy, g_entropy = None, None
-        cdt = compute_dtype(hidden.dtype)
-        w = weight.to(cdt)
-        b_ = bias.to(cdt) if ctx.has_bias else None
-        d_hidden = torch.zeros_like(hidden)
-        d_weight = torch.zeros_like(w)
-        d_bias = torch.zeros(weight.shape[0], dtype=cdt, device=weight.device) if ctx.has_bias else None
-        if g_logp is None:
-            g_logp = torch.zeros(hidden.shape[0], dtype=cdt, device=hidden.device)
-        for a in range(0, rows.numel(), ctx.step):
-            r = rows[a : a + ctx.step]
-            x = hidden[r].to(cdt)
-            z = x @ w.T
-            if b_ is not None:
-                z += b_
-            it = inv_t[r, None].to(cdt)
-            ge = g_entropy[r].to(cdt) if g_entropy is not None else None
-            h = entropy[r] if entropy is not None else None
-            ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
-            g = _rows_grad(z, it, tgt[a : a + ctx.step], ones, h, g_logp[r].to(cdt), ge)  # dL/dz [c, V]
-            d_hidden[r] = (g @ w).to(hidden.dtype)
-            d_weight.addmm_(g.T, x)
-            if d_bias is not None:
-                d_bias += g.sum(0)
-            del z, g
+        with no_autocast(hidden.device):
+            if not ctx.return_entropy:
+                entropy, g_entropy = None, None
+            work_dtype = compute_dtype(hidden.dtype)
+            w = weight.to(work_dtype)
+            b_ = bias.to(work_dtype) if ctx.has_bias else None
+            d_hidden = torch.zeros_like(hidden)
+            d_weight = torch.zeros_like(w)
+            d_bias = torch.zeros(weight.shape[0], dtype=work_dtype, device=weight.device) if ctx.has_bias else None
+            if g_logp is None:
+                g_logp = torch.zeros(hidden.shape[0], dtype=work_dtype, device=hidden.device)
+            for a in range(0, rows.numel(), ctx.step):
+                r = rows[a : a + ctx.step]
+                x = hidden[r].to(work_dtype)
+                raw = x @ w.T
+                if b_ is not None:
+                    raw += b_
+                z, slope = _soft_cap(raw, ctx.softcap, ctx.logit_scale)
+                inv_t_rows = inv_t[r, None].to(work_dtype)
+                ge = g_entropy[r].to(work_dtype) if g_entropy is not None else None
+                h = entropy[r] if entropy is not None else None
+                ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
+                g = _rows_grad(z, inv_t_rows, tgt[a : a + ctx.step], ones, h, g_logp[r].to(work_dtype), ge)  # dL/dz
+                if slope is not None:
+                    g.mul_(slope)  # dL/draw [c, V]
+                d_hidden[r] = (g @ w).to(hidden.dtype)
+                d_weight.addmm_(g.T, x)
+                if d_bias is not None:
+                    d_bias += g.sum(0)
+                del z, raw, g, slope
         return (
             d_hidden,
             d_weight.to(weight.dtype),
             d_bias.to(bias.dtype) if d_bias is not None else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+            None, None, None, None, None, None, None,
+        )  # fmt: skip
 
 
 def linear_token_logprobs(
@@ -274,18 +283,23 @@ def linear_token_logprobs(
     inv_temperature: Union[None, float, torch.Tensor] = None,
     ignore_index: int = -100,
     return_entropy: bool = False,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
     chunk_rows: Optional[int] = None,
     validate: bool = True,
 ):
     """Reference of `erpo_kernels.linear_token_logprobs`: hidden [N, D], weight [V, D] ->
-    logp [N] (and entropy [N]) of softmax((hidden @ weight.T + bias) * inv_T).
+    logp [N] (and entropy [N]) of softmax(z * inv_T), z = softcap tanh(logit_scale
+    (hidden @ weight.T + bias) / softcap) (each step only when given).
 
     Row chunks through a matmul: peak extra memory is bounded by chunk x V, not N x V.
     Rows whose target is ignore_index are skipped and return 0.
     """
     inv_t = row_inv_temperature(inv_temperature, hidden.shape[0], hidden.device, validate=validate)
+    if logit_scale is not None and softcap is None:
+        inv_t, logit_scale = inv_t * logit_scale, None  # a plain scale is a factor on the temperature
     logp, entropy = _LinearTokenLogprobs.apply(
-        hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows
+        hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows, softcap, logit_scale
     )
     return (logp, entropy) if return_entropy else logp
 
@@ -336,9 +350,9 @@ def weighted_k3(
     or weights summing to 0, gives 0 with zero gradients (never 0/0).
     """
     with no_autocast(logp.device):
-        cdt = compute_dtype(logp.dtype)
-        k3 = k3_guarded(ref_logp.to(cdt) - logp.to(cdt), guard)
-        w = torch.ones_like(k3) if weight is None else weight.to(cdt)
+        work_dtype = compute_dtype(logp.dtype)
+        k3 = k3_guarded(ref_logp.to(work_dtype) - logp.to(work_dtype), guard)
+        w = torch.ones_like(k3) if weight is None else weight.to(work_dtype)
         total = w.sum()
         safe = torch.where(total == 0, torch.ones_like(total), total)
         return torch.where(total == 0, torch.zeros_like(total), (w * k3).sum() / safe)

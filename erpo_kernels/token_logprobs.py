@@ -2,7 +2,8 @@
 
 Kernels, then the autograd Function, then the public function.
 
-Per row, with z the logits, inv_T the row's inverse temperature and M = max_j z_j:
+Per row, with z the logits (after the optional logit scale and soft cap, below),
+inv_T the row's inverse temperature and M = max_j z_j:
     u_j = (z_j - M) * inv_T            (scaled logits shifted by their maximum, <= 0)
     D   = sum_j exp(u_j),  log_norm = log D,  p_j = exp(u_j - log_norm)
     logp    = u_target - log_norm      (= s_target - lse with s = inv_T z)
@@ -11,37 +12,61 @@ The maximum is taken in logit units and subtracted *before* scaling: z_j - M is 
 for the logits that carry the probability mass, so logits of magnitude 1e4 keep full
 fp32 accuracy (scaling first would cost ~1e-3 absolute there). Forward saves M and
 log_norm per row (lse = inv_T M + log_norm); backward recomputes p blockwise.
+
+Logit scale and soft cap, applied to the raw logits r in this order:
+    scale only:   z = logit_scale r, folded into the temperature (inv_T' = inv_T logit_scale),
+                  so the max is still subtracted before any scaling.
+    soft cap:     z = softcap tanh(logit_scale r / softcap)   (Gemma-2; |z| < softcap),
+                  computed in the kernels (`_triton.soft_cap`); dz/dr = logit_scale (1 - tanh^2).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from . import reference
-from ._triton import interpreting, round_to, tl, triton
+from ._triton import interpreting, round_to, soft_cap, tl, triton
 from ._utils import (
     FLOAT_DTYPES,
     check_targets,
     check_tensor,
     no_autocast,
+    optional_positive_float,
     resolve_kernel_backend,
     row_inv_temperature,
 )
 
-# Launch shape, one program per row. Large vocabularies stream the row in blocks:
-# forward 8192 columns with 8 warps (32 values per thread: the three block reductions
-# per step cost less per value than at 16: ~13 sm_90 SASS instructions per bf16 logit
-# with the entropy and ~10 without, against ~15.5 and ~12 at 16 per thread); backward
-# 4096 columns with 8 warps (16 per thread: it has no reductions, and fewer registers
-# keep more rows in flight).
-# V = 151,936 takes 19 forward and 38 backward steps. Small vocabularies use one block
-# of next_power_of_2(V). Tests lower the caps to run several blocks on tiny rows.
-FWD_MAX_BLOCK_V = 8192
-BWD_MAX_BLOCK_V = 4096
-FWD_VALUES_PER_THREAD = 32
-BWD_VALUES_PER_THREAD = 16
+@dataclass(frozen=True)
+class RowBlocks:
+    """Launch shape of the row kernels: one program per row, streaming the row in blocks
+    of at most `fwd_max_block_v` (forward) and `bwd_max_block_v` (backward) columns;
+    small vocabularies use one block of next_power_of_2(V). A row's results depend on
+    this choice (the order of its sums), never on the other rows.
+
+    Defaults, for sm_90: forward 8192 columns with 8 warps (32 values per thread: the
+    three block reductions per step cost less per value than at 16: ~13 sm_90 SASS
+    instructions per bf16 logit with the entropy and ~10 without, against ~15.5 and ~12
+    at 16 per thread); backward 4096 columns with 8 warps (16 per thread: it has no
+    reductions, and fewer registers keep more rows in flight). V = 151,936 takes 19
+    forward and 38 backward steps. Tests pass tiny blocks to run several per row.
+    """
+
+    fwd_max_block_v: int = 8192
+    bwd_max_block_v: int = 4096
+    fwd_values_per_thread: int = 32
+    bwd_values_per_thread: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("fwd_max_block_v", "bwd_max_block_v", "fwd_values_per_thread", "bwd_values_per_thread"):
+            b = getattr(self, name)
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1 or b & (b - 1):
+                raise ValueError(f"RowBlocks.{name} must be a power of two, got {b!r}")
+
+
+DEFAULT_BLOCKS = RowBlocks()
 
 
 @triton.jit
@@ -56,7 +81,10 @@ def _token_logprobs_fwd_kernel(
     vocab,
     stride_row,
     ignore_index,
+    softcap,  # fp32 cap (read when HAS_SOFTCAP)
+    softcap_pre,  # fp32 logit_scale / softcap (read when HAS_SOFTCAP)
     RETURN_ENTROPY: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -80,6 +108,9 @@ def _token_logprobs_fwd_kernel(
         for start in range(0, vocab, BLOCK_V):
             offs = start + cols
             z = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+            if HAS_SOFTCAP:
+                z, _ = soft_cap(z, softcap, softcap_pre)
+                z = tl.where(offs < vocab, z, float("-inf"))  # padding stays out of the sums
             m_new = tl.maximum(m, tl.max(z, axis=0))
             m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # finite even while all is -inf
             u = (z - m_ref) * inv_t2
@@ -97,6 +128,8 @@ def _token_logprobs_fwd_kernel(
         # d >= 1 (the max term is 2^0), so log_norm >= 0 and logp <= 0, entropy >= 0 exactly.
         log_norm = tl.log(d)
         z_t = tl.load(row_ptr + target).to(tl.float32)
+        if HAS_SOFTCAP:
+            z_t, _ = soft_cap(z_t, softcap, softcap_pre)
         tl.store(logp_ptr + row, (z_t - m) * inv_t - log_norm)
         tl.store(row_max_ptr + row, m)
         tl.store(log_norm_ptr + row, log_norm)
@@ -111,6 +144,10 @@ def _token_logprobs_fwd_kernel(
 #   d H / d s_j    = -p_j (log p_j + H)          (0 where p_j = 0, e.g. z_j = -inf)
 #   d L / d z_j    = inv_T * (g_logp (onehot_j - p_j) - g_H p_j (log p_j + H))
 # with log p_j = (z_j - M) inv_T - log_norm recomputed from the saved M and log_norm.
+# With the soft cap, z = softcap tanh(logit_scale r / softcap) of the raw logits r
+# (recomputed), and the chain rule adds one factor:
+#   d L / d r_j    = d L / d z_j * logit_scale (1 - tanh^2)
+# (without it the logit scale is folded into inv_T: d L / d r_j = d L / d z_j as above).
 # The result is written in the logits' dtype, into grad_ptr (which is logits_ptr for
 # inplace_backward: each element is read before it is overwritten, by the same program).
 @triton.jit
@@ -128,8 +165,12 @@ def _token_logprobs_bwd_kernel(
     stride_row,
     stride_grad_row,
     ignore_index,
+    softcap,  # fp32 (read when HAS_SOFTCAP)
+    softcap_pre,  # fp32 logit_scale / softcap (read when HAS_SOFTCAP)
+    logit_scale,  # fp32 (read when HAS_SOFTCAP)
     HAS_LOGP_GRAD: tl.constexpr,
     HAS_ENTROPY_GRAD: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     INTERPRET: tl.constexpr,  # Triton's CPU interpreter: round bf16 by hand (see round_to)
     BLOCK_V: tl.constexpr,
 ):
@@ -159,6 +200,9 @@ def _token_logprobs_bwd_kernel(
             offs = start + cols
             mask = offs < vocab
             z = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            if HAS_SOFTCAP:
+                z, cap_slope = soft_cap(z, softcap, softcap_pre)
+                z = tl.where(mask, z, float("-inf"))
             # -inf logits give log_p = -3e38 (not -inf): p = 0 and p (log_p + H) = 0, no NaN.
             log_p = tl.maximum((z - row_max) * inv_t - log_norm, -3.0e38)
             p = tl.exp(log_p)
@@ -168,6 +212,8 @@ def _token_logprobs_bwd_kernel(
             if HAS_ENTROPY_GRAD:
                 grad = grad - g_h * p * (log_p + h)
             grad = grad * inv_t
+            if HAS_SOFTCAP:
+                grad = grad * (cap_slope * logit_scale)
             tl.store(grad_row + offs, round_to(grad, grad_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
@@ -178,18 +224,36 @@ def _launch_config(vocab: int, max_block: int, values_per_thread: int) -> Tuple[
     return block, num_warps
 
 
+@dataclass(frozen=True)
+class _LogitTransform:
+    """What happens to the raw logits before the temperature (validated floats or None)."""
+
+    softcap: Optional[float] = None
+    logit_scale: Optional[float] = None
+
+    def kernel_args(self) -> dict:
+        """The transform's runtime kernel arguments and its one flag (placeholders when off)."""
+        cap = self.softcap
+        scale = self.logit_scale or 1.0
+        return dict(
+            softcap=cap or 1.0,
+            softcap_pre=scale / cap if cap else 1.0,
+            HAS_SOFTCAP=cap is not None,
+        )
+
+
 class _TokenLogprobsFunction(torch.autograd.Function):
     """logits [N, V] -> (logp [N] fp32, entropy [N] fp32 or None); saves M and log_norm per row."""
 
     @staticmethod
-    def forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward):
+    def forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, transform, blocks):
         with no_autocast(logits.device):
             return _TokenLogprobsFunction._forward(
-                ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward
+                ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, transform, blocks
             )
 
     @staticmethod
-    def _forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward):
+    def _forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, transform, blocks):
         # The kernels need a unit column stride; any row stride works without a copy.
         x = logits if logits.stride(1) == 1 else logits.contiguous()
         n, vocab = x.shape
@@ -198,17 +262,22 @@ class _TokenLogprobsFunction(torch.autograd.Function):
         entropy = torch.empty(n, **f32) if return_entropy else None
         row_max = torch.empty(n, **f32)
         log_norm = torch.empty(n, **f32)
-        block, num_warps = _launch_config(vocab, FWD_MAX_BLOCK_V, FWD_VALUES_PER_THREAD)
+        block, num_warps = _launch_config(vocab, blocks.fwd_max_block_v, blocks.fwd_values_per_thread)
         if n > 0:
             _token_logprobs_fwd_kernel[(n,)](
-                x, targets, inv_t, logp, entropy if return_entropy else logp, row_max, log_norm,
-                vocab, x.stride(0), ignore_index,
+                logits_ptr=x, targets_ptr=targets, inv_t_ptr=inv_t, logp_ptr=logp,
+                entropy_ptr=entropy if return_entropy else logp,  # an unwritten stand-in without entropy
+                row_max_ptr=row_max, log_norm_ptr=log_norm,
+                vocab=vocab, stride_row=x.stride(0), ignore_index=ignore_index,
+                **transform.kernel_args(),
                 RETURN_ENTROPY=return_entropy, BLOCK_V=block, num_warps=num_warps,
             )  # fmt: skip
         ctx.save_for_backward(x, targets, inv_t, row_max, log_norm, entropy if return_entropy else log_norm)
         ctx.ignore_index = ignore_index
         ctx.return_entropy = return_entropy
         ctx.inplace_backward = inplace_backward
+        ctx.transform = transform
+        ctx.blocks = blocks
         ctx.set_materialize_grads(False)
         return logp, entropy
 
@@ -224,18 +293,22 @@ class _TokenLogprobsFunction(torch.autograd.Function):
         if not ctx.return_entropy:
             g_entropy = None
         if g_logp is None and g_entropy is None:
-            return (None,) * 6
+            return (None,) * 8
         n, vocab = x.shape
         grad = x if ctx.inplace_backward else torch.empty((n, vocab), dtype=x.dtype, device=x.device)
         if n > 0:
             g_logp = g_logp.float().contiguous() if g_logp is not None else None
             g_entropy = g_entropy.float().contiguous() if g_entropy is not None else None
-            block, num_warps = _launch_config(vocab, BWD_MAX_BLOCK_V, BWD_VALUES_PER_THREAD)
+            blocks = ctx.blocks
+            block, num_warps = _launch_config(vocab, blocks.bwd_max_block_v, blocks.bwd_values_per_thread)
             _token_logprobs_bwd_kernel[(n,)](
-                x, grad, targets, inv_t, row_max, log_norm, entropy,
-                g_logp if g_logp is not None else log_norm,
-                g_entropy if g_entropy is not None else log_norm,
-                vocab, x.stride(0), grad.stride(0), ctx.ignore_index,
+                logits_ptr=x, grad_ptr=grad, targets_ptr=targets, inv_t_ptr=inv_t,
+                row_max_ptr=row_max, log_norm_ptr=log_norm, entropy_ptr=entropy,
+                # unread stand-ins where an upstream gradient is None
+                g_logp_ptr=g_logp if g_logp is not None else log_norm,
+                g_entropy_ptr=g_entropy if g_entropy is not None else log_norm,
+                vocab=vocab, stride_row=x.stride(0), stride_grad_row=grad.stride(0), ignore_index=ctx.ignore_index,
+                logit_scale=ctx.transform.logit_scale or 1.0, **ctx.transform.kernel_args(),
                 HAS_LOGP_GRAD=g_logp is not None, HAS_ENTROPY_GRAD=g_entropy is not None,
                 INTERPRET=interpreting(),
                 BLOCK_V=block, num_warps=num_warps,
@@ -245,7 +318,7 @@ class _TokenLogprobsFunction(torch.autograd.Function):
                 # as an in-place op would: an op that saved them (a tanh soft-cap, say) then
                 # fails loudly in its backward instead of reading gradients as logits.
                 torch.autograd.graph.increment_version(x)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def _token_logprobs_triton(
@@ -255,10 +328,13 @@ def _token_logprobs_triton(
     ignore_index: int,
     return_entropy: bool,
     inplace_backward: bool,
+    transform: _LogitTransform,
+    blocks: RowBlocks,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Validated inputs -> (logp [N] fp32, entropy [N] fp32 or None), differentiable in logits."""
     return _TokenLogprobsFunction.apply(
-        logits, targets.contiguous(), inv_t, int(ignore_index), bool(return_entropy), bool(inplace_backward)
+        logits, targets.contiguous(), inv_t, int(ignore_index), bool(return_entropy), bool(inplace_backward),
+        transform, blocks,
     )
 
 
@@ -270,10 +346,14 @@ def token_logprobs(
     ignore_index: int = -100,
     return_entropy: bool = False,
     inplace_backward: bool = False,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
     backend: str = "auto",
     validate: bool = True,
+    blocks: Optional[RowBlocks] = None,
 ):
-    """Log-probability of each row's target under softmax(logits * inv_temperature).
+    """Log-probability of each row's target under softmax(z * inv_temperature), where
+    z = softcap * tanh(logit_scale * logits / softcap) (each step only when given).
 
     Args:
         logits: [N, V] fp16, bf16 or fp32 (fp64 on the torch backend).
@@ -285,13 +365,20 @@ def token_logprobs(
         inplace_backward: write the gradient into the logits' storage instead of a new
             [N, V] buffer (the logits must be contiguous and must not be needed after
             backward; an op that saved them for its own backward raises there).
+        softcap: None, or the Gemma-2 final soft cap c > 0: z = c tanh(x / c) of the
+            (scaled) logits x, before the temperature. A runtime value.
+        logit_scale: None, or a multiplier s > 0 on the logits, applied first
+            (z = s * logits). A runtime value.
         backend: "auto" (Triton on CUDA, the reference elsewhere), "triton" or "torch".
         validate: check the values of targets (in range) and of a tensor
             inv_temperature (positive, finite). These checks read the tensors on the
             host (a device sync); pass False in a hot loop once the batch has been
             validated. Shapes, dtypes and devices are always checked.
+        blocks: the Triton launch shape (None: DEFAULT_BLOCKS); results depend on it.
     Returns:
         logp [N] fp32 (fp64 for fp64 logits), and entropy [N] when return_entropy.
+        Each row's values and its row of the gradient depend on that row, V, the dtype
+        and the options only, never on the other rows (batch invariant, Triton backend).
         Autocast does not change the computation: it runs on the logits as given,
         accumulating in fp32, as autocast itself runs a softmax.
     """
@@ -301,6 +388,15 @@ def token_logprobs(
         raise ValueError("logits must have at least one column (V >= 1)")
     check_targets(targets, n, vocab, ignore_index, logits.device, validate=validate)
     inv_t = row_inv_temperature(inv_temperature, n, logits.device, validate=validate)
+    transform = _LogitTransform(
+        optional_positive_float("softcap", softcap), optional_positive_float("logit_scale", logit_scale)
+    )
+    if blocks is not None and not isinstance(blocks, RowBlocks):
+        raise ValueError(f"blocks must be None or a RowBlocks, got {type(blocks).__name__}")
+    if transform.logit_scale is not None and transform.softcap is None:
+        # a plain scale is a factor on the temperature: the max is still subtracted first
+        inv_t = inv_t * transform.logit_scale
+        transform = _LogitTransform()
     if inplace_backward and not logits.is_contiguous():
         raise ValueError(
             "inplace_backward=True needs contiguous logits (the gradient is written into their storage); "
@@ -314,7 +410,11 @@ def token_logprobs(
             ignore_index=ignore_index,
             return_entropy=return_entropy,
             inplace_backward=inplace_backward,
+            softcap=transform.softcap,
+            logit_scale=transform.logit_scale,
             validate=False,  # inv_t was checked above
         )
-    logp, entropy = _token_logprobs_triton(logits, targets, inv_t, ignore_index, return_entropy, inplace_backward)
+    logp, entropy = _token_logprobs_triton(
+        logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, transform, blocks or DEFAULT_BLOCKS
+    )
     return (logp, entropy) if return_entropy else logp

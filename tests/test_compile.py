@@ -18,12 +18,16 @@ wk = importlib.import_module("erpo_kernels.weighted_k3")
 
 done = []
 for dt in ("bf16", "fp32"):
-    compile_ptx(tlp._token_logprobs_fwd_kernel, {"logits_ptr": "*" + dt, "targets_ptr": "*i64", "stride_row": "i64"},
-                dict(RETURN_ENTROPY=True, BLOCK_V=8192), num_warps=8)
+    cap = {"softcap": "fp32", "softcap_pre": "fp32", "logit_scale": "fp32"}
+    for has_softcap in (False, True):
+        compile_ptx(tlp._token_logprobs_fwd_kernel,
+                    dict(cap, logits_ptr="*" + dt, targets_ptr="*i64", stride_row="i64"),
+                    dict(RETURN_ENTROPY=True, HAS_SOFTCAP=has_softcap, BLOCK_V=8192), num_warps=8)
+        compile_ptx(tlp._token_logprobs_bwd_kernel,
+                    dict(cap, logits_ptr="*" + dt, grad_ptr="*" + dt, targets_ptr="*i64"),
+                    dict(HAS_LOGP_GRAD=True, HAS_ENTROPY_GRAD=True, HAS_SOFTCAP=has_softcap, INTERPRET=False,
+                         BLOCK_V=4096), num_warps=8)
     done.append("token_logprobs fwd " + dt)
-    compile_ptx(tlp._token_logprobs_bwd_kernel,
-                {"logits_ptr": "*" + dt, "grad_ptr": "*" + dt, "targets_ptr": "*i64"},
-                dict(HAS_LOGP_GRAD=True, HAS_ENTROPY_GRAD=True, INTERPRET=False, BLOCK_V=4096), num_warps=8)
     done.append("token_logprobs bwd " + dt)
     compile_ptx(ss._segment_sum_fwd_kernel, {"values_ptr": "*" + dt, "cu_ptr": "*i64", "out_ptr": "*" + dt},
                 dict(IS_FP64=False, INTERPRET=False, BLOCK=1024))

@@ -45,14 +45,22 @@ def _leaves(*tensors, dtype=None):
     return [None if t is None else t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
 
 
-def _plain(hidden, weight, bias, targets, inv_t, g_logp, g_ent, *, matmul_dtype, softmax_dtype):
-    """Plain PyTorch autograd: logits as one [N, V] matmul in matmul_dtype, then
-    log_softmax in softmax_dtype. Returns logp, entropy, d_hidden, d_weight, d_bias."""
+def _plain(
+    hidden, weight, bias, targets, inv_t, g_logp, g_ent, *, matmul_dtype, softmax_dtype, softcap=None, logit_scale=None
+):
+    """Plain PyTorch autograd: logits as one [N, V] matmul in matmul_dtype, then the
+    logit scale, soft cap and log_softmax in softmax_dtype. Returns logp, entropy,
+    d_hidden, d_weight, d_bias."""
     h, w, b = _leaves(hidden, weight, bias, dtype=matmul_dtype)
     z = h @ w.T
     if b is not None:
         z = z + b
-    s = z.to(softmax_dtype) * inv_t.to(softmax_dtype)[:, None]
+    z = z.to(softmax_dtype)
+    if logit_scale is not None:
+        z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    s = z * inv_t.to(softmax_dtype)[:, None]
     ls = torch.log_softmax(s, dim=-1)
     valid = targets != IGNORE
     logp = torch.where(valid, ls.gather(1, targets.clamp(min=0)[:, None]).squeeze(1), 0.0)
@@ -65,22 +73,22 @@ def _plain(hidden, weight, bias, targets, inv_t, g_logp, g_ent, *, matmul_dtype,
     return (logp.detach(), ent.detach(), *grads)
 
 
-def _truth(*args):
+def _truth(*args, **options):
     """The float64 reference."""
-    return _plain(*args, matmul_dtype=torch.float64, softmax_dtype=torch.float64)
+    return _plain(*args, matmul_dtype=torch.float64, softmax_dtype=torch.float64, **options)
 
 
-def _torch_same_dtype(*args, dtype):
+def _torch_same_dtype(*args, dtype, **options):
     """The "PyTorch in the same dtype" side of the low-precision criterion: the matmul
     (and its backward) in the input dtype, as a model's lm_head runs, then log_softmax
     in fp32 on the upcast logits (as TRL-style log-prob code does)."""
-    return _plain(*args, matmul_dtype=dtype, softmax_dtype=torch.float32)
+    return _plain(*args, matmul_dtype=dtype, softmax_dtype=torch.float32, **options)
 
 
-def _ours(hidden, weight, bias, targets, inv_t, g_logp, g_ent, *, backend, return_entropy=True):
+def _ours(hidden, weight, bias, targets, inv_t, g_logp, g_ent, *, backend, return_entropy=True, **options):
     h, w, b = _leaves(hidden, weight, bias)
     out = linear_token_logprobs(
-        h, w, targets, bias=b, inv_temperature=inv_t, return_entropy=return_entropy, backend=backend
+        h, w, targets, bias=b, inv_temperature=inv_t, return_entropy=return_entropy, backend=backend, **options
     )
     logp, ent = out if return_entropy else (out, None)
     loss = (logp * g_logp).sum() + ((ent * g_ent).sum() if ent is not None else 0.0)
@@ -280,6 +288,10 @@ def _bad_input_cases(device):
         ("hidden", dict(hidden=h.to(torch.int32), weight=w, targets=t)),
         ("hidden", dict(hidden=h.double(), weight=w.double(), targets=t)),  # fp64 has no kernel
         ("ignore_index", dict(hidden=h, weight=w, targets=t, ignore_index=-100.0)),
+        ("softcap", dict(hidden=h, weight=w, targets=t, softcap=0.0)),
+        ("softcap", dict(hidden=h, weight=w, targets=t, softcap=float("nan"))),
+        ("logit_scale", dict(hidden=h, weight=w, targets=t, logit_scale=-2.0)),
+        ("logit_scale", dict(hidden=h, weight=w, targets=t, logit_scale="1")),
     ]
 
 
@@ -289,6 +301,23 @@ def test_bad_inputs_raise_value_error_naming_the_argument(device, case):
     hidden, weight, targets = kwargs.pop("hidden"), kwargs.pop("weight"), kwargs.pop("targets")
     with pytest.raises(ValueError, match=name):
         linear_token_logprobs(hidden, weight, targets, backend="triton", **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "options", [dict(softcap=4.0), dict(logit_scale=0.43), dict(softcap=3.0, logit_scale=2.2)], ids=lambda o: "+".join(o)
+)
+def test_softcap_and_logit_scale_match_float64(device, tiles, dtype, backend, options):
+    # scale first, then the Gemma-2 cap softcap * tanh(z / softcap), then 1/T; with a bias
+    # (inside the scaled logits) and logits large enough to reach tanh's saturation
+    args = _inputs(dtype, device, scale=3.0)
+    ours = _ours(*args, backend=backend, **options)
+    truth = _truth(*args, **options)
+    same = _torch_same_dtype(*args, dtype=dtype, **options) if dtype != torch.float32 else None
+    _check_all(ours, truth, same, dtype)
+    valid = args[3] != IGNORE
+    assert torch.all(ours[0][~valid] == 0) and torch.all(ours[2][~valid] == 0)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -319,14 +348,17 @@ m = importlib.import_module("erpo_kernels.linear_token_logprobs")
 report = {}
 for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
     cfg = m.DEFAULT_TILES[dtype]
-    base = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
-                IEEE=dtype == torch.float32, UPCAST=False, HAS_BIAS=True)
-    ptrs = {"h_ptr": "*" + name, "w_ptr": "*" + name, "b_ptr": "*" + name, "tgt_ptr": "*i32"}
-    for fn, extra in ((m._ltl_fwd_kernel, dict(WANT_ENTROPY=True)),
-                      (m._ltl_bwd_dhidden_kernel, dict(HAS_GENT=True)),
-                      (m._ltl_bwd_dweight_kernel, dict(HAS_GENT=True, WANT_DW=True, WANT_DB=True))):
-        ptx = compile_ptx(fn, ptrs, dict(base, **extra), num_warps=cfg.num_warps)
-        report[name + ":" + fn.__name__] = {"wgmma": "wgmma" in ptx, "tf32": ".tf32" in ptx}
+    ptrs = {"h_ptr": "*" + name, "w_ptr": "*" + name, "b_ptr": "*" + name, "tgt_ptr": "*i32",
+            "softcap": "fp32", "softcap_pre": "fp32", "logit_scale": "fp32"}
+    for has_softcap in (False, True):
+        base = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
+                    IEEE=dtype == torch.float32, UPCAST=False, HAS_BIAS=True, HAS_SOFTCAP=has_softcap)
+        for fn, extra in ((m._ltl_fwd_kernel, dict(WANT_ENTROPY=True)),
+                          (m._ltl_bwd_dhidden_kernel, dict(HAS_ENTROPY_GRAD=True)),
+                          (m._ltl_bwd_dweight_kernel, dict(HAS_ENTROPY_GRAD=True, WANT_DW=True, WANT_DB=True))):
+            ptx = compile_ptx(fn, ptrs, dict(base, **extra), num_warps=cfg.num_warps)
+            key = name + ":" + fn.__name__ + (":softcap" if has_softcap else "")
+            report[key] = {"wgmma": "wgmma" in ptx, "tf32": ".tf32" in ptx}
 print(json.dumps(report))
 """
 
@@ -336,7 +368,7 @@ def test_kernels_compile_for_hopper_ahead_of_time():
     # (catches what the interpreter forgives), bf16 dots become wgmma (tensor cores)
     # and fp32 dots stay IEEE (no TF32 anywhere).
     report = run_aot(_AOT_COMPILE)
-    assert len(report) == 6
+    assert len(report) == 12
     for key, info in report.items():
         if key.startswith("bf16"):
             assert info["wgmma"], f"{key}: bf16 dot not on tensor cores"

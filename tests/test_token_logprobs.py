@@ -32,11 +32,10 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 Outputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """Blocks of 16 (forward) and 32 (backward) columns: tiny rows span several blocks and end in a partial one."""
-    monkeypatch.setattr(tlp, "FWD_MAX_BLOCK_V", 16)
-    monkeypatch.setattr(tlp, "BWD_MAX_BLOCK_V", 32)
+# Blocks of 16 (forward) and 32 (backward) columns: tiny rows span several blocks and
+# end in a partial one. Most tests run with them; DEFAULT is the GPU launch shape.
+SMALL = tlp.RowBlocks(fwd_max_block_v=16, bwd_max_block_v=32)
+DEFAULT = None
 
 
 def _row_inv_t(inv_temperature, n: int) -> torch.Tensor:
@@ -83,10 +82,13 @@ def _torch_same_dtype(logits, targets, inv_temperature, g_logp, g_ent) -> Output
     return logp.detach(), ent.detach(), grad
 
 
-def _ours(logits, targets, inv_temperature, g_logp, g_ent, *, backend="triton", inplace=False) -> Outputs:
+def _ours(
+    logits, targets, inv_temperature, g_logp, g_ent, *, backend="triton", inplace=False, blocks=SMALL, **options
+) -> Outputs:
     z = logits.detach().clone().requires_grad_()
     logp, ent = token_logprobs(
-        z, targets, inv_temperature=inv_temperature, return_entropy=True, inplace_backward=inplace, backend=backend
+        z, targets, inv_temperature=inv_temperature, return_entropy=True, inplace_backward=inplace, backend=backend,
+        blocks=blocks, **options,
     )
     assert logp.dtype == ent.dtype == torch.float32
     (grad,) = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), z)
@@ -126,7 +128,7 @@ def _inputs(n: int, vocab: int, dtype: torch.dtype, device: str, scale: float = 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("temperature", ["tensor", "float"])
-def test_forward_backward_match_float64(device, dtype, temperature, small_blocks):
+def test_forward_backward_match_float64(device, dtype, temperature):
     # V = 173: forward 10 blocks of 16 plus a partial one (backward 5 of 32 plus one); some rows ignored.
     n, vocab = 11, 173
     logits, targets, g_logp, g_ent = _inputs(n, vocab, dtype, device)
@@ -143,17 +145,17 @@ def test_single_block_default_config(device):
     # Without the small-block fixture: one block of next_power_of_2(V) = 512 columns.
     logits, targets, g_logp, g_ent = _inputs(7, 301, torch.bfloat16, device)
     targets = targets.int()  # int32 targets work as well as int64
-    ours = _ours(logits, targets, None, g_logp, g_ent)
+    ours = _ours(logits, targets, None, g_logp, g_ent, blocks=DEFAULT)
     _check_all(ours, logits, targets, None, g_logp, g_ent)
 
 
-def test_one_upstream_gradient_at_a_time(device, small_blocks):
+def test_one_upstream_gradient_at_a_time(device):
     n, vocab = 9, 50
     logits, targets, g_logp, g_ent = _inputs(n, vocab, torch.float32, device)
     zeros = torch.zeros(n, device=device)
     # return_entropy=False: only logp exists.
     z = logits.clone().requires_grad_()
-    logp = token_logprobs(z, targets, inv_temperature=0.8, backend="triton")
+    logp = token_logprobs(z, targets, inv_temperature=0.8, backend="triton", blocks=SMALL)
     assert isinstance(logp, torch.Tensor) and logp.shape == (n,)
     (grad,) = torch.autograd.grad((logp * g_logp).sum(), z)
     want_logp, _, want = _truth64(logits, targets, 0.8, g_logp, zeros)
@@ -162,7 +164,9 @@ def test_one_upstream_gradient_at_a_time(device, small_blocks):
     # Entropy returned, but only one of the two outputs used: the other gradient is None.
     for use in ("logp", "entropy"):
         z = logits.clone().requires_grad_()
-        logp, ent = token_logprobs(z, targets, inv_temperature=0.8, return_entropy=True, backend="triton")
+        logp, ent = token_logprobs(
+            z, targets, inv_temperature=0.8, return_entropy=True, backend="triton", blocks=SMALL
+        )
         out = (logp * g_logp).sum() if use == "logp" else (ent * g_ent).sum()
         (grad,) = torch.autograd.grad(out, z)
         gl, ge = (g_logp, zeros) if use == "logp" else (zeros, g_ent)
@@ -171,7 +175,7 @@ def test_one_upstream_gradient_at_a_time(device, small_blocks):
 
 
 @pytest.mark.parametrize("n,vocab", [(5, 1), (0, 37), (1, 16), (3, 33)])
-def test_odd_shapes(device, n, vocab, small_blocks):
+def test_odd_shapes(device, n, vocab):
     logits = torch.randn(n, vocab, device=device)
     targets = torch.randint(0, vocab, (n,), device=device)
     g_logp, g_ent = torch.randn(n, device=device), torch.randn(n, device=device)
@@ -198,7 +202,7 @@ def test_empty_rows_launch_nothing(device, monkeypatch):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
-def test_minus_inf_logits(device, dtype, backend, small_blocks):
+def test_minus_inf_logits(device, dtype, backend):
     n, vocab = 6, 45
     logits, targets, g_logp, g_ent = _inputs(n, vocab, dtype, device)
     targets[1] = 30
@@ -219,7 +223,7 @@ def test_minus_inf_logits(device, dtype, backend, small_blocks):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_large_logits(device, dtype, backend, small_blocks):
+def test_large_logits(device, dtype, backend):
     n, vocab = 6, 70
     g_logp, g_ent = torch.randn(n, device=device), torch.randn(n, device=device)
     targets = torch.randint(0, vocab, (n,), device=device)
@@ -234,13 +238,13 @@ def test_large_logits(device, dtype, backend, small_blocks):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_inplace_backward_writes_into_logits(device, dtype, small_blocks):
+def test_inplace_backward_writes_into_logits(device, dtype):
     logits, targets, g_logp, g_ent = _inputs(8, 90, dtype, device)
     _, _, want = _ours(logits, targets, 0.9, g_logp, g_ent)  # out of place
     leaf = logits.clone().requires_grad_()
     z = leaf * 1  # the non-leaf whose storage backward overwrites
     logp, ent = token_logprobs(
-        z, targets, inv_temperature=0.9, return_entropy=True, inplace_backward=True, backend="triton"
+        z, targets, inv_temperature=0.9, return_entropy=True, inplace_backward=True, backend="triton", blocks=SMALL
     )
     ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
     assert torch.equal(leaf.grad.cpu(), want), "inplace gradient differs from the out-of-place one"
@@ -248,7 +252,7 @@ def test_inplace_backward_writes_into_logits(device, dtype, small_blocks):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_inplace_backward_refuses_logits_their_producer_saved(device, backend, small_blocks):
+def test_inplace_backward_refuses_logits_their_producer_saved(device, backend):
     # tanh saves its output: overwriting that output with the gradient must fail loudly,
     # as any in-place op would, never hand tanh's backward a gradient as its output.
     x = torch.randn(4, 40, device=device, requires_grad=True)
@@ -258,7 +262,7 @@ def test_inplace_backward_refuses_logits_their_producer_saved(device, backend, s
         logp.sum().backward()
 
 
-def test_non_contiguous_logits(device, small_blocks):
+def test_non_contiguous_logits(device):
     n, vocab = 5, 40
     logits, targets, g_logp, g_ent = _inputs(n, vocab, torch.float32, device)
     _, _, want = _truth64(logits, targets, 1.1, g_logp, g_ent)
@@ -320,7 +324,7 @@ def test_bad_inputs_raise_value_error_naming_the_argument(device, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_validate_false_reads_no_values(device, backend, small_blocks):
+def test_validate_false_reads_no_values(device, backend):
     # validate=False: no check reads targets or inv_temperature on the host (a GPU sync),
     # forward or backward, and valid input gives exactly the validated result.
     logits, targets, g_logp, g_ent = _inputs(7, 40, torch.float32, device)
@@ -328,7 +332,7 @@ def test_validate_false_reads_no_values(device, backend, small_blocks):
     z = logits.clone().requires_grad_()
     with no_host_reads():
         logp, ent = token_logprobs(
-            z, targets, inv_temperature=inv_t, return_entropy=True, backend=backend, validate=False
+            z, targets, inv_temperature=inv_t, return_entropy=True, backend=backend, validate=False, blocks=SMALL
         )
         (grad,) = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), z)
     want = _ours(logits, targets, inv_t, g_logp, g_ent, backend=backend)
@@ -338,3 +342,54 @@ def test_validate_false_reads_no_values(device, backend, small_blocks):
     # structure is still checked with validate=False
     with pytest.raises(ValueError, match="targets"):
         token_logprobs(logits, targets[:-1], backend=backend, validate=False)
+
+
+def _transformed(z: torch.Tensor, softcap, logit_scale) -> torch.Tensor:
+    """The logits the op is specified to see: logit_scale first, then the soft cap."""
+    if logit_scale is not None:
+        z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z
+
+
+TRANSFORMS = [
+    dict(softcap=10.0),  # Gemma-2 style: most logits here reach the saturated part of tanh
+    dict(logit_scale=0.37),  # Cohere style: a plain multiplier
+    dict(softcap=6.0, logit_scale=1.7),  # both: scale first, then cap
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("options", TRANSFORMS, ids=lambda o: "+".join(o))
+def test_softcap_and_logit_scale_match_float64(device, dtype, backend, options):
+    # Values and gradients against float64 of the transformed logits; "PyTorch in the
+    # same dtype" applies the transform in fp32 to the same low-precision logits.
+    n, vocab = 9, 83
+    logits, targets, g_logp, g_ent = _inputs(n, vocab, dtype, device, scale=8.0)
+    logits[1, 5] = float("-inf")  # a masked logit: the cap maps it to -softcap, as torch.tanh does
+    inv_t = torch.linspace(0.6, 1.6, n).to(device)
+    ours = _ours(logits, targets, inv_t, g_logp, g_ent, backend=backend, **options)
+    results = []
+    for dt in (torch.float64, torch.float32):
+        z = logits.detach().cpu().clone().requires_grad_()
+        s = _transformed(z.to(dt), **{k: options.get(k) for k in ("softcap", "logit_scale")})
+        logp, ent = _loss_terms(s * inv_t.cpu().to(dt)[:, None], targets.cpu())
+        (grad,) = torch.autograd.grad((logp * g_logp.cpu().to(dt)).sum() + (ent * g_ent.cpu().to(dt)).sum(), z)
+        results.append((logp.detach(), ent.detach(), grad))
+    truth, same = results
+    for name, x, ref, pt in zip(("logp", "entropy", "grad"), ours, truth, same):
+        assert torch.isfinite(x).all(), f"{name}: non-finite values"
+        if name != "grad":
+            assert_close_to_ref(x, ref, name=f"{name} (fp32 criterion)")
+        assert_close_to_ref(x, ref, pt, input_dtype=dtype, name=name)
+
+
+def test_softcap_and_logit_scale_bad_values(device):
+    logits = torch.randn(3, 10, device=device)
+    targets = torch.randint(0, 10, (3,), device=device)
+    for name in ("softcap", "logit_scale"):
+        for bad in (0.0, -1.0, float("inf"), float("nan"), "30", True, torch.tensor(2.0)):
+            with pytest.raises(ValueError, match=name):
+                token_logprobs(logits, targets, backend="triton", **{name: bad})
