@@ -5,7 +5,7 @@
     erpo ref-cache [config.yaml] [key=value ...]   build the reference cache of a run
     erpo plot RUN [RUN ...] [--out PNG]            curves of one run, or several overlaid
     erpo eval [model=RUN_OR_DIR[,...]] [data=FILE] [temperatures=...] [n=N] [k=...]
-                                                   accuracy over temperatures (erpo-method.md section 8)
+                                                   accuracy over temperatures (docs/method.md section 8)
     erpo env                                       device, torch, CUDA, triton, and the backend each op uses
 
 Bad input is one line, `erpo: error: ...`, and exit status 2; no traceback.
@@ -208,7 +208,7 @@ EVAL_HELP = """usage: erpo eval [config.yaml] [model=RUN_OR_DIR[,RUN_OR_DIR ...]
                  [n=N] [k=K1,K2,...] [key=value ...]
 
 Greedy Pass@1, and at each temperature n samples per problem: Avg@n and unbiased
-Pass@k (erpo-method.md section 8). A table per model on the terminal; eval.json,
+Pass@k (docs/method.md section 8). A table per model on the terminal; eval.json,
 eval.md and eval.png in <out>/<name>/; with several models compare.md/png/json in <out>.
 
   model=         runs (their latest checkpoint), checkpoints (RUN/checkpoints/step-N),

@@ -30,7 +30,7 @@ class ConfigError(ErpoError):
     """A bad config key or value."""
 
 
-# The paper's evaluation temperatures (erpo-method.md section 8).
+# The paper's evaluation temperatures (docs/method.md section 8).
 EVAL_TEMPERATURES = [0.1, 0.3, 0.5, 0.7, 0.9, 1.0, 1.1, 1.3, 1.5]
 
 
@@ -51,13 +51,13 @@ class Section:
         return field(default=default, metadata=meta)
 
 
-OBJECTIVE = Section("objective", "objective (erpo-method.md sections 2-5)")
+OBJECTIVE = Section("objective", "objective (docs/method.md sections 2-5)")
 ROLLOUT = Section("rollout", "rollout")
 OPTIMISATION = Section("optimisation", "optimisation")
 MODEL = Section("model", "model and data")
 RUN = Section("run", "run directory")
 DEMO = Section("demo", "embedded demo (model=tiny, dataset=arithmetic)")
-EVALUATION = Section("evaluation", "evaluation (erpo-method.md section 8; `erpo eval`, whose short keys are in "
+EVALUATION = Section("evaluation", "evaluation (docs/method.md section 8; `erpo eval`, whose short keys are in "
                                    "`erpo eval --help`)")
 SECTIONS = (OBJECTIVE, ROLLOUT, OPTIMISATION, MODEL, RUN, DEMO, EVALUATION)
 

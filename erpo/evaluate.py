@@ -1,4 +1,4 @@
-"""The stability evaluation of erpo-method.md section 8.
+"""The stability evaluation of docs/method.md section 8.
 
 For every temperature in ``TEMPERATURES`` the model samples ``n_samples`` completions
 per problem; Avg@n is the mean correctness over all samples, Pass@k the unbiased
@@ -198,7 +198,7 @@ def evaluate_sampler(
     rng_devices: Sequence[torch.device] = (),
     keep_samples: bool = False,
 ) -> EvalResult:
-    """The protocol of erpo-method.md s.8 around any sampler: greedy Pass@1, then at every
+    """The protocol of docs/method.md s.8 around any sampler: greedy Pass@1, then at every
     temperature ``n_samples`` completions per problem, Avg@n and Pass@k (every k in
     ``k_values``; None = every k from 1 to n_samples).
 
@@ -287,7 +287,7 @@ def evaluate(
     progress: bool = True,
     keep_samples: bool = False,
 ) -> EvalResult:
-    """Avg@n and Pass@k at every temperature, and greedy Pass@1 (erpo-method.md s.8), of a
+    """Avg@n and Pass@k at every temperature, and greedy Pass@1 (docs/method.md s.8), of a
     Hugging Face causal LM: ``evaluate_sampler`` with batched ``model.generate``.
 
     ``prompts`` are fully templated strings (tokenised without adding special tokens)

@@ -88,7 +88,7 @@ def pack(
     in the order prompt_0|resp_0,0, prompt_0|resp_0,1, ..., prompt_1|resp_1,0, ...
 
     temperature: tau (> 0) of the response rows. score_prompt_once: ignore the prompt
-    targets of every copy but the first of a group (erpo-method.md section 1).
+    targets of every copy but the first of a group (docs/method.md section 1).
     A prompt alone (no response) is `responses[q] = [[]]`.
     """
     if len(prompts) != len(responses):

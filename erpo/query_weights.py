@@ -1,4 +1,4 @@
-"""Reference-derived per-query weights w_B(q) (erpo-method.md section 3, the paper's Eq. 9).
+"""Reference-derived per-query weights w_B(q) (docs/method.md section 3, the paper's Eq. 9).
 
     s(q) = l_0(q) / n(q)            dataset-static score (mean reference log-prob per prompt token)
     u(q):  prevalence  p(q)^gamma   p = fraction of training queries in q's bin of a K-bin

@@ -1,4 +1,4 @@
-"""The reference cache (erpo-method.md section 7): l_0(q) of every training query under
+"""The reference cache (docs/method.md section 7): l_0(q) of every training query under
 the pre-RL model, computed once, so ERPO never runs a reference model while training.
 
 One row per distinct training query: query_id (a hash of its prompt token ids),

@@ -58,7 +58,7 @@ from .rewards import CORRECT_THRESHOLD, get_reward_fn
 from .rollout import HFRolloutEngine, RolloutEngine, eos_ids_of
 from .tiny import resolve_model_dir
 
-# Logged every step (erpo-method.md section 6); "policy_kl" too when a reference model is monitored.
+# Logged every step (docs/method.md section 6); "policy_kl" too when a reference model is monitored.
 METRIC_KEYS = (
     "reward/mean", "reward/accuracy", "qkl/value", "qkl/delta_mean", "qkl/guarded_frac", "entropy/mean",
     "response_length/mean", "pg/clipfrac", "weights/ess", "weights/min", "weights/max", "grad_norm",
@@ -71,7 +71,7 @@ ADV_EPS = 1e-6
 
 
 def group_advantages(rewards: torch.Tensor, adv_norm: str = "std") -> torch.Tensor:
-    """A [m, G] from rewards [m, G] (erpo-method.md section 4).
+    """A [m, G] from rewards [m, G] (docs/method.md section 4).
 
     std:  (R - mean) / (std + 1e-6), unbiased std over the group.
     none: R - mean (Dr.GRPO).
@@ -102,7 +102,7 @@ def check_setup(cfg: TrainConfig, device: torch.device) -> None:
 
 
 def reference_meta(model_dir: str, model: Any, tokenizer: Any, template: str) -> Dict[str, str]:
-    """What the reference cache is checked against (erpo-method.md section 7): the
+    """What the reference cache is checked against (docs/method.md section 7): the
     starting model's path and weights fingerprint, the tokenizer fingerprint, the template."""
     return {
         "model": os.path.abspath(model_dir),
@@ -352,7 +352,7 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def step(self, step: int) -> Dict[str, float]:
-        """One rollout batch and one optimizer step (erpo-method.md sections 1-5); returns
+        """One rollout batch and one optimizer step (docs/method.md sections 1-5); returns
         the step's metrics (section 6)."""
         cfg = self.cfg
         t0 = time.perf_counter()

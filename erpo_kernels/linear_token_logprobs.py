@@ -404,7 +404,7 @@ class Tiles:
 # spilled 200-500 bytes in the backward; fp32 (FMA dots, IEEE) at 64 x 64 x 32 spills
 # 8-40 bytes, at 64 x 128 x 32 over 600. With triton 3.6 (the GPU machine's) the
 # defaults compile the same way: bf16/fp16 spill nothing, fp32 12-40 bytes in the
-# backward. Speed is still to be measured on a GPU.
+# backward.
 DEFAULT_TILES = {
     torch.float16: Tiles(),
     torch.bfloat16: Tiles(),

@@ -1,4 +1,4 @@
-"""The ERPO and GRPO objectives of erpo-method.md sections 2-5 as single calls.
+"""The ERPO and GRPO objectives of docs/method.md sections 2-5 as single calls.
 
 One packed batch of B = sum_q G_q sequences (`prompt_b | response_b`, N rows in all)
 goes in; a scalar loss and python-float metrics come out:
@@ -88,7 +88,7 @@ class PackedLossBatch:
 
 @dataclass
 class LossConfig:
-    """Hyper-parameters of the objective (erpo-method.md sections 2, 4, 5).
+    """Hyper-parameters of the objective (docs/method.md sections 2, 4, 5).
 
     algorithm: "erpo" (L_PG(w_B) + alpha R_query) or "grpo" (L_PG(w = 1) + beta KL,
         KL the per-token k3 on response tokens aggregated with loss_agg). alpha:

@@ -1,5 +1,5 @@
 """policy_loss: the clipped policy-gradient surrogate of GRPO and its per-query
-aggregation (erpo-method.md section 4).
+aggregation (docs/method.md section 4).
 
 Plain PyTorch: every step is O(tokens) elementwise work plus a few gathers, so there
 is nothing to fuse until a measurement says otherwise.

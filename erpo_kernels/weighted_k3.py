@@ -1,4 +1,4 @@
-"""weighted_k3: the weighted, guarded K3 estimate of the Query-KL (erpo-method.md s.2).
+"""weighted_k3: the weighted, guarded K3 estimate of the Query-KL (docs/method.md s.2).
 
 Kernels, then the autograd Function, then the public function.
 

@@ -1,4 +1,4 @@
-"""The ERPO / GRPO objective (erpo-method.md sections 2, 4, 5) against float64
+"""The ERPO / GRPO objective (docs/method.md sections 2, 4, 5) against float64
 formulas written here independently, with explicit loops over queries, responses and
 tokens; Proposition 1; scoring the prompt once per group; the K3 guard; bad inputs.
 """
@@ -124,7 +124,7 @@ def token_loss_formula(lp, old, a, cfg):
 
 
 def objective_formula(logp, desc, batch, cfg, entropy=None):
-    """Loss and metrics of erpo-method.md, from loops (float64 python/torch scalars)."""
+    """Loss and metrics of docs/method.md, from loops (float64 python/torch scalars)."""
     m = batch.ref_query_logp.numel()
     erpo = cfg.algorithm == "erpo"
     w = batch.query_weights.tolist() if erpo else [1.0] * m

@@ -1,4 +1,4 @@
-"""Query weights (erpo-method.md section 3): the three schemes, batch normalisation
+"""Query weights (docs/method.md section 3): the three schemes, batch normalisation
 (mean 1 within [w_min, w_max]), the effective sample size, bad inputs."""
 import math
 

@@ -1,4 +1,4 @@
-"""The reference cache (erpo/ref_cache.py, erpo-method.md section 7): values, round trip,
+"""The reference cache (erpo/ref_cache.py, docs/method.md section 7): values, round trip,
 atomic write, and one clear error per kind of mismatch."""
 import os
 
