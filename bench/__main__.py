@@ -67,7 +67,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     s = sub.add_parser("step", help="a whole GRPO/ERPO training step, fused vs stock")
     _common(s)
-    s.add_argument("--variants", default=",".join(("erpo-fused", "erpo-stock", "grpo-stock", "grpo-fused")))
+    s.add_argument("--variants", default=",".join(("erpo-fused", "erpo-stock", "grpo-stock", "grpo-fused",
+                                                   "erpo-padded", "erpo-packed")))
     s.add_argument("--model", default=None, help="qwen2.5-0.5b, qwen2.5-1.5b or tiny (replaces the preset)")
     s.add_argument("--layers", type=int, default=None, help="override the depth (CPU: keep it small)")
     s.add_argument("--queries", type=int, default=4, help="m (with --model)")

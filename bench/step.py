@@ -13,6 +13,11 @@ out as erpo_kernels.objective.PackedLossBatch describes). Variants:
   grpo-stock   the GRPO objective (beta k3 per response token): a reference-model forward
                (no_grad, stock log-probs) + the stock policy path
   grpo-fused   the same with our kernels for both the reference and the policy
+  erpo-padded  erpo-fused on rollout-like lengths (response lengths skewed: most short, a
+               long tail up to L, see skewed_lengths) forwarded as a right-padded [B, T + L]
+               batch (erpo.packing.forward_hidden_padded): every padding position computed
+  erpo-packed  the same batch packed into one row with no padding (erpo.packing.forward_hidden,
+               attn_implementation=auto); tokens/s of both count the real tokens only
 Time and peak extra memory are defined in bench/measure.py; "resident before" is what the
 step starts from (weights, optimizer state, the reference model for GRPO). Two peaks are
 recorded: of the whole step, and of forward + loss + backward alone (read just before the
@@ -29,7 +34,8 @@ import torch
 from . import report
 from .measure import MIB, Measurement, RunOptions, guarded, measure, measure_isolated, peak_rss_bytes, run_header
 
-VARIANTS = ("erpo-fused", "erpo-stock", "grpo-stock", "grpo-fused")
+PACKING_VARIANTS = ("erpo-padded", "erpo-packed")
+VARIANTS = ("erpo-fused", "erpo-stock", "grpo-stock", "grpo-fused") + PACKING_VARIANTS
 STEP_DEFINITION = (
     "forward (+ reference forward for grpo) + loss + backward + AdamW step, timed; zero_grad(set_to_none) "
     "before it, untimed; m queries x G responses, T prompt + L response tokens each"
@@ -132,6 +138,44 @@ def make_batch(case: StepCase, vocab: int, device: str, seed: int = 0):
     return ids.to(device), batch
 
 
+def skewed_lengths(count: int, max_len: int, seed: int = 0) -> List[int]:
+    """`count` response lengths in [1, max_len] skewed as RL rollouts are: exponential with
+    mean max_len / 4 (most responses short, a long tail), the first at max_len so the
+    padded width is T + max_len."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.empty(count).exponential_(generator=g) * (max_len / 4)
+    lengths = x.round().clamp(1, max_len).long().tolist()
+    lengths[0] = max_len
+    return lengths
+
+
+def make_packed_batch(case: StepCase, vocab: int, device: str, seed: int = 0):
+    """(erpo.packing.PackedSequences, PackedLossBatch) of m prompts of T tokens and G responses
+    each with skewed_lengths: the batch of the erpo-padded and erpo-packed variants."""
+    from erpo.packing import pack
+
+    g = torch.Generator().manual_seed(seed)
+    m, G, T = case.queries, case.group, case.prompt_len
+    lengths = skewed_lengths(m * G, case.response_len, seed)
+    prompts = torch.randint(0, vocab, (m, T), generator=g).tolist()  # m prompts
+    responses = [[torch.randint(0, vocab, (lengths[q * G + j],), generator=g).tolist() for j in range(G)]
+                 for q in range(m)]  # [m][G] token lists
+    packed = pack(prompts, responses, case.tau).to(device)
+    rewards = torch.randn(m, G, generator=g)
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).reshape(-1)  # [B]
+    ref_q = -(T - 1) * math.log(vocab) + torch.randn(m, generator=g)  # [m]
+    w = 0.5 + torch.rand(m, generator=g)
+    return packed, packed.loss_batch(adv, ref_q, w / w.mean())
+
+
+def case_tokens(case: StepCase, variant: str) -> int:
+    """The real tokens N of a variant's batch (skewed lengths for the packing variants)."""
+    if variant in PACKING_VARIANTS:
+        return case.queries * case.group * case.prompt_len + sum(
+            skewed_lengths(case.queries * case.group, case.response_len))
+    return case.tokens
+
+
 def stock_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -164,6 +208,8 @@ def make_step(case: StepCase, variant: str, device: str):
     model = build_model(case, device, seed=0)
     model.train()
     vocab = model.config.vocab_size
+    if variant in PACKING_VARIANTS:
+        return _packing_step(case, variant, device, model)
     ids, batch = make_batch(case, vocab, device)
     n = ids.numel()
     ref = None
@@ -203,6 +249,33 @@ def make_step(case: StepCase, variant: str, device: str):
         return metrics
 
     return model, opt, step, n, peaks
+
+
+def _packing_step(case: StepCase, variant: str, device: str, model: Any):
+    """make_step's result for erpo-padded / erpo-packed: the erpo-fused step on the skewed
+    batch, forwarded padded or packed."""
+    from erpo.packing import forward_hidden, forward_hidden_padded, set_attn_implementation
+    from erpo_kernels.objective import LossConfig, erpo_loss
+
+    packed, batch = make_packed_batch(case, model.config.vocab_size, device)
+    if variant == "erpo-packed":
+        set_attn_implementation(model, "auto")
+    config = LossConfig(algorithm="erpo")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    peaks: List[int] = []
+
+    def step():
+        if variant == "erpo-packed":
+            hidden = forward_hidden(model, packed.input_ids, packed.position_ids)  # [N, D], one row
+        else:
+            hidden = forward_hidden_padded(model, packed.input_ids, packed.seq_cu_seqlens)  # [N, D] via [B, T + L]
+        loss, metrics = erpo_loss(hidden, model.lm_head.weight, batch, config)
+        loss.backward()
+        peaks.append(_current_peak(device))
+        opt.step()
+        return metrics
+
+    return model, opt, step, packed.num_rows, peaks
 
 
 def _current_peak(device: str) -> int:
@@ -257,15 +330,16 @@ def run(cases: List[StepCase], variants: Sequence[str], opts: RunOptions) -> Dic
                 out.skip({"case": asdict(case), "variant": variant})
                 continue
             spec = {"case": asdict(case), "variant": variant, "warmup": opts.warmup, "repeats": opts.repeats}
-            rec = {"model": case.label(), "tokens": case.tokens, "variant": variant, "case": asdict(case),
+            rec = {"model": case.label(), "tokens": case_tokens(case, variant), "variant": variant, "case": asdict(case),
                    **measure_isolated("step", spec, worker, opts)}
             out.add(rec)
             if rec.get("status") == "ok":
-                print(f"  {case.label():<16} N={case.tokens:<6} {variant:<11} {rec['median_ms']:>10.1f} ms "
+                print(f"  {case.label():<16} N={rec['tokens']:<6} {variant:<11} {rec['median_ms']:>10.1f} ms "
+                      f"{rec.get('tokens_per_s')} tokens/s "
                       f"{rec['peak_extra_mb']:>9.0f} MiB extra, fwd+bwd {rec.get('peak_extra_fwd_bwd_mb')} MiB "
                       f"(resident before {rec['before_mb']:.0f} MiB) "
                       f"loss {rec.get('loss')}", flush=True)
             else:
-                print(f"  {case.label():<16} N={case.tokens:<6} {variant:<11} {rec.get('status')}: {rec.get('error')}",
+                print(f"  {case.label():<16} N={rec['tokens']:<6} {variant:<11} {rec.get('status')}: {rec.get('error')}",
                       flush=True)
     return out.finish(lambda run: "\n".join(report.step_table({"runs": [run]})))

@@ -9,12 +9,18 @@ tokens, L response tokens:
                           has nothing to predict (ignore_index)
 position_ids restart at 0 in every sequence; targets never cross a sequence boundary.
 
-`forward_hidden` runs the model's base (decoder without lm_head) on a right-padded
-[B, Lmax] batch and gathers the packed rows back, so every row's hidden state is the
-one of its sequence alone; the logits are never formed.
+`forward_hidden` runs the model's base (decoder without lm_head) on the N rows as one
+packed row [1, N] with those position_ids, no attention mask and no KV cache, which
+transformers detects as packed sequences (a position that does not follow its
+predecessor starts a new sequence): every row attends only to earlier rows of its own
+sequence, with varlen attention (flash_attention_2, flex_attention) or a block-diagonal
+causal mask (sdpa, eager). No padding is computed and the logits are never formed.
+`forward_hidden_padded` is the same function on a right-padded [B, Lmax] batch (the
+bench's baseline and the tests' reference).
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence, Tuple
 
@@ -38,7 +44,6 @@ class PackedSequences:
     targets: torch.Tensor  # [N] int64 next token within the sequence, or ignore_index
     inv_temperature: torch.Tensor  # [N] fp32: 1 on prompt rows, 1/tau on response rows
     group_index: torch.Tensor  # [B] int64 query of each sequence
-    is_response: torch.Tensor  # [N] bool rows of response spans
     ignore_index: int = IGNORE_INDEX
 
     @property
@@ -95,7 +100,7 @@ def pack(
         raise ValueError(f"responses has {len(responses)} groups but prompts has {len(prompts)}")
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    ids, pos, tgt, inv, resp, groups, seq_cu, span_cu = [], [], [], [], [], [], [0], [0]
+    ids, pos, tgt, inv, groups, seq_cu, span_cu = [], [], [], [], [], [0], [0]
     inv_tau = 1.0 / float(temperature)
     for q, (prompt, group) in enumerate(zip(prompts, responses)):
         prompt = [int(t) for t in prompt]
@@ -113,7 +118,6 @@ def pack(
                 shifted[: n_prompt - 1] = [ignore_index] * (n_prompt - 1)
             tgt.extend(shifted)
             inv.extend([1.0] * (n_prompt - 1) + [inv_tau] * (n - n_prompt + 1))
-            resp.extend([False] * (n_prompt - 1) + [True] * (n - n_prompt + 1))
             groups.append(q)
             span_cu.append(span_cu[-1] + n_prompt - 1)
             span_cu.append(span_cu[-1] + n - n_prompt + 1)
@@ -126,7 +130,6 @@ def pack(
         targets=torch.tensor(tgt, dtype=torch.long),
         inv_temperature=torch.tensor(inv, dtype=torch.float32),
         group_index=torch.tensor(groups, dtype=torch.long),
-        is_response=torch.tensor(resp, dtype=torch.bool),
         ignore_index=ignore_index,
     )
 
@@ -155,13 +158,79 @@ def row_layout(seq_cu_seqlens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor
     return seq_of_row, offset, int(lengths.max()) if lengths.numel() else 0
 
 
-def forward_hidden(model: Any, input_ids: torch.Tensor, seq_cu_seqlens: torch.Tensor, pad_token_id: int = 0) -> torch.Tensor:
-    """Final hidden states [N, D] of packed rows (input_ids [N], seq_cu_seqlens [B + 1]).
+# ---------------------------------------------------------------------- attention
 
-    The rows go to a right-padded [B, Lmax] batch (positions 0..L-1, padding masked),
-    through the base model, and back to row space: row i's hidden state is the one of
-    its sequence run alone. No logits are computed.
+
+ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "flex_attention", "sdpa", "eager")
+
+
+def resolve_attn_implementation(name: str, device: Any) -> str:
+    """The attention of the packed forward: `name`, or for auto flash_attention_2 when the
+    flash-attn package is installed (CUDA), flex_attention on CUDA otherwise, sdpa elsewhere.
+    ValueError naming attn_implementation for an unknown name or one the device cannot run."""
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation={name!r} is not one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+    cuda = torch.device(device).type == "cuda"
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    if name == "auto":
+        return ("flash_attention_2" if has_flash else "flex_attention") if cuda else "sdpa"
+    if name == "flash_attention_2" and not (cuda and has_flash):
+        why = "runs on CUDA only" if not cuda else "needs the flash-attn package (pip install flash-attn)"
+        raise ValueError(f"attn_implementation=flash_attention_2 {why}; use attn_implementation=auto")
+    return name
+
+
+def set_attn_implementation(model: Any, name: str = "auto") -> str:
+    """Switch `model` (and its sub-models) to the attention `name` resolves to on the
+    model's device; returns the resolved name."""
+    resolved = resolve_attn_implementation(name, next(model.parameters()).device)
+    if getattr(model.config, "_attn_implementation", None) != resolved:
+        model.set_attn_implementation(resolved)
+    return resolved
+
+
+def check_packing_support() -> None:
+    """RuntimeError unless transformers detects packed sequences from position_ids
+    (transformers >= 4.53: masking_utils.find_packed_sequence_indices); without it the
+    sequences of one packed row would silently attend to each other."""
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        import transformers
+
+        raise RuntimeError(
+            f"transformers {transformers.__version__} does not detect packed sequences; "
+            f"upgrade it: pip install 'transformers>=4.53'"
+        ) from None
+
+
+# ---------------------------------------------------------------------- forward
+
+
+def forward_hidden(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Final hidden states [N, D] of packed rows: input_ids [N], position_ids [N]
+    (restarting at 0 at each sequence's first row, as `pack` makes them).
+
+    One row [1, N] through the base model with no attention mask and use_cache=False,
+    so transformers treats it as packed sequences: row i's hidden state is the one of
+    its sequence run alone (tests/test_packing.py checks it against separate forwards).
+    With the cache on, or a mask given, the packing would not be detected and the
+    sequences would attend to each other. No logits are computed.
     """
+    check_packing_support()
+    out = base_model_of(model)(
+        input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=None, use_cache=False
+    )
+    return out.last_hidden_state[0]  # [N, D]
+
+
+def forward_hidden_padded(
+    model: Any, input_ids: torch.Tensor, seq_cu_seqlens: torch.Tensor, pad_token_id: int = 0
+) -> torch.Tensor:
+    """`forward_hidden` computed on a right-padded batch: the rows (input_ids [N],
+    seq_cu_seqlens [B + 1]) go to [B, Lmax] (positions 0..L-1, padding masked), through the
+    base model, and back to [N, D]. Every padding position is computed; the bench's
+    baseline and the tests' reference."""
     seq_of_row, offset, width = row_layout(seq_cu_seqlens)
     n_seq = seq_cu_seqlens.shape[0] - 1
     dev = input_ids.device

@@ -92,7 +92,7 @@ def compute_ref_query_logp(
     for start in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[start:start + batch_size]
         packed = pack(chunk, [[[]] for _ in chunk], 1.0).to(device)  # prompts alone
-        hidden = forward_hidden(model, packed.input_ids, packed.seq_cu_seqlens, pad_token_id)  # [N, D]
+        hidden = forward_hidden(model, packed.input_ids, packed.position_ids)  # [N, D]
         w, b = weight, bias
         if compute_dtype is not None:
             hidden, w = hidden.to(compute_dtype), w.to(compute_dtype)

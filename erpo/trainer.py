@@ -408,7 +408,7 @@ class Trainer:
 
         # 5. forward to hidden states (no logits)
         with autocast(self.device, self.compute_dtype):
-            hidden = forward_hidden(self.model, packed.input_ids, packed.seq_cu_seqlens, self.pad_token_id)  # [N, D]
+            hidden = forward_hidden(self.model, packed.input_ids, packed.position_ids)  # [N, D]
         weight, bias = lm_head_of(self.model)  # [V, D], [V] or None
         hidden, weight, bias = self._to_compute(hidden, weight, bias)
 
@@ -440,7 +440,7 @@ class Trainer:
     @torch.no_grad()
     def _reference_logp(self, packed: PackedSequences) -> torch.Tensor:
         """Per-row log-probs [N] of the frozen reference model (prompt rows at 1, response rows at 1/tau)."""
-        hidden = forward_hidden(self.ref_model, packed.input_ids, packed.seq_cu_seqlens, self.pad_token_id)  # [N, D]
+        hidden = forward_hidden(self.ref_model, packed.input_ids, packed.position_ids)  # [N, D]
         weight, bias = lm_head_of(self.ref_model)  # [V, D], [V] or None
         return linear_token_logprobs(
             hidden.to(weight.dtype), weight, packed.targets, bias=bias, inv_temperature=packed.inv_temperature,

@@ -128,6 +128,24 @@ def test_step_tiny(tmp_path):
     assert recs["erpo-fused"]["loss"] == pytest.approx(recs["erpo-stock"]["loss"], rel=1e-4, abs=1e-6)
 
 
+def test_step_padded_vs_packed_tiny():
+    """The padding-free variant measures the same step as the padded one (in-process, one
+    step each): same real tokens, same loss (the packed forward equals the padded one)."""
+    pytest.importorskip("transformers")
+    from bench.step import StepCase, case_tokens, make_step, skewed_lengths
+
+    lengths = skewed_lengths(16, 12)
+    assert min(lengths) >= 1 and max(lengths) == 12 and sum(lengths) < 16 * 12 / 2  # skewed: mostly short
+    case = StepCase("tiny", None, 2, 3, 5, 9, 1.0, "fp32")
+    losses = {}
+    for variant in ("erpo-padded", "erpo-packed"):
+        _, _, step, n, peaks = make_step(case, variant, "cpu")
+        assert n == case_tokens(case, variant) == 2 * 3 * 5 + sum(skewed_lengths(6, 9)) < case.tokens
+        losses[variant] = step()["loss"]
+        assert len(peaks) == 1
+    assert losses["erpo-packed"] == pytest.approx(losses["erpo-padded"], rel=1e-5, abs=1e-6)
+
+
 def test_report_of_a_gpu_run_with_roofline(tmp_path):
     """The parts of the report only a CUDA run produces (ceilings, roofline), from a synthetic run:
     bytes / FLOPs models and their rendering are checked without a GPU."""

@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from erpo.packing import IGNORE_INDEX as IGN
-from erpo.packing import forward_hidden, lm_head_of, pack, row_layout
+from erpo.packing import (
+    forward_hidden,
+    forward_hidden_padded,
+    lm_head_of,
+    pack,
+    resolve_attn_implementation,
+    row_layout,
+    set_attn_implementation,
+)
 from erpo.rollout import cut_at_eos
 from erpo_kernels import linear_token_logprobs, segment_sum
 from erpo_kernels.objective import query_logp_from_logp
@@ -36,7 +44,6 @@ def test_hand_packed_layout():
     assert p.span_cu_seqlens.tolist() == [0, 2, 5, 7, 9, 11, 15]
     assert p.inv_temperature.tolist() == [1, 1, 2, 2, 2, 1, 1, 2, 2, 1, 1, 2, 2, 2, 2]
     assert p.group_index.tolist() == [0, 0, 0]
-    assert p.is_response.tolist() == [False, False, True, True, True] + [False, False, True, True] + [False, False] + [True] * 4
 
 
 @pytest.mark.parametrize("once", [True, False])
@@ -65,10 +72,14 @@ def test_targets_never_cross_sequences(once):
     # spans alternate prompt/response, each sequence's two spans tile it
     span = p.span_cu_seqlens.tolist()
     assert span[0::2] == cu
-    inv = p.inv_temperature
-    is_resp = p.is_response
-    assert inv[is_resp].tolist() == pytest.approx([1 / 0.7] * int(is_resp.sum()))
-    assert inv[~is_resp].tolist() == [1.0] * int((~is_resp).sum())
+    is_resp = torch.zeros(p.num_rows, dtype=torch.bool)
+    for b in range(p.num_sequences):
+        is_resp[span[2 * b + 1]:span[2 * b + 2]] = True
+    assert p.inv_temperature[is_resp].tolist() == pytest.approx([1 / 0.7] * int(is_resp.sum()))
+    assert p.inv_temperature[~is_resp].tolist() == [1.0] * int((~is_resp).sum())
+    # position ids restart at 0 in every sequence
+    for b in range(p.num_sequences):
+        assert p.position_ids[cu[b]:cu[b + 1]].tolist() == list(range(cu[b + 1] - cu[b]))
 
 
 def test_prompt_scored_once_per_group_gives_the_same_query_logp():
@@ -77,7 +88,7 @@ def test_prompt_scored_once_per_group_gives_the_same_query_logp():
     every = pack(PROMPTS, RESPONSES, 0.8, score_prompt_once=False)
     w, _ = lm_head_of(model)
     with torch.no_grad():
-        hidden = forward_hidden(model, once.input_ids, once.seq_cu_seqlens)
+        hidden = forward_hidden(model, once.input_ids, once.position_ids)
     lp_once = linear_token_logprobs(hidden, w, once.targets, inv_temperature=once.inv_temperature)
     lp_every = linear_token_logprobs(hidden, w, every.targets, inv_temperature=every.inv_temperature)
     n = torch.zeros(2)
@@ -94,16 +105,83 @@ def test_prompt_scored_once_per_group_gives_the_same_query_logp():
         assert q_once[q].item() == pytest.approx(float(ref), abs=1e-4)
 
 
-def test_hidden_states_equal_each_sequence_alone():
+# mixed lengths: a 1-token prompt alone, long and short responses, one sequence of a single row
+MIXED_PROMPTS = [[2, 5, 6], [2, 7, 8, 9, 10, 11, 12], [3]]
+MIXED_RESPONSES = [[[11, 12], [13], [14, 15, 16, 17, 18, 19, 20, 21, 1]], [[16, 17, 18], []], [[], [4, 4, 4, 4]]]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_hidden_states_equal_padded_and_each_sequence_alone(attn):
+    """One packed row [1, N] (no mask, no cache) = the right-padded [B, Lmax] batch = each
+    sequence forwarded alone, fp32 1e-5, with the attention CPU runs (sdpa: auto's choice)."""
     model = tiny_model(layers=2)
-    p = pack(PROMPTS, RESPONSES, 1.0)
+    assert set_attn_implementation(model, attn) == attn
+    p = pack(MIXED_PROMPTS, MIXED_RESPONSES, 1.0)
     with torch.no_grad():
-        hidden = forward_hidden(model, p.input_ids, p.seq_cu_seqlens, pad_token_id=0)  # [N, D]
-        assert hidden.shape == (p.num_rows, 16)
+        hidden = forward_hidden(model, p.input_ids, p.position_ids)  # [N, D]
+        padded = forward_hidden_padded(model, p.input_ids, p.seq_cu_seqlens, pad_token_id=0)  # [N, D]
+        assert hidden.shape == padded.shape == (p.num_rows, 16)
+        torch.testing.assert_close(hidden, padded, rtol=1e-5, atol=1e-5)
         cu = p.seq_cu_seqlens.tolist()
         for b in range(p.num_sequences):
-            alone = model.model(input_ids=p.input_ids[cu[b]:cu[b + 1]][None]).last_hidden_state[0]
+            alone = model.model(input_ids=p.input_ids[cu[b]:cu[b + 1]][None], use_cache=False).last_hidden_state[0]
             torch.testing.assert_close(hidden[cu[b]:cu[b + 1]], alone, rtol=1e-5, atol=1e-5)
+    # the packing is what keeps sequences apart: the same row with positions 0..N-1 (one
+    # long sequence) differs, so the comparison above could fail
+    with torch.no_grad():
+        joined = forward_hidden(model, p.input_ids, torch.arange(p.num_rows))
+    assert (joined - hidden).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("algorithm", ["erpo", "grpo"])
+def test_training_step_packed_equals_padded(algorithm):
+    """The loss, its metrics and every parameter's gradient of one step are those of the
+    padded forward (fp32, 1e-5)."""
+    from erpo_kernels.objective import LossConfig, erpo_loss
+
+    p = pack(MIXED_PROMPTS, MIXED_RESPONSES, 0.7)
+    g = torch.Generator().manual_seed(0)
+    batch = p.loss_batch(torch.randn(p.num_sequences, generator=g), torch.tensor([-9.0, -20.0, -1.0]),
+                         torch.tensor([0.5, 1.0, 1.5]),
+                         ref_logp=-3 * torch.rand(p.num_rows, generator=g) if algorithm == "grpo" else None)
+    config = LossConfig(algorithm=algorithm, alpha=0.1, beta=0.1)
+    results = []
+    for forward in ("packed", "padded"):
+        model = tiny_model(layers=2, seed=4)
+        if forward == "packed":
+            hidden = forward_hidden(model, p.input_ids, p.position_ids)
+        else:
+            hidden = forward_hidden_padded(model, p.input_ids, p.seq_cu_seqlens)
+        loss, metrics = erpo_loss(hidden, model.lm_head.weight, batch, config, backend="torch")
+        loss.backward()
+        results.append((loss.detach(), metrics, {n: q.grad for n, q in model.named_parameters()}))
+    (loss_a, met_a, grad_a), (loss_b, met_b, grad_b) = results
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    assert met_a.keys() == met_b.keys()
+    for key in met_a:
+        assert met_a[key] == pytest.approx(met_b[key], rel=1e-5, abs=1e-6), key
+    assert grad_a.keys() == grad_b.keys()
+    for name in grad_a:
+        assert grad_a[name] is not None and float(grad_a[name].abs().max()) > 0, name
+        torch.testing.assert_close(grad_a[name], grad_b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_attn_implementation_choice(monkeypatch):
+    import importlib.util
+
+    assert resolve_attn_implementation("auto", "cpu") == "sdpa"
+    assert resolve_attn_implementation("eager", "cpu") == "eager"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    assert resolve_attn_implementation("auto", "cuda") == "flex_attention"
+    with pytest.raises(ValueError, match="flash-attn"):
+        resolve_attn_implementation("flash_attention_2", "cuda")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
+    assert resolve_attn_implementation("auto", "cuda") == "flash_attention_2"
+    with pytest.raises(ValueError, match="CUDA"):
+        resolve_attn_implementation("flash_attention_2", "cpu")
+    with pytest.raises(ValueError, match="attn_implementation"):
+        resolve_attn_implementation("flash", "cpu")
 
 
 def test_response_logprobs_match_the_sampler():
@@ -123,7 +201,7 @@ def test_response_logprobs_match_the_sampler():
     p = pack(prompts, responses, tau)
     w, _ = lm_head_of(model)
     with torch.no_grad():
-        hidden = forward_hidden(model, p.input_ids, p.seq_cu_seqlens)
+        hidden = forward_hidden(model, p.input_ids, p.position_ids)
     lp = linear_token_logprobs(hidden, w, p.targets, inv_temperature=p.inv_temperature)
     for i in range(2):
         r = responses[i][0]

@@ -279,7 +279,7 @@ def test_readme_hand_written_loop(tmp_path, cache_dir):
         ref_query_logp=torch.tensor([-9.0, -12.0]),  # [m] l_0(q), from `erpo ref-cache` in a real run
         query_weights=torch.ones(2),  # [m] w_B(q); erpo.query_weights.QueryWeighter computes them
     )
-    hidden = forward_hidden(model, packed.input_ids, packed.seq_cu_seqlens)  # [N, D]; no logits
+    hidden = forward_hidden(model, packed.input_ids, packed.position_ids)  # [N, D]; no logits
     loss, metrics = erpo_loss(hidden, model.lm_head.weight, batch, LossConfig(algorithm="erpo", alpha=0.01))
     loss.backward()
     optimizer.step()
