@@ -207,6 +207,12 @@ def check_packing_support() -> None:
 # ---------------------------------------------------------------------- forward
 
 
+def _base_forward(model: Any) -> Any:
+    """The base model's forward; under FSDP2 it runs through the root's forward hooks
+    (erpo.distributed.shard_model)."""
+    return getattr(model, BASE_FORWARD, None) or base_model_of(model)
+
+
 def forward_hidden(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """Final hidden states [N, D] of packed rows: input_ids [N], position_ids [N]
     (restarting at 0 at each sequence's first row, as `pack` makes them).
@@ -218,7 +224,7 @@ def forward_hidden(model: Any, input_ids: torch.Tensor, position_ids: torch.Tens
     sequences would attend to each other. No logits are computed.
     """
     check_packing_support()
-    out = base_model_of(model)(
+    out = _base_forward(model)(
         input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=None, use_cache=False
     )
     return out.last_hidden_state[0]  # [N, D]
@@ -239,7 +245,5 @@ def forward_hidden_padded(
     padded[seq_of_row, offset] = input_ids
     mask[seq_of_row, offset] = 1
     positions = torch.arange(width, device=dev).expand(n_seq, width)  # [B, Lmax]
-    # under FSDP2 the base model runs through the root's forward hooks (erpo.distributed.shard_model)
-    base = getattr(model, BASE_FORWARD, None) or base_model_of(model)
-    out = base(input_ids=padded, attention_mask=mask, position_ids=positions, use_cache=False)
+    out = _base_forward(model)(input_ids=padded, attention_mask=mask, position_ids=positions, use_cache=False)
     return out.last_hidden_state[seq_of_row, offset]  # [N, D]

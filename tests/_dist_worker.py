@@ -66,7 +66,7 @@ def units(out_dir: str) -> dict:
         whole = pack(prompts, responses, 0.7)
 
         def loss_of(m, packed, head):
-            hidden = forward_hidden(m, packed.input_ids, packed.seq_cu_seqlens)  # [N, D]
+            hidden = forward_hidden(m, packed.input_ids, packed.position_ids)  # [N, D]
             weight, _ = head(m)
             logp = linear_token_logprobs(hidden, weight, packed.targets, inv_temperature=packed.inv_temperature,
                                          backend="torch")  # [N]
