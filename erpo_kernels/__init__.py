@@ -7,7 +7,21 @@ from . import reference
 from ._triton import HAS_TRITON
 from ._utils import BACKENDS
 from .linear_token_logprobs import linear_token_logprobs
-from .objective import ALGORITHMS, LossConfig, PackedLossBatch, erpo_loss, erpo_loss_from_logp, query_logp_from_logp
+from .objective import (
+    ALGORITHMS,
+    ROLLOUT_IS,
+    LossConfig,
+    LossNormalizers,
+    MicroBatch,
+    PackedLossBatch,
+    combine_metrics,
+    erpo_loss,
+    erpo_loss_from_logp,
+    metrics_to_floats,
+    plan_micro_batches,
+    query_logp_from_logp,
+    split_batch,
+)
 from .policy_loss import LOSS_AGGS, policy_loss
 from .segment_sum import segment_sum
 from .token_logprobs import token_logprobs
@@ -20,15 +34,22 @@ __all__ = [
     "BACKENDS",
     "HAS_TRITON",
     "LOSS_AGGS",
+    "ROLLOUT_IS",
     "LossConfig",
+    "LossNormalizers",
+    "MicroBatch",
     "PackedLossBatch",
+    "combine_metrics",
     "erpo_loss",
     "erpo_loss_from_logp",
     "linear_token_logprobs",
+    "metrics_to_floats",
+    "plan_micro_batches",
     "policy_loss",
     "query_logp_from_logp",
     "reference",
     "segment_sum",
+    "split_batch",
     "token_logprobs",
     "weighted_k3",
 ]

@@ -42,6 +42,32 @@ def check_loss_agg(loss_agg: str) -> None:
         raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
 
 
+def token_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped, dual-clipped surrogate loss (module docstring), elementwise.
+
+    logp [T] (differentiable), old_logp [T], advantages [T] (one per token), same dtype.
+    Returns (loss [T], clipped [T] bool: a clip binds, dual [T] bool: the dual clip
+    binds, ratio [T] detached). No reduction, no host sync.
+    """
+    adv = advantages.detach()
+    log_ratio = torch.clamp(logp - old_logp.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -ratio * adv
+    clipped = -torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    loss = torch.maximum(unclipped, clipped)  # -min(rho A, clip(rho) A)
+    dual_bound = -dual_clip * adv
+    dual_active = (adv < 0) & (loss > dual_bound)
+    loss = torch.where(dual_active, dual_bound, loss)
+    return loss, (clipped > unclipped) | dual_active, dual_active, ratio.detach()
+
+
 def aggregation_coef(
     lengths: torch.Tensor,
     group_index: torch.Tensor,
@@ -95,21 +121,13 @@ def _policy_loss(
     adv = advantages.detach().to(cdt)[seq]  # [T]
     w = query_weights.detach().to(cdt)  # [m]
 
-    lp = logp.to(cdt)
-    log_ratio = torch.clamp(lp - old_logp.detach().to(cdt), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)  # [T]
-    unclipped = -ratio * adv
-    clipped = -torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-    tok_loss = torch.maximum(unclipped, clipped)  # -min(rho A, clip(rho) A)
-    dual_bound = -dual_clip * adv
-    dual_active = (adv < 0) & (tok_loss > dual_bound)
-    tok_loss = torch.where(dual_active, dual_bound, tok_loss)  # [T]
-
+    tok_loss, clipped_tok, dual_active, ratio = token_surrogate(
+        logp.to(cdt), old_logp.to(cdt), adv, eps_low, eps_high, dual_clip
+    )  # [T] each
     coef = aggregation_coef(lengths, group_index, w, loss_agg, seq=seq)  # [T]
     loss = (coef * tok_loss).sum()
 
     zero = torch.zeros((), dtype=cdt, device=dev)
-    clipped_tok = (clipped > unclipped) | dual_active
     metrics = {
         "pg/loss": loss.detach(),
         "pg/clipfrac": clipped_tok.to(cdt).mean() if n_tok else zero,
