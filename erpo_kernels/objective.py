@@ -213,8 +213,11 @@ class PackedLossBatch:
                            (normalizers.n_sequences >= 1) & (normalizers.n_queries >= 1)
                            & (normalizers.weight_mass > 0) & (normalizers.group_sizes >= 0).all()))
         if self.rollout_logp is not None:
-            checks.append(("rollout_logp must be finite on every scored row",
-                           (torch.isfinite(self.rollout_logp) | (t == self.ignore_index)).all()))
+            # response rows: odd spans (searchsorted is safe even when cu is not)
+            span = torch.searchsorted(cu, torch.arange(n, device=cu.device), right=True) - 1
+            resp = (span % 2 == 1) & (t != self.ignore_index)
+            checks.append(("rollout_logp must be finite on every scored response row",
+                           (torch.isfinite(self.rollout_logp) | ~resp).all()))
         ok = torch.stack([c.reshape(()) for _, c in checks]).tolist()  # the one transfer
         for (message, _), good in zip(checks, ok):
             if not good:
@@ -265,8 +268,8 @@ class LossNormalizers:
         w = batch.query_weights.detach().to(torch.float64)
         return LossNormalizers(
             n_tokens=lay.resp_len.sum(),
-            n_sequences=torch.tensor(batch.num_sequences, dtype=torch.long, device=dev),
-            n_queries=torch.tensor(m, dtype=torch.long, device=dev),
+            n_sequences=torch.full((), batch.num_sequences, dtype=torch.long, device=dev),  # a fill, not a copy
+            n_queries=torch.full((), m, dtype=torch.long, device=dev),
             group_sizes=torch.zeros(m, dtype=torch.long, device=dev).index_add_(0, gi, torch.ones_like(gi)),
             prompt_copies=torch.zeros(m, dtype=torch.long, device=dev).index_add_(0, gi, lay.prompt_scored.long()),
             weight_mass=w.sum(),
@@ -365,7 +368,7 @@ class _Layout:
 def _query_logp(logp: torch.Tensor, batch: PackedLossBatch, layout: _Layout, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """([m] l_theta(q), [m] local scoring copies): segment_sum over the spans, prompt sums
     averaged per query over this batch's copies that score the prompt (0 when none)."""
-    span_sums = segment_sum(logp, batch.span_cu_seqlens, backend=backend)  # [2B]
+    span_sums = segment_sum(logp, batch.span_cu_seqlens, backend=backend, validate=False)  # [2B] (checked once)
     prompt_sums = span_sums[0::2]  # [B]
     m = batch.num_queries
     gi = batch.group_index.long()
@@ -523,7 +526,7 @@ def _loss_from_logp(
     wq = weights * share  # [m]
     with nullcontext() if (is_erpo and config.alpha > 0) else torch.no_grad():
         # sum_q w share k3 / W = (sum_q w share / W) * weighted_k3(., w share)
-        r_query = (wq.sum() / w_mass) * weighted_k3(query_logp, ref_q, wq, guard=guard, backend=backend)
+        r_query = (wq.sum() / w_mass) * weighted_k3(query_logp, ref_q, wq, guard=guard, backend=backend, validate=False)
 
     # Policy gradient (section 4): only the scored response rows reach it.
     if batch.old_logp is not None:
@@ -576,7 +579,7 @@ def _loss_from_logp(
         kl_lp = torch.where(resp, lp, zero_rows)  # [N]
         use_kl = (not is_erpo) and config.beta > 0
         with nullcontext() if use_kl else torch.no_grad():
-            policy_kl = unit.sum() * weighted_k3(kl_lp, ref_rows, unit, guard=guard, backend=backend)
+            policy_kl = unit.sum() * weighted_k3(kl_lp, ref_rows, unit, guard=guard, backend=backend, validate=False)
         if use_kl:
             loss = loss + config.beta * policy_kl
         metrics["policy_kl"] = policy_kl.detach()
@@ -651,6 +654,7 @@ def erpo_loss(
     out = linear_token_logprobs(
         hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,
         ignore_index=batch.ignore_index, return_entropy=with_entropy, backend=backend,
+        validate=False,  # targets (< V) and inv_temperature: checked once by _check_inputs / batch.validate
     )
     logp, entropy = out if with_entropy else (out, None)
     return _loss_from_logp(logp, batch, config, entropy, backend, normalizers, sync_metrics)
