@@ -123,7 +123,15 @@ class TrainConfig:
     adam_beta1: float = OPTIMISATION(0.9, "AdamW beta1")
     adam_beta2: float = OPTIMISATION(0.99, "AdamW beta2")
     max_grad_norm: float = OPTIMISATION(1.0, "gradient clipping by global norm; 0 = off")
-    steps: int = OPTIMISATION(200, "optimizer steps (one rollout batch each)")
+    steps: int = OPTIMISATION(
+        200, "training steps, one rollout batch each (mini_batches x ppo_epochs optimizer updates per step)"
+    )
+    mini_batches: int = OPTIMISATION(
+        1,
+        "optimizer updates per pass over a rollout batch, each on an equal share of its queries (whole groups); "
+        "> 1 makes later updates off-policy, so the clip acts; must divide queries_per_step",
+    )
+    ppo_epochs: int = OPTIMISATION(1, "passes over each rollout batch (each pass: mini_batches updates)")
     seed: int = OPTIMISATION(0, "seeds data order, sampling and the demo model; a run is reproducible from it")
 
     model: str = MODEL("tiny", "a local Hugging Face causal-LM directory, or tiny (the embedded demo model)")
@@ -305,8 +313,8 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)} must lie in [0, 1)")
-        for name in ("bins", "queries_per_step", "max_new_tokens", "steps", "task_train_size", "task_eval_size",
-                     "tiny_hidden_size", "tiny_layers", "warmstart_batch_size", "eval_n_samples", "eval_batch_size"):
+        for name in ("bins", "queries_per_step", "max_new_tokens", "steps", "mini_batches", "ppo_epochs",
+                     "task_train_size", "task_eval_size", "tiny_hidden_size", "tiny_layers", "warmstart_batch_size", "eval_n_samples", "eval_batch_size"):
             at_least(name, getattr(self, name), 1)
         for name in ("cpu_threads", "rollout_batch_size", "warmup_steps", "save_every", "keep_checkpoints", "max_prompt_tokens",
                      "warmstart_steps", "eval_max_new_tokens", "eval_limit", "task_max_operand"):
@@ -323,6 +331,13 @@ class TrainConfig:
             raise ConfigError(
                 f"group_size=1 with adv_norm={self.adv_norm}: group advantages need at least 2 responses per query "
                 f"({what}); set group_size=2 or more"
+            )
+        if self.queries_per_step % self.mini_batches:
+            divisors = [d for d in range(1, self.queries_per_step + 1) if self.queries_per_step % d == 0]
+            raise ConfigError(
+                f"mini_batches={self.mini_batches} does not divide queries_per_step={self.queries_per_step}: each "
+                f"update takes an equal share of the step's queries (whole groups); use one of "
+                f"{', '.join(map(str, divisors))}, or change queries_per_step"
             )
         if self.tiny_hidden_size % 4 != 0:
             raise ConfigError(f"tiny_hidden_size={self.tiny_hidden_size} must be a multiple of 4 (4 attention heads)")

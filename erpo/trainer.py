@@ -26,7 +26,7 @@ import torch
 
 from erpo_kernels import linear_token_logprobs
 from erpo_kernels._utils import resolve_backend
-from erpo_kernels.objective import erpo_loss
+from erpo_kernels.objective import PackedLossBatch, erpo_loss
 
 from . import checkpoint as ckpt
 from .config import ConfigError, ErpoError, TrainConfig, atomic_write, save_config
@@ -86,6 +86,11 @@ def group_advantages(rewards: torch.Tensor, adv_norm: str = "std") -> torch.Tens
     if r.shape[1] < 2:
         raise ValueError("adv_norm='std' needs at least 2 responses per group")
     return centred / (r.std(dim=1, unbiased=True, keepdim=True) + ADV_EPS)
+
+
+def mean_metrics(updates: Sequence[Dict[str, float]]) -> Dict[str, float]:
+    """{key: mean over the updates} of the updates' metrics (one update: its own values)."""
+    return {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
 
 
 def check_setup(cfg: TrainConfig, device: torch.device) -> None:
@@ -352,8 +357,8 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def step(self, step: int) -> Dict[str, float]:
-        """One rollout batch and one optimizer step (docs/method.md sections 1-5); returns
-        the step's metrics (section 6)."""
+        """One rollout batch and its optimizer updates (docs/method.md sections 1-5, 9);
+        returns the step's metrics (section 6; loss metrics are means over the updates)."""
         cfg = self.cfg
         t0 = time.perf_counter()
         torch.manual_seed(derived_seed(cfg.seed, "step", step))  # the sampler's randomness
@@ -373,12 +378,14 @@ class Trainer:
         ])  # [m, G]
         advantages = group_advantages(rewards, cfg.adv_norm)  # [m, G]
 
-        # 4.-7. pack, forward, objective, optimizer step
-        metrics, num_rows = self._update(idx, prompts, responses, advantages)
+        # 4.-7. mini_batches x ppo_epochs updates, each: pack, forward, objective, optimizer step
+        updates, num_rows = self._updates(idx, prompts, responses, advantages)
+        self.scheduler.step()  # the learning rate moves once per rollout batch
         self.engine.sync_weights(self.model)
 
         step_s = time.perf_counter() - t0
         same = (rewards.max(dim=1).values == rewards.min(dim=1).values).float().mean()
+        metrics = mean_metrics(updates)  # the step's value of each loss metric: the mean over its updates
         metrics.update({
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()),
@@ -390,10 +397,27 @@ class Trainer:
         })
         return {"step": step, **{k: metrics[k] for k in sorted(metrics)}}
 
-    def _update(self, idx: Sequence[int], prompts: List[List[int]], responses: List[List[List[int]]],
-                advantages: torch.Tensor) -> Tuple[Dict[str, float], int]:
-        """One optimizer step on queries `idx` (their prompts, responses [m][G] and
-        advantages [m, G]); returns (the loss's metrics with grad_norm and lr, rows N)."""
+    def _updates(self, idx: Sequence[int], prompts: List[List[int]], responses: List[List[List[int]]],
+                 advantages: torch.Tensor) -> Tuple[List[Dict[str, float]], int]:
+        """The optimizer updates of one rollout batch (docs/method.md section 9): its m
+        queries split into mini_batches equal shares of whole groups, ppo_epochs passes
+        over them. With more than one update, old_logp of every row comes from one no-grad
+        pass under the sampling weights, before the first update. Returns each update's
+        metrics (also kept in self.last_updates) and the rows N of the rollout batch."""
+        cfg = self.cfg
+        size = len(idx) // cfg.mini_batches  # queries per mini-batch
+        shares = [slice(j * size, (j + 1) * size) for j in range(cfg.mini_batches)]
+        batches = [self._mini_batch(idx[s], prompts[s], responses[s], advantages[s]) for s in shares]
+        if cfg.mini_batches * cfg.ppo_epochs > 1:
+            for packed, batch in batches:
+                batch.old_logp = self._policy_logp(packed)  # [N_j] under the weights that sampled
+        self.last_updates = [self._update(packed, batch) for _ in range(cfg.ppo_epochs) for packed, batch in batches]
+        return self.last_updates, sum(packed.num_rows for packed, _ in batches)
+
+    def _mini_batch(self, idx: Sequence[int], prompts: List[List[int]], responses: List[List[List[int]]],
+                    advantages: torch.Tensor) -> Tuple[PackedSequences, PackedLossBatch]:
+        """The packed rows and loss batch of queries `idx` (their prompts, responses [m][G]
+        and advantages [m, G]); the query weights are those of this (mini-)batch."""
         cfg = self.cfg
         # 4. pack: prompt rows at temperature 1 (scored once per group), response rows at 1/tau
         packed = pack(prompts, responses, cfg.temperature).to(self.device)  # N rows, B = m G sequences
@@ -404,8 +428,11 @@ class Trainer:
         else:
             query_weights = torch.ones(len(idx))  # [m] grpo weighs every query 1
         ref_logp = self._reference_logp(packed) if self.ref_model is not None else None  # [N] or None
-        batch = packed.loss_batch(advantages.reshape(-1), ref_query_logp, query_weights, ref_logp)
+        return packed, packed.loss_batch(advantages.reshape(-1), ref_query_logp, query_weights, ref_logp)
 
+    def _update(self, packed: PackedSequences, batch: PackedLossBatch) -> Dict[str, float]:
+        """One optimizer step on one (mini-)batch; returns the loss's metrics with grad_norm and lr."""
+        cfg = self.cfg
         # 5. forward to hidden states (no logits)
         with autocast(self.device, self.compute_dtype):
             hidden = forward_hidden(self.model, packed.input_ids, packed.position_ids)  # [N, D]
@@ -422,9 +449,21 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         metrics.update({"grad_norm": float(grad_norm), "lr": float(self.optimizer.param_groups[0]["lr"])})
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return metrics, packed.num_rows
+        return metrics
+
+    @torch.no_grad()
+    def _policy_logp(self, packed: PackedSequences) -> torch.Tensor:
+        """Per-row log-probs [N] of the policy as it is now, computed as the update computes
+        them (same dtype, kernel and temperatures), without a graph."""
+        with autocast(self.device, self.compute_dtype):
+            hidden = forward_hidden(self.model, packed.input_ids, packed.position_ids)  # [N, D]
+        weight, bias = lm_head_of(self.model)  # [V, D], [V] or None
+        hidden, weight, bias = self._to_compute(hidden, weight, bias)
+        return linear_token_logprobs(
+            hidden, weight, packed.targets, bias=bias, inv_temperature=packed.inv_temperature,
+            ignore_index=packed.ignore_index, backend=self.cfg.kernel_backend,
+        ).float()
 
     def _to_compute(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]

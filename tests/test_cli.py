@@ -128,6 +128,13 @@ def test_a_config_yaml_written_before_the_sections_still_loads(tmp_path):
         "grpo", "seq-mean-token-mean", 4, [0.5, 1.0])
 
 
+def test_mini_batches_must_divide_the_queries(capsys):
+    one_line_error(capsys, ["train", "mini_batches=3"], "mini_batches=3 does not divide queries_per_step=16",
+                   "use one of 1, 2, 4, 8, 16")
+    one_line_error(capsys, ["train", "mini_batches=0"], "mini_batches=0 must be finite and >= 1")
+    one_line_error(capsys, ["train", "ppo_epochs=0"], "ppo_epochs=0 must be finite and >= 1")
+
+
 def test_unknown_key_names_the_closest(capsys):
     one_line_error(capsys, ["train", "alpah=0.1"], "unknown config key 'alpah'", "did you mean alpha?")
     one_line_error(capsys, ["train", "grop_size=4"], "did you mean group_size?")

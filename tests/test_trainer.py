@@ -1,6 +1,7 @@
 """The trainer (erpo/trainer.py): advantages, exact resume (2 + resume + 2 == 4, bit for
 bit), an interrupted save, a short end-to-end run of the embedded default, the GRPO
 path, and the README's hand-written-loop example."""
+import copy
 import dataclasses
 import json
 import os
@@ -80,14 +81,100 @@ def test_group_advantages():
         group_advantages(torch.ones(3, 1), "std")
 
 
+# ---------------------------------------------------------------------- mini-batch updates
+
+
+class FixedRollout:
+    """A rollout engine that answers every query with the same G responses: the gold
+    answer in \\boxed{} for the first half of the group, a wrong one for the rest."""
+
+    def __init__(self, trainer):
+        self.tokenizer, self.examples, self.prompt_ids = trainer.tokenizer, trainer.examples, trainer.prompt_ids
+
+    def generate(self, prompt_ids, n, temperature, max_new_tokens):
+        out = []
+        for ids in prompt_ids:
+            answer = self.examples[self.prompt_ids.index(list(ids))].answer
+            texts = ["\\boxed{" + (answer if j < n // 2 else answer + "1") + "}" for j in range(n)]
+            out.append([self.tokenizer(t, add_special_tokens=False)["input_ids"][:max_new_tokens]
+                        + [self.tokenizer.eos_token_id] for t in texts])
+        return out
+
+    def sync_weights(self, model):
+        pass
+
+
+def fixed_trainer(tmp_path, cache_dir, name, **overrides):
+    cfg = tiny(tmp_path, cache_dir, name, max_new_tokens=8, **overrides)
+    trainer = Trainer(cfg, log=quiet)
+    trainer.engine = FixedRollout(trainer)
+    return trainer
+
+
+def test_one_mini_batch_is_the_plain_update_bit_for_bit(tmp_path, cache_dir):
+    """mini_batches=1, ppo_epochs=1: one step equals the update written out by hand."""
+    from erpo.data import step_indices
+    from erpo.packing import forward_hidden, pack
+    from erpo_kernels import erpo_loss
+
+    trainer = fixed_trainer(tmp_path, cache_dir, "plain", mini_batches=1, ppo_epochs=1)
+    cfg = trainer.cfg
+    model = copy.deepcopy(trainer.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay)  # warmup_steps=1: the full lr at step 1
+    idx = step_indices(len(trainer.examples), cfg.queries_per_step, 1, cfg.seed)
+    prompts = [trainer.prompt_ids[i] for i in idx]
+    responses = trainer.engine.generate(prompts, cfg.group_size, cfg.temperature, cfg.max_new_tokens)
+    rewards = torch.tensor([[trainer.reward_fn(trainer.tokenizer.decode(r, skip_special_tokens=True),
+                                               trainer.examples[i].answer) for r in group]
+                            for i, group in zip(idx, responses)])
+    assert rewards[:, 0].eq(1).all() and rewards[:, -1].eq(0).all()
+    packed = pack(prompts, responses, cfg.temperature)
+    rows = trainer.cache_rows[idx]
+    batch = packed.loss_batch(group_advantages(rewards).reshape(-1), trainer.cache.ref_query_logp[rows],
+                              trainer.weighter.batch_weights(trainer.cache.score[rows]))
+    hidden = forward_hidden(model, packed.input_ids, packed.position_ids)
+    loss, _ = erpo_loss(hidden, model.lm_head.weight, batch, cfg.loss_config())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    optimizer.step()
+
+    metrics = trainer.step(1)
+    assert len(trainer.last_updates) == 1 and metrics["pg/ratio_mean"] == 1.0 and metrics["pg/clipfrac"] == 0.0
+    assert_same_params(model, trainer.model)
+
+
+def test_two_mini_batches_make_the_second_update_off_policy(tmp_path, cache_dir):
+    trainer = fixed_trainer(tmp_path, cache_dir, "mb2", mini_batches=2, lr=0.05)
+    metrics = trainer.step(1)
+    first, second = trainer.last_updates
+    assert first["pg/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # old_logp: the weights that sampled
+    assert first["pg/clipfrac"] == 0.0
+    assert abs(second["pg/ratio_mean"] - 1.0) > 1e-3  # the first update moved the policy
+    assert second["pg/clipfrac"] > 0
+    for key in ("loss", "pg/clipfrac", "pg/ratio_mean", "grad_norm", "qkl/value", "weights/ess"):
+        assert metrics[key] == pytest.approx((first[key] + second[key]) / 2, rel=1e-12, abs=1e-15)
+    # each mini-batch holds half the queries (whole groups); their weights are normalised per mini-batch
+    assert first["weights/ess"] <= 1.0 and second["weights/ess"] <= 1.0
+
+
+def test_ppo_epochs_pass_over_the_batch_again(tmp_path, cache_dir):
+    trainer = fixed_trainer(tmp_path, cache_dir, "ep2", mini_batches=2, ppo_epochs=2, lr=0.05)
+    trainer.step(1)
+    assert len(trainer.last_updates) == 4
+    # epoch 2 sees mini-batch 1 again, now after two updates: further off-policy than at epoch 1
+    assert trainer.last_updates[2]["pg/ratio_mean"] != trainer.last_updates[0]["pg/ratio_mean"]
+
+
 # ---------------------------------------------------------------------- resume
 
 
-def test_resume_is_bit_exact(tmp_path, cache_dir):
-    full = Trainer(tiny(tmp_path, cache_dir, "full", warmup_steps=3), log=quiet)
+@pytest.mark.parametrize("updates", [{}, dict(mini_batches=2, ppo_epochs=2)], ids=["one-update", "mini-batches"])
+def test_resume_is_bit_exact(tmp_path, cache_dir, updates):
+    full = Trainer(tiny(tmp_path, cache_dir, "full", warmup_steps=3, **updates), log=quiet)
     full.train()
 
-    first = Trainer(tiny(tmp_path, cache_dir, "split", steps=2, warmup_steps=3), log=quiet)
+    first = Trainer(tiny(tmp_path, cache_dir, "split", steps=2, warmup_steps=3, **updates), log=quiet)
     first.train()
     assert ckpt.latest_checkpoint(first.cfg.run_dir).endswith("step-000002")
     cfg = resolve_config([f"resume={first.cfg.run_dir}", "steps=4"])
