@@ -54,12 +54,13 @@ class Section:
 OBJECTIVE = Section("objective", "objective (docs/method.md sections 2-5)")
 ROLLOUT = Section("rollout", "rollout")
 OPTIMISATION = Section("optimisation", "optimisation")
+MEMORY = Section("memory", "memory (what lets a real model's step fit)")
 MODEL = Section("model", "model and data")
 RUN = Section("run", "run directory")
 DEMO = Section("demo", "embedded demo (model=tiny, dataset=arithmetic)")
 EVALUATION = Section("evaluation", "evaluation (docs/method.md section 8; `erpo eval`, whose short keys are in "
                                    "`erpo eval --help`)")
-SECTIONS = (OBJECTIVE, ROLLOUT, OPTIMISATION, MODEL, RUN, DEMO, EVALUATION)
+SECTIONS = (OBJECTIVE, ROLLOUT, OPTIMISATION, MEMORY, MODEL, RUN, DEMO, EVALUATION)
 
 
 @dataclass
@@ -133,6 +134,12 @@ class TrainConfig:
     )
     ppo_epochs: int = OPTIMISATION(1, "passes over each rollout batch (each pass: mini_batches updates)")
     seed: int = OPTIMISATION(0, "seeds data order, sampling and the demo model; a run is reproducible from it")
+
+    gradient_checkpointing: bool = MEMORY(
+        False,
+        "recompute each decoder layer's activations in the backward instead of keeping them (the model's own "
+        "transformers checkpointing): less memory, about one more forward of time",
+    )
 
     model: str = MODEL("tiny", "a local Hugging Face causal-LM directory, or tiny (the embedded demo model)")
     dataset: str = MODEL("arithmetic", "a local .jsonl / .parquet file, or arithmetic (the embedded task)")
@@ -571,14 +578,14 @@ def save_config(cfg: TrainConfig, path: str) -> None:
 
 # Keys that may change when a run is resumed: they do not alter what steps 1..k computed.
 RESUMABLE_KEYS = frozenset(
-    {"steps", "save_every", "keep_checkpoints", "progress", "resume", "run_dir", "overwrite"}
+    {"steps", "save_every", "keep_checkpoints", "progress", "resume", "run_dir", "overwrite", "gradient_checkpointing"}
     | {name for name in FIELDS if name.startswith("eval_")}
 )
 
 
 def merge_for_resume(saved: Dict[str, Any], given: Dict[str, Any]) -> TrainConfig:
     """The saved run's config with the given overrides; changing a key that would break
-    exact continuation (anything but steps, save_every, keep_checkpoints, progress and
+    exact continuation (anything but steps, save_every, keep_checkpoints, progress, gradient_checkpointing and
     eval settings; steps too under a decaying lr_schedule) is a ConfigError."""
     merged = {}
     for key, value in saved.items():

@@ -110,3 +110,25 @@ def load_tokenizer(path: str) -> Any:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """The model's own (transformers) activation checkpointing of each decoder layer.
+
+    transformers checkpoints a layer only while that layer is in training mode; the
+    trainer keeps the model in eval mode (no dropout: the sampler and the loss see the
+    same function). So the checkpointed layers alone are flagged as training, not their
+    submodules: attention and MLP dropouts stay off, and only layers that checkpoint
+    read the flag (for that purpose alone)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ErpoError(f"gradient_checkpointing=true: {type(model).__name__} does not support gradient "
+                        f"checkpointing; set gradient_checkpointing=false")
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:
+            module.training = True

@@ -41,7 +41,8 @@ from .data import (
     step_indices,
     template_text,
 )
-from .models import autocast, load_model, load_tokenizer, resolve_compute_dtype, resolve_device
+from .models import (autocast, enable_gradient_checkpointing, load_model, load_tokenizer, resolve_compute_dtype,
+                     resolve_device)
 from .packing import PackedSequences, forward_hidden, lm_head_of, pack
 from .plot import CURVES_FILE, METRICS_FILE, plot_runs, read_metrics
 from .query_weights import QueryWeighter
@@ -312,6 +313,8 @@ class Trainer:
         cfg = self.cfg
         self.model = load_model(self.resume_from, self.device) if self.resume_from else initial
         self.model.eval()  # no dropout: the sampler and the loss see the same function
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.ref_model = None
         if (cfg.algorithm == "grpo" and cfg.beta > 0) or cfg.monitor_policy_kl:
             self.ref_model = load_model(self.model_dir, self.device, self.compute_dtype).eval()

@@ -166,6 +166,24 @@ def test_ppo_epochs_pass_over_the_batch_again(tmp_path, cache_dir):
     assert trainer.last_updates[2]["pg/ratio_mean"] != trainer.last_updates[0]["pg/ratio_mean"]
 
 
+def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_update(tmp_path, cache_dir):
+    plain = fixed_trainer(tmp_path, cache_dir, "gc-off", mini_batches=2)
+    ckpt_run = fixed_trainer(tmp_path, cache_dir, "gc-on", mini_batches=2, gradient_checkpointing=True)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in ckpt_run.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert layers and not ckpt_run.model.training  # eval mode kept: no dropout anywhere
+    assert not any(sub.training for layer in layers for sub in layer.modules() if sub is not layer)
+    calls = []
+    for layer in layers:
+        inner = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda *a, _inner=inner, **k: calls.append(1) or _inner(*a, **k)
+    a, b = plain.step(1), ckpt_run.step(1)
+    assert len(calls) == 2 * len(layers)  # every layer checkpointed in both updates (not in no-grad passes)
+    assert untimed([a]) == untimed([b])
+    assert_same_params(plain.model, ckpt_run.model)
+
+
 # ---------------------------------------------------------------------- resume
 
 
