@@ -135,6 +135,12 @@ class TrainConfig:
     ppo_epochs: int = OPTIMISATION(1, "passes over each rollout batch (each pass: mini_batches updates)")
     seed: int = OPTIMISATION(0, "seeds data order, sampling and the demo model; a run is reproducible from it")
 
+    micro_batch_tokens: int = MEMORY(
+        0,
+        "token budget of one forward + backward: each mini-batch's sequences packed greedily into micro-batches "
+        "of at most this many tokens, gradients accumulated (the same update as one pass); 0 = the whole "
+        "mini-batch at once",
+    )
     gradient_checkpointing: bool = MEMORY(
         False,
         "recompute each decoder layer's activations in the backward instead of keeping them (the model's own "
@@ -324,7 +330,7 @@ class TrainConfig:
                      "task_train_size", "task_eval_size", "tiny_hidden_size", "tiny_layers", "warmstart_batch_size", "eval_n_samples", "eval_batch_size"):
             at_least(name, getattr(self, name), 1)
         for name in ("cpu_threads", "rollout_batch_size", "warmup_steps", "save_every", "keep_checkpoints", "max_prompt_tokens",
-                     "warmstart_steps", "eval_max_new_tokens", "eval_limit", "task_max_operand"):
+                     "micro_batch_tokens", "warmstart_steps", "eval_max_new_tokens", "eval_limit", "task_max_operand"):
             at_least(name, getattr(self, name), 0)
         if not 0.0 <= self.warmstart_unboxed < 1.0:
             raise ConfigError(f"warmstart_unboxed={self.warmstart_unboxed} must lie in [0, 1)")

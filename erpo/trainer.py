@@ -26,7 +26,8 @@ import torch
 
 from erpo_kernels import linear_token_logprobs
 from erpo_kernels._utils import resolve_backend
-from erpo_kernels.objective import PackedLossBatch, erpo_loss
+from erpo_kernels.objective import (LossNormalizers, MicroBatch, PackedLossBatch, combine_metrics, erpo_loss,
+                                    metrics_to_floats, plan_micro_batches, split_batch)
 
 from . import checkpoint as ckpt
 from .config import ConfigError, ErpoError, TrainConfig, atomic_write, save_config
@@ -87,6 +88,35 @@ def group_advantages(rewards: torch.Tensor, adv_norm: str = "std") -> torch.Tens
     if r.shape[1] < 2:
         raise ValueError("adv_norm='std' needs at least 2 responses per group")
     return centred / (r.std(dim=1, unbiased=True, keepdim=True) + ADV_EPS)
+
+
+@dataclasses.dataclass
+class MiniBatch:
+    """One mini-batch (one optimizer step): its packed rows, its loss batch and the
+    sequences of each of its micro-batches (`plan`, whole sequences in order)."""
+
+    packed: PackedSequences
+    batch: PackedLossBatch
+    plan: List[List[int]]
+
+    def rows_of(self, micro: Optional[MicroBatch]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [n_k], position_ids [n_k]) of one micro-batch's rows (None: all rows);
+        positions restart at each sequence, so a subset of whole sequences keeps its own."""
+        if micro is None:
+            return self.packed.input_ids, self.packed.position_ids
+        return self.packed.input_ids[micro.rows], self.packed.position_ids[micro.rows]
+
+
+def check_micro_batch_budget(cfg: TrainConfig, prompt_ids: Sequence[Sequence[int]]) -> None:
+    """ConfigError, before anything runs, when micro_batch_tokens cannot hold the longest
+    sequence a step can produce (its longest prompt + max_new_tokens rows)."""
+    longest = max(len(p) for p in prompt_ids) + cfg.max_new_tokens
+    if cfg.micro_batch_tokens and cfg.micro_batch_tokens < longest:
+        raise ConfigError(
+            f"micro_batch_tokens={cfg.micro_batch_tokens} is smaller than the longest sequence a step can hold "
+            f"({longest} tokens: the longest prompt, {longest - cfg.max_new_tokens}, + max_new_tokens="
+            f"{cfg.max_new_tokens}); set micro_batch_tokens={longest} or more, or 0 (the whole mini-batch at once)"
+        )
 
 
 def mean_metrics(updates: Sequence[Dict[str, float]]) -> Dict[str, float]:
@@ -272,6 +302,7 @@ class Trainer:
             self.cfg, self.examples, self.resume_from or self.model_dir
         )
         self.pad_token_id = int(self.tokenizer.pad_token_id)
+        check_micro_batch_budget(self.cfg, self.prompt_ids)
         if not self.resume_from:
             initial, self.reference = starting_model(self.model_dir, self.tokenizer, self.template, self.device)
             return initial
@@ -412,15 +443,16 @@ class Trainer:
         shares = [slice(j * size, (j + 1) * size) for j in range(cfg.mini_batches)]
         batches = [self._mini_batch(idx[s], prompts[s], responses[s], advantages[s]) for s in shares]
         if cfg.mini_batches * cfg.ppo_epochs > 1:
-            for packed, batch in batches:
-                batch.old_logp = self._policy_logp(packed)  # [N_j] under the weights that sampled
-        self.last_updates = [self._update(packed, batch) for _ in range(cfg.ppo_epochs) for packed, batch in batches]
-        return self.last_updates, sum(packed.num_rows for packed, _ in batches)
+            for mini in batches:
+                mini.batch.old_logp = self._row_logp(self.model, mini)  # [N_j] under the weights that sampled
+        self.last_mini_batches = batches
+        self.last_updates = [self._update(mini) for _ in range(cfg.ppo_epochs) for mini in batches]
+        return self.last_updates, sum(mini.packed.num_rows for mini in batches)
 
     def _mini_batch(self, idx: Sequence[int], prompts: List[List[int]], responses: List[List[List[int]]],
-                    advantages: torch.Tensor) -> Tuple[PackedSequences, PackedLossBatch]:
-        """The packed rows and loss batch of queries `idx` (their prompts, responses [m][G]
-        and advantages [m, G]); the query weights are those of this (mini-)batch."""
+                    advantages: torch.Tensor) -> MiniBatch:
+        """The packed rows, loss batch and micro-batch plan of queries `idx` (their prompts,
+        responses [m][G] and advantages [m, G]); the query weights are this mini-batch's."""
         cfg = self.cfg
         # 4. pack: prompt rows at temperature 1 (scored once per group), response rows at 1/tau
         packed = pack(prompts, responses, cfg.temperature).to(self.device)  # N rows, B = m G sequences
@@ -430,24 +462,36 @@ class Trainer:
             query_weights = self.weighter.batch_weights(self.cache.score[rows])  # [m] w_B(q) (section 3)
         else:
             query_weights = torch.ones(len(idx))  # [m] grpo weighs every query 1
-        ref_logp = self._reference_logp(packed) if self.ref_model is not None else None  # [N] or None
-        return packed, packed.loss_batch(advantages.reshape(-1), ref_query_logp, query_weights, ref_logp)
+        batch = packed.loss_batch(advantages.reshape(-1), ref_query_logp, query_weights)
+        # whole sequences per micro-batch, at most micro_batch_tokens rows each (0: one micro-batch)
+        mini = MiniBatch(packed, batch, plan_micro_batches(batch, cfg.micro_batch_tokens))
+        if self.ref_model is not None:
+            mini.batch.ref_logp = self._row_logp(self.ref_model, mini)  # [N] frozen reference, no grad
+        return mini
 
-    def _update(self, packed: PackedSequences, batch: PackedLossBatch) -> Dict[str, float]:
-        """One optimizer step on one (mini-)batch; returns the loss's metrics with grad_norm and lr."""
+    def _update(self, mini: MiniBatch) -> Dict[str, float]:
+        """One optimizer step on one mini-batch, its gradient accumulated over the
+        micro-batches (each normalised by the whole mini-batch: the sum is the mini-batch's
+        loss); returns the loss's metrics with grad_norm and lr."""
         cfg = self.cfg
-        # 5. forward to hidden states (no logits)
-        with autocast(self.device, self.compute_dtype):
-            hidden = forward_hidden(self.model, packed.input_ids, packed.position_ids)  # [N, D]
-        weight, bias = lm_head_of(self.model)  # [V, D], [V] or None
-        hidden, weight, bias = self._to_compute(hidden, weight, bias)
-
-        # 6. the objective: fused log-probs of every row -> segment sums to query_logp [m]
-        #    -> Query-KL against ref_query_logp, clipped policy loss weighted by query_weights
-        loss, metrics = erpo_loss(hidden, weight, batch, self.loss_config, bias=bias, backend=cfg.kernel_backend)
-
-        # 7. backward and optimizer step
-        loss.backward()
+        norm = LossNormalizers.of(mini.batch) if len(mini.plan) > 1 else None  # T, B, m, G_q, sum w
+        micros = split_batch(mini.batch, mini.plan) if len(mini.plan) > 1 else [None]
+        parts = []
+        for micro in micros:
+            input_ids, position_ids = mini.rows_of(micro)  # [n_k], [n_k]
+            # 5. forward to hidden states (no logits)
+            with autocast(self.device, self.compute_dtype):
+                hidden = forward_hidden(self.model, input_ids, position_ids)  # [n_k, D]
+            weight, bias = lm_head_of(self.model)  # [V, D], [V] or None
+            hidden, weight, bias = self._to_compute(hidden, weight, bias)
+            # 6. the objective: fused log-probs of every row -> segment sums to query_logp
+            #    -> Query-KL against ref_query_logp, clipped policy loss weighted by query_weights
+            batch = mini.batch if micro is None else micro.batch
+            loss, metrics = erpo_loss(hidden, weight, batch, self.loss_config, bias=bias, backend=cfg.kernel_backend,
+                                      normalizers=norm)
+            loss.backward()  # 7. gradients accumulate over the micro-batches
+            parts.append(metrics)
+        metrics = parts[0] if len(parts) == 1 else metrics_to_floats(combine_metrics(parts))
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         metrics.update({"grad_norm": float(grad_norm), "lr": float(self.optimizer.param_groups[0]["lr"])})
@@ -456,17 +500,23 @@ class Trainer:
         return metrics
 
     @torch.no_grad()
-    def _policy_logp(self, packed: PackedSequences) -> torch.Tensor:
-        """Per-row log-probs [N] of the policy as it is now, computed as the update computes
-        them (same dtype, kernel and temperatures), without a graph."""
-        with autocast(self.device, self.compute_dtype):
-            hidden = forward_hidden(self.model, packed.input_ids, packed.position_ids)  # [N, D]
-        weight, bias = lm_head_of(self.model)  # [V, D], [V] or None
-        hidden, weight, bias = self._to_compute(hidden, weight, bias)
-        return linear_token_logprobs(
-            hidden, weight, packed.targets, bias=bias, inv_temperature=packed.inv_temperature,
-            ignore_index=packed.ignore_index, backend=self.cfg.kernel_backend,
-        ).float()
+    def _row_logp(self, model: Any, mini: MiniBatch) -> torch.Tensor:
+        """Per-row log-probs [N] of `model` as it is now (the policy before an update, or
+        the frozen reference), micro-batch by micro-batch, without a graph; computed as
+        the update computes them (same dtype, kernel and per-row temperatures)."""
+        out = []
+        for micro in (split_batch(mini.batch, mini.plan) if len(mini.plan) > 1 else [None]):
+            input_ids, position_ids = mini.rows_of(micro)  # [n_k], [n_k]
+            batch = mini.batch if micro is None else micro.batch
+            with autocast(self.device, self.compute_dtype):
+                hidden = forward_hidden(model, input_ids, position_ids)  # [n_k, D]
+            weight, bias = lm_head_of(model)  # [V, D], [V] or None
+            hidden, weight, bias = self._to_compute(hidden, weight, bias)
+            out.append(linear_token_logprobs(
+                hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,
+                ignore_index=batch.ignore_index, backend=self.cfg.kernel_backend,
+            ).float())
+        return torch.cat(out)
 
     def _to_compute(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
@@ -478,16 +528,6 @@ class Trainer:
             weight = weight.to(dt)
             bias = None if bias is None else bias.to(dt)
         return hidden.to(dt), weight, bias
-
-    @torch.no_grad()
-    def _reference_logp(self, packed: PackedSequences) -> torch.Tensor:
-        """Per-row log-probs [N] of the frozen reference model (prompt rows at 1, response rows at 1/tau)."""
-        hidden = forward_hidden(self.ref_model, packed.input_ids, packed.position_ids)  # [N, D]
-        weight, bias = lm_head_of(self.ref_model)  # [V, D], [V] or None
-        return linear_token_logprobs(
-            hidden.to(weight.dtype), weight, packed.targets, bias=bias, inv_temperature=packed.inv_temperature,
-            ignore_index=packed.ignore_index, backend=self.cfg.kernel_backend,
-        ).float()
 
     # ------------------------------------------------------------------ the loop
 

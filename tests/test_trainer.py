@@ -12,7 +12,7 @@ import torch
 
 from erpo import checkpoint as ckpt
 from erpo.cli import resolve_config
-from erpo.config import ErpoError, TrainConfig
+from erpo.config import ConfigError, ErpoError, TrainConfig
 from erpo.trainer import METRIC_KEYS, Trainer, group_advantages, rebuild_command
 
 TIMING = ("time/", "throughput/")
@@ -182,6 +182,46 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_update(tmp_
     assert len(calls) == 2 * len(layers)  # every layer checkpointed in both updates (not in no-grad passes)
     assert untimed([a]) == untimed([b])
     assert_same_params(plain.model, ckpt_run.model)
+
+
+def _float64_gradient(trainer):
+    """The step's gradient (float64 model), recorded instead of taking the optimizer step."""
+    trainer.model.double()
+    trainer.compute_dtype = torch.float64
+    if trainer.ref_model is not None:
+        trainer.ref_model.double()
+    grads = []
+    trainer.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in trainer.model.parameters()])
+    metrics = trainer.step(1)
+    return grads, metrics
+
+
+@pytest.mark.parametrize("algorithm", ["erpo", "grpo"])
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_accumulate_the_mini_batch_gradient(tmp_path, cache_dir, algorithm, loss_agg):
+    keys = dict(algorithm=algorithm, loss_agg=loss_agg, beta=0.05, max_grad_norm=0.0)
+    whole = fixed_trainer(tmp_path, cache_dir, "mb-whole", **keys)
+    longest = max(len(p) for p in whole.prompt_ids) + whole.cfg.max_new_tokens
+    split = fixed_trainer(tmp_path, cache_dir, "mb-split", micro_batch_tokens=longest + 3, **keys)
+    (g_whole,), m_whole = _float64_gradient(whole)
+    (g_split,), m_split = _float64_gradient(split)
+    plan = split.last_mini_batches[0].plan
+    group = split.last_mini_batches[0].batch.group_index.tolist()
+    parts_of_group = {}
+    for k, part in enumerate(plan):
+        for b in part:
+            parts_of_group.setdefault(group[b], set()).add(k)
+    assert len(plan) > 2 and any(len(parts) > 1 for parts in parts_of_group.values())  # a group split
+    for a, b in zip(g_whole, g_split):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+    for key in ("loss", "pg/loss", "pg/clipfrac", "entropy/mean", "response_length/mean"):
+        assert m_split[key] == pytest.approx(m_whole[key], rel=1e-9, abs=1e-12), key
+
+
+def test_micro_batch_budget_below_the_longest_sequence_is_refused(tmp_path, cache_dir):
+    with pytest.raises(ConfigError, match=r"micro_batch_tokens=3 is smaller than the longest sequence a step can "
+                                          r"hold \(\d+ tokens"):
+        Trainer(tiny(tmp_path, cache_dir, "budget", micro_batch_tokens=3), log=quiet)
 
 
 # ---------------------------------------------------------------------- resume
