@@ -1,4 +1,5 @@
-"""The ERPO and GRPO objectives of docs/method.md sections 2-5 as single calls.
+"""The ERPO and GRPO objectives of docs/method.md sections 2-5 as single calls, with
+micro-batches (section 10) and rollout importance sampling (section 11).
 
 One packed batch of B = sum_q G_q sequences (`prompt_b | response_b`, N rows in all)
 goes in; a scalar loss and metrics come out:
@@ -209,7 +210,7 @@ class PackedLossBatch:
                            has_seq.all() | ~in_range))
         else:
             checks.append(("normalizers must be those of a mini-batch holding this batch "
-                           "(n_tokens, n_sequences, n_queries >= 1, weight_mass > 0, group_sizes >= 1)",
+                           "(n_sequences >= 1, n_queries >= 1, weight_mass > 0, group_sizes >= 0)",
                            (normalizers.n_sequences >= 1) & (normalizers.n_queries >= 1)
                            & (normalizers.weight_mass > 0) & (normalizers.group_sizes >= 0).all()))
         if self.rollout_logp is not None:
@@ -292,7 +293,7 @@ class LossNormalizers:
 
 @dataclass
 class LossConfig:
-    """Hyper-parameters of the objective (docs/method.md sections 2, 4, 5).
+    """Hyper-parameters of the objective (docs/method.md sections 2, 4, 5, 11).
 
     algorithm: "erpo" (L_PG(w_B) + alpha R_query) or "grpo" (L_PG(w = 1) + beta KL,
         KL the per-token k3 on response tokens aggregated with loss_agg). alpha:
