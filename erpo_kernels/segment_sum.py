@@ -1,6 +1,6 @@
 """segment_sum: per-segment sums over packed sequences (cu_seqlens), backward a gather.
 
-Kernels, then the autograd Functions, then the public function.
+Kernels, then the custom ops (torch.library, autograd registered), then the public function.
 """
 from __future__ import annotations
 
@@ -105,37 +105,58 @@ def _segment_gather_launch(grad_out: torch.Tensor, cu_seqlens: torch.Tensor, n_v
     return grad_values
 
 
-class _SegmentSum(torch.autograd.Function):
-    """values [N] -> [S] per-segment sums; backward is _SegmentGather (so it is twice differentiable)."""
-
-    @staticmethod
-    def forward(ctx, values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cu_seqlens)
-        ctx.n_values = values.shape[0]
-        return _segment_sum_launch(values.contiguous(), cu_seqlens)
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        (cu_seqlens,) = ctx.saved_tensors
-        return _SegmentGather.apply(grad_out, cu_seqlens, ctx.n_values), None
+# The Triton path as torch.library custom ops (fake implementations for shapes,
+# autograd registered): torch.compile(fullgraph=True) traces a call without a graph
+# break, and the kernels run as they are. The sum's backward is the gather and the
+# gather's backward the sum, so the op is twice differentiable.
+@torch.library.custom_op("erpo::segment_sum", mutates_args=())
+def _segment_sum_op(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """values [N] -> [S] per-segment sums (Triton)."""
+    return _segment_sum_launch(values.contiguous(), cu_seqlens.contiguous())
 
 
-class _SegmentGather(torch.autograd.Function):
-    """g [S] -> [N], g[s] over segment s and 0 elsewhere; the adjoint of _SegmentSum."""
+@_segment_sum_op.register_fake
+def _segment_sum_fake(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    return values.new_empty(cu_seqlens.shape[0] - 1)
 
-    @staticmethod
-    def forward(ctx, grad_out: torch.Tensor, cu_seqlens: torch.Tensor, n_values: int) -> torch.Tensor:
-        ctx.save_for_backward(cu_seqlens)
-        return _segment_gather_launch(grad_out.contiguous(), cu_seqlens, n_values)
 
-    @staticmethod
-    def backward(ctx, grad_grad: torch.Tensor):
-        (cu_seqlens,) = ctx.saved_tensors
-        return _SegmentSum.apply(grad_grad, cu_seqlens), None, None
+@torch.library.custom_op("erpo::segment_gather", mutates_args=())
+def _segment_gather_op(grad_out: torch.Tensor, cu_seqlens: torch.Tensor, n_values: int) -> torch.Tensor:
+    """g [S] -> [N], g[s] over segment s (Triton); the adjoint of erpo::segment_sum."""
+    return _segment_gather_launch(grad_out.contiguous(), cu_seqlens.contiguous(), n_values)
+
+
+@_segment_gather_op.register_fake
+def _segment_gather_fake(grad_out: torch.Tensor, cu_seqlens: torch.Tensor, n_values: int) -> torch.Tensor:
+    return grad_out.new_empty(n_values)
+
+
+def _segment_sum_setup(ctx, inputs, output) -> None:
+    values, cu_seqlens = inputs
+    ctx.save_for_backward(cu_seqlens)
+    ctx.n_values = values.shape[0]
+
+
+def _segment_sum_backward(ctx, grad_out: torch.Tensor):
+    (cu_seqlens,) = ctx.saved_tensors
+    return _segment_gather_op(grad_out, cu_seqlens, ctx.n_values), None
+
+
+def _segment_gather_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[1])
+
+
+def _segment_gather_backward(ctx, grad_grad: torch.Tensor):
+    (cu_seqlens,) = ctx.saved_tensors
+    return _segment_sum_op(grad_grad, cu_seqlens), None, None
+
+
+_segment_sum_op.register_autograd(_segment_sum_backward, setup_context=_segment_sum_setup)
+_segment_gather_op.register_autograd(_segment_gather_backward, setup_context=_segment_gather_setup)
 
 
 def _segment_sum_triton(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    return _SegmentSum.apply(values, cu_seqlens.contiguous())
+    return _segment_sum_op(values, cu_seqlens)
 
 
 def segment_sum(

@@ -1,6 +1,6 @@
 """weighted_k3: the weighted, guarded K3 estimate of the Query-KL (docs/method.md s.2).
 
-Kernels, then the autograd Function, then the public function.
+Kernels, then the custom ops (torch.library, autograd registered), then the public function.
 
     delta_q = ref_logp_q - logp_q
     k3(d)   = exp(d) - d - 1                      for d <= c
@@ -12,10 +12,9 @@ M (queries in a batch) is small, so one program walks the whole batch in blocks.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import reference
 from ._triton import interpreting, round_to, tl, triton
@@ -128,69 +127,108 @@ def _guard_constants(guard: float):
     return guard, ec1, ec1 - guard
 
 
-class _WeightedK3(torch.autograd.Function):
-    """(logp [M], ref_logp [M], weight [M] or None, guard) -> R, a 0-d fp32 tensor."""
-
-    @staticmethod
-    def forward(ctx, logp, ref_logp, weight, guard):
-        logp, ref_logp = logp.contiguous(), ref_logp.contiguous()
-        weight = weight.contiguous() if weight is not None else None
-        m = logp.shape[0]
-        stats = torch.zeros(2, dtype=torch.float32, device=logp.device)
-        if m > 0:
-            _weighted_k3_fwd_kernel[(1,)](
-                logp,
-                ref_logp,
-                weight if weight is not None else logp,
-                stats,
-                m,
-                *_guard_constants(guard),
-                HAS_WEIGHT=weight is not None,
-                BLOCK=BLOCK,
-                num_warps=4,
-            )
-        ctx.save_for_backward(logp, ref_logp, weight, stats)
-        ctx.guard = guard
-        return stats[0].clone()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_r):
-        logp, ref_logp, weight, stats = ctx.saved_tensors
-        m = logp.shape[0]
-        d_logp = torch.empty_like(logp)
-        d_ref = torch.empty_like(ref_logp)
-        d_weight = torch.empty_like(weight) if weight is not None else None
-        if m > 0:
-            _weighted_k3_bwd_kernel[(1,)](
-                logp,
-                ref_logp,
-                weight if weight is not None else logp,
-                stats,
-                grad_r.contiguous(),
-                d_logp,
-                d_ref,
-                d_weight if d_weight is not None else d_logp,
-                m,
-                *_guard_constants(ctx.guard),
-                HAS_WEIGHT=weight is not None,
-                INTERPRET=interpreting(),
-                BLOCK=BLOCK,
-                num_warps=4,
-            )
-        need_logp, need_ref, need_w, _ = ctx.needs_input_grad
-        return (
-            d_logp if need_logp else None,
-            d_ref if need_ref else None,
-            d_weight if need_w else None,
-            None,
+def _weighted_k3_stats(logp: torch.Tensor, ref_logp: torch.Tensor, weight: Optional[torch.Tensor], guard: float):
+    """[2] fp32 (R, W) from the forward kernel; inputs contiguous."""
+    m = logp.shape[0]
+    stats = torch.zeros(2, dtype=torch.float32, device=logp.device)
+    if m > 0:
+        _weighted_k3_fwd_kernel[(1,)](
+            logp,
+            ref_logp,
+            weight if weight is not None else logp,
+            stats,
+            m,
+            *_guard_constants(guard),
+            HAS_WEIGHT=weight is not None,
+            BLOCK=BLOCK,
+            num_warps=4,
         )
+    return stats
+
+
+# The Triton path as torch.library custom ops (fake implementations for shapes,
+# autograd registered): torch.compile(fullgraph=True) traces a call without a graph
+# break. The forward returns (R, stats) and the backward reads stats = (R, W).
+@torch.library.custom_op("erpo::weighted_k3", mutates_args=())
+def _weighted_k3_op(
+    logp: torch.Tensor, ref_logp: torch.Tensor, weight: Optional[torch.Tensor], guard: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(R 0-d fp32, stats [2] fp32 = (R, W)) (Triton)."""
+    weight = weight.contiguous() if weight is not None else None
+    stats = _weighted_k3_stats(logp.contiguous(), ref_logp.contiguous(), weight, guard)
+    return stats[0].clone(), stats
+
+
+@_weighted_k3_op.register_fake
+def _weighted_k3_fake(logp, ref_logp, weight, guard):
+    return logp.new_empty((), dtype=torch.float32), logp.new_empty(2, dtype=torch.float32)
+
+
+@torch.library.custom_op("erpo::weighted_k3_backward", mutates_args=())
+def _weighted_k3_backward_op(
+    grad_r: torch.Tensor,
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    stats: torch.Tensor,
+    guard: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d logp [M], d ref_logp [M], d weight [M], or [0] without weight) (Triton)."""
+    logp, ref_logp = logp.contiguous(), ref_logp.contiguous()
+    weight = weight.contiguous() if weight is not None else None
+    m = logp.shape[0]
+    d_logp = torch.empty_like(logp)
+    d_ref = torch.empty_like(ref_logp)
+    d_weight = torch.empty_like(weight) if weight is not None else logp.new_empty(0)
+    if m > 0:
+        _weighted_k3_bwd_kernel[(1,)](
+            logp,
+            ref_logp,
+            weight if weight is not None else logp,
+            stats.contiguous(),
+            grad_r.contiguous(),
+            d_logp,
+            d_ref,
+            d_weight if weight is not None else d_logp,
+            m,
+            *_guard_constants(guard),
+            HAS_WEIGHT=weight is not None,
+            INTERPRET=interpreting(),
+            BLOCK=BLOCK,
+            num_warps=4,
+        )
+    return d_logp, d_ref, d_weight
+
+
+@_weighted_k3_backward_op.register_fake
+def _weighted_k3_backward_fake(grad_r, logp, ref_logp, weight, stats, guard):
+    return (
+        torch.empty_like(logp),
+        torch.empty_like(ref_logp),
+        torch.empty_like(weight) if weight is not None else logp.new_empty(0),
+    )
+
+
+def _weighted_k3_setup(ctx, inputs, output) -> None:
+    logp, ref_logp, weight, guard = inputs
+    ctx.save_for_backward(logp, ref_logp, weight, output[1])
+    ctx.guard = guard
+
+
+def _weighted_k3_backward(ctx, grad_r: torch.Tensor, grad_stats: Optional[torch.Tensor]):
+    # (once differentiable: the backward op has no autograd of its own)
+    logp, ref_logp, weight, stats = ctx.saved_tensors
+    d_logp, d_ref, d_weight = _weighted_k3_backward_op(grad_r, logp, ref_logp, weight, stats, ctx.guard)
+    return d_logp, d_ref, (d_weight if weight is not None else None), None
+
+
+_weighted_k3_op.register_autograd(_weighted_k3_backward, setup_context=_weighted_k3_setup)
 
 
 def _weighted_k3_triton(
     logp: torch.Tensor, ref_logp: torch.Tensor, weight: Optional[torch.Tensor], guard: float
 ) -> torch.Tensor:
-    return _WeightedK3.apply(logp, ref_logp, weight, guard)
+    return _weighted_k3_op(logp, ref_logp, weight, guard)[0]
 
 
 def weighted_k3(
