@@ -41,6 +41,33 @@ def latest_checkpoint(run_dir: str) -> Optional[str]:
     return found[-1][1] if found else None
 
 
+def resume_point(path: str) -> Tuple[str, Optional[str]]:
+    """(run directory, checkpoint) of resume=PATH: a run and its latest checkpoint (None when
+    it has none), or a checkpoint RUN/checkpoints/step-N and its run."""
+    norm = os.path.normpath(path)
+    if _NAME.match(os.path.basename(norm)) and os.path.basename(os.path.dirname(norm)) == CHECKPOINTS:
+        complete = os.path.isfile(os.path.join(norm, STATE_FILE))
+        return os.path.dirname(os.path.dirname(norm)) or ".", norm if complete else None
+    return norm, latest_checkpoint(norm)
+
+
+def link_tree(src: str, dst: str) -> None:
+    """Copy the directory ``src`` to ``dst`` (absent) through a temp directory and a rename,
+    hard-linking the files where the file system allows (checkpoint files are never
+    modified in place, so the two runs cannot change each other's)."""
+
+    def link_or_copy(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    tmp = f"{dst}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, copy_function=link_or_copy)
+    os.replace(tmp, dst)
+
+
 def save_checkpoint(
     run_dir: str,
     step: int,

@@ -87,16 +87,26 @@ def resolve_config(args: Sequence[str], command: str = "train") -> TrainConfig:
             cfg = _eval_config(cfg, given, from_file=path is not None)
         cfg.resume = ""  # the saved config of a resumed run records resume=; only train resumes
     if cfg.resume:
-        saved_path = os.path.join(cfg.resume, "config.yaml")
+        from .checkpoint import resume_point
+
+        run, point = resume_point(cfg.resume)
+        saved_path = os.path.join(run, "config.yaml")
         if not os.path.isdir(cfg.resume):
-            raise ConfigError(f"resume={cfg.resume}: no such run directory")
+            raise ConfigError(f"resume={cfg.resume}: no such run directory or checkpoint")
         if not os.path.isfile(saved_path):
-            raise ConfigError(f"resume={cfg.resume}: no config.yaml there; is it a run directory?")
+            raise ConfigError(f"resume={cfg.resume}: no config.yaml in {run}; give a run directory or one of its "
+                              f"checkpoints (RUN/checkpoints/step-N)")
+        if point is None and os.path.normpath(cfg.resume) != run:
+            raise ConfigError(f"resume={cfg.resume} is not a complete checkpoint; give the run (resume={run}: its "
+                              f"latest checkpoint) or another of its checkpoints")
         saved = read_yaml(saved_path)
+        # run_dir= other than the resumed run forks it: the new run starts from the checkpoint,
+        # the resumed run is left as it is
+        target = os.path.normpath(given["run_dir"]) if "run_dir" in given else run
+        resume = os.path.normpath(cfg.resume)
         given = {k: v for k, v in given.items() if k not in ("resume", "run_dir")}
-        run = os.path.normpath(cfg.resume)
         cfg = merge_for_resume(saved, given)
-        cfg.resume = cfg.run_dir = run
+        cfg.resume, cfg.run_dir = resume, target
     if command != "eval":
         cfg.model = model_path(cfg.model)
     cfg.validate()

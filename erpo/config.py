@@ -147,7 +147,11 @@ class TrainConfig:
         "transformers checkpointing): less memory, about one more forward of time",
     )
 
-    model: str = MODEL("tiny", "a local Hugging Face causal-LM directory, or tiny (the embedded demo model)")
+    model: str = MODEL(
+        "tiny",
+        "a local Hugging Face causal-LM directory, a run (its latest checkpoint) or checkpoint, or tiny (the "
+        "embedded demo model)",
+    )
     dataset: str = MODEL("arithmetic", "a local .jsonl / .parquet file, or arithmetic (the embedded task)")
     prompt_field: str = MODEL("prompt", "dataset field holding the question")
     answer_field: str = MODEL("answer", "dataset field holding the gold answer")
@@ -184,7 +188,11 @@ class TrainConfig:
         "runs/demo",
         "where config.yaml, metrics.jsonl, the plot, the reference cache and checkpoints go",
     )
-    resume: str = RUN("", "a run directory to continue from its latest checkpoint (same data order and RNG)")
+    resume: str = RUN(
+        "",
+        "a run (its latest checkpoint) or a checkpoint RUN/checkpoints/step-N to continue from (same data order "
+        "and RNG); with another run_dir: a fork, RUN untouched",
+    )
     overwrite: bool = RUN(
         False,
         "start over in a run_dir that holds an earlier run, deleting its metrics, checkpoints and eval "

@@ -194,8 +194,9 @@ def earlier_run_files(run_dir: str) -> List[str]:
 
 def check_run_dir(cfg: TrainConfig) -> List[str]:
     """What an earlier run left in run_dir (replaced only with overwrite=true; ErpoError
-    without it); [] when resuming."""
-    earlier = [] if cfg.resume else earlier_run_files(cfg.run_dir)
+    without it); [] when resuming in place (a fork into another run_dir is checked too)."""
+    in_place = bool(cfg.resume) and ckpt.resume_point(cfg.resume)[0] == os.path.normpath(cfg.run_dir)
+    earlier = [] if in_place else earlier_run_files(cfg.run_dir)
     if earlier and not cfg.overwrite:
         last = ckpt.latest_checkpoint(cfg.run_dir)
         go_on = f"continue it with: erpo train resume={cfg.run_dir}, " if last else ""
@@ -272,14 +273,20 @@ class Trainer:
     # ------------------------------------------------------------------ set-up steps
 
     def _setup_resume(self) -> Dict[str, Any]:
-        """Where we start from: step 0, or (resume=RUN) its latest checkpoint, whose saved
-        state is returned after checking that the training data is the run's."""
+        """Where we start from: step 0, or (resume=RUN) its latest checkpoint, or
+        (resume=RUN/checkpoints/step-N) that one, whose saved state is returned after checking
+        that the training data is the run's. A run_dir other than RUN forks: the new run
+        continues from the checkpoint and RUN is left as it is."""
         cfg = self.cfg
         self.start_step = 0
         self.resume_from: Optional[str] = None
+        self.source_run: Optional[str] = None
+        self.fork = False
+        self.later_checkpoints: List[str] = []
         if not cfg.resume:
             return {}
-        self.resume_from = ckpt.latest_checkpoint(cfg.resume)
+        self.source_run, self.resume_from = ckpt.resume_point(cfg.resume)
+        self.fork = self.source_run != os.path.normpath(cfg.run_dir)
         if self.resume_from is None:
             raise ErpoError(
                 f"resume={cfg.resume}: no checkpoint there yet (expected {cfg.resume}/checkpoints/step-N); "
@@ -291,6 +298,14 @@ class Trainer:
             raise ErpoError(
                 f"resume={cfg.resume}: the training data differs from the run's (fingerprint "
                 f"{saved.get('data_fingerprint')} -> {self.data_fingerprint}); restore it or start a new run"
+            )
+        if not self.fork:  # continuing in place from an older checkpoint replaces the later ones
+            self.later_checkpoints = [p for s, p in ckpt.checkpoint_dirs(cfg.run_dir) if s > self.start_step]
+        if self.later_checkpoints and not cfg.overwrite:
+            raise ErpoError(
+                f"resume={cfg.resume}: {cfg.run_dir} has later checkpoints "
+                f"({', '.join(os.path.basename(p) for p in self.later_checkpoints)}) that continuing there would "
+                f"replace; continue in a new run with run_dir=NEW (this one is kept), or delete them with overwrite=true"
             )
         return saved
 
@@ -317,7 +332,12 @@ class Trainer:
         cfg = self.cfg
         self.cache_path = cfg.ref_cache_path
         self.rebuild = rebuild_command(cfg)
-        self._cache_is_new = not os.path.isfile(self.cache_path)
+        read_from = self.cache_path
+        if self.fork and not cfg.ref_cache and not os.path.isfile(read_from):  # the forked run's own cache
+            read_from = os.path.join(self.source_run, os.path.basename(self.cache_path))
+        self._cache_copy_from = read_from if read_from != self.cache_path and os.path.isfile(read_from) else None
+        read_from = self._cache_copy_from or self.cache_path
+        self._cache_is_new = not os.path.isfile(read_from)
         if self._cache_is_new:
             if initial is None:  # resuming without a cache: the starting model must be the run's
                 initial = load_model(self.model_dir, self.device)
@@ -330,9 +350,9 @@ class Trainer:
                                                   self.device, self.compute_dtype)
             self.log(f"erpo: reference cache: {len(self.cache)} queries scored in {seconds:.1f}s")
         else:
-            self.cache = read_ref_cache(self.cache_path, self.rebuild)
+            self.cache = read_ref_cache(read_from, self.rebuild)
         self.cache_rows = validate_ref_cache(
-            self.cache, self.cache_path, expect=self.reference, prompt_ids=self.prompt_ids,
+            self.cache, read_from, expect=self.reference, prompt_ids=self.prompt_ids,
             describe=lambda i: f"({self.examples[i].prompt[:40]!r})", rebuild=self.rebuild,
         )  # [M] cache row of each training query
         self.weighter = QueryWeighter.from_config(cfg, self.cache.score[self.cache_rows])
@@ -373,17 +393,34 @@ class Trainer:
         run = cfg.run_dir
         os.makedirs(run, exist_ok=True)
         metrics = os.path.join(run, METRICS_FILE)
-        if self.resume_from:
+        if self.resume_from and not self.fork:
             ckpt.clean_stale_temps(run)
+            for p in self.later_checkpoints:  # overwrite=true, checked in _setup_resume
+                self.log(f"erpo: overwrite=true: deleting {p} (after the checkpoint this run continues from)")
+                shutil.rmtree(p)
             if os.path.isfile(metrics):  # drop what was logged after the checkpoint
                 keep = [row for row in read_metrics(run) if row["step"] <= self.start_step]
                 atomic_write(metrics, "".join(json.dumps(row) + "\n" for row in keep).encode("utf-8"))
-        elif self.earlier_run:  # overwrite=true, checked in __init__
-            self.log(f"erpo: overwrite=true: deleting the earlier run in {run} and starting over")
-            for p in self.earlier_run:
-                shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        else:
+            if self.earlier_run:  # overwrite=true, checked in __init__
+                self.log(f"erpo: overwrite=true: deleting the earlier run in {run} and starting over")
+                for p in self.earlier_run:
+                    shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+            if self.fork:  # the new run holds its history up to the checkpoint, and the checkpoint
+                source = self.source_run
+                rows = read_metrics(source) if os.path.isfile(os.path.join(source, METRICS_FILE)) else []
+                keep = [row for row in rows if row["step"] <= self.start_step]
+                atomic_write(metrics, "".join(json.dumps(row) + "\n" for row in keep).encode("utf-8"))
+                os.makedirs(os.path.join(run, ckpt.CHECKPOINTS), exist_ok=True)
+                ckpt.link_tree(self.resume_from,
+                               os.path.join(run, ckpt.CHECKPOINTS, os.path.basename(self.resume_from)))
+                self.log(f"erpo: {run} continues from {self.resume_from} (step {self.start_step}); {source} is "
+                         f"left as it is")
         if self._cache_is_new:
             save_ref_cache(self.cache, self.cache_path)
+        elif self._cache_copy_from:
+            with open(self._cache_copy_from, "rb") as f:
+                atomic_write(self.cache_path, f.read())
         # overwrite is an instruction for this start, not a setting of the run: a config
         # file copied from the run must not delete it
         save_config(dataclasses.replace(cfg, overwrite=False), os.path.join(run, "config.yaml"))

@@ -554,3 +554,49 @@ def test_model_can_be_a_run_or_a_checkpoint(capsys, done_run, tmp_path):
     (empty / "config.yaml").write_text("steps: 1\n")
     one_line_error(capsys, ["train", *tiny_args(str(tmp_path / "x"), cache), f"model={empty}"],
                    "is a run without a checkpoint yet")
+
+
+def _metrics(run):
+    """metrics.jsonl without the timings (everything else is deterministic)."""
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
+
+
+def _tree(run):
+    return sorted(os.path.relpath(os.path.join(d, f), run) for d, _, fs in os.walk(run) for f in fs)
+
+
+def test_resume_from_a_checkpoint_and_into_another_run_dir(capsys, done_run, tmp_path):
+    """resume=RUN/checkpoints/step-N continues from that checkpoint; resume= with another run_dir
+    forks (the source run, its checkpoints and metrics untouched, keep_checkpoints prunes only
+    the fork) and gives the numbers the source run got; continuing in place from an older
+    checkpoint, or forking into an earlier run, is refused in one line."""
+    root, run, cache = done_run
+    src = str(tmp_path / "src")
+    assert main(["train", *tiny_args(src, cache, steps=3, save_every=1, keep_checkpoints=2)]) == 0
+    tree, metrics = _tree(src), _metrics(src)
+    assert [p for p in tree if p.endswith("trainer_state.json")] == [
+        "checkpoints/step-000002/trainer_state.json", "checkpoints/step-000003/trainer_state.json"]
+    step2 = os.path.join(src, "checkpoints", "step-000002")
+
+    fork = str(tmp_path / "fork")
+    assert main(["train", f"resume={step2}", f"run_dir={fork}", "keep_checkpoints=1"]) == 0
+    assert _tree(src) == tree and _metrics(src) == metrics   # the source run is untouched
+    assert _metrics(fork) == metrics   # steps 1-2 copied, step 3 recomputed from the checkpoint: the same
+    assert sorted(os.listdir(os.path.join(fork, "checkpoints"))) == ["step-000003"]
+    assert os.path.isfile(os.path.join(fork, "ref_cache.safetensors"))
+    fork2 = str(tmp_path / "fork2")   # the issue's case: resume=RUN run_dir=OTHER with more steps
+    assert main(["train", f"resume={src}", f"run_dir={fork2}", "steps=4", "keep_checkpoints=1"]) == 0
+    assert _tree(src) == tree and _metrics(fork2)[:3] == metrics and len(_metrics(fork2)) == 4
+    assert main(["train", f"resume={fork2}", "steps=5"]) == 0   # the fork is a run of its own
+    assert len(_metrics(fork2)) == 5
+
+    one_line_error(capsys, ["train", f"resume={step2}"], "later checkpoints (step-000003)", "run_dir=NEW",
+                   "overwrite=true")
+    one_line_error(capsys, ["train", f"resume={step2}", f"run_dir={fork}"], "holds an earlier run")
+    one_line_error(capsys, ["train", f"resume={os.path.join(src, 'checkpoints', 'step-000009')}"],
+                   "no such run directory or checkpoint")
+    assert _tree(src) == tree
+    assert main(["train", f"resume={step2}", "overwrite=true"]) == 0   # in place: step 3 again, the same
+    assert _metrics(src) == metrics
