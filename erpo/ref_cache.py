@@ -198,6 +198,26 @@ def read_ref_cache(path: str, rebuild: str) -> RefCache:
     return RefCache(meta=meta, **{k: tensors[k] for k in need})
 
 
+# What a cache was built for, checked against a run: (meta key, what it is, the key naming it).
+META_CHECKS = (
+    ("model_fingerprint", "model weights", "model"),
+    ("tokenizer_fingerprint", "tokenizer", None),
+    ("template", "prompt template", None),
+)
+
+
+def check_cache_meta(meta: Dict[str, Any], path: str, expect: Dict[str, str], rebuild: str) -> None:
+    """RefCacheError naming the first of META_CHECKS (those in ``expect``) that differs."""
+    for key, what, name_key in META_CHECKS:
+        if key in expect and meta.get(key) != expect.get(key):
+            built = f"{meta.get(name_key)} ({meta.get(key)})" if name_key else repr(meta.get(key))[:60]
+            now = f"{expect.get(name_key)} ({expect.get(key)})" if name_key else repr(expect.get(key))[:60]
+            raise RefCacheError(
+                f"reference cache {path} is stale: built for {what} {built}, this run uses {now}; "
+                f"rebuild it with: {rebuild}"
+            )
+
+
 def validate_ref_cache(
     cache: RefCache,
     path: str,
@@ -212,20 +232,7 @@ def validate_ref_cache(
     expect: {"model_fingerprint", "tokenizer_fingerprint", "template"} of this run (and
     "model", only quoted). describe(i) -> a short text naming training query i.
     """
-    meta = cache.meta
-    checks = (
-        ("model_fingerprint", "model weights", "model"),
-        ("tokenizer_fingerprint", "tokenizer", None),
-        ("template", "prompt template", None),
-    )
-    for key, what, name_key in checks:
-        if meta.get(key) != expect.get(key):
-            built = f"{meta.get(name_key)} ({meta.get(key)})" if name_key else repr(meta.get(key))[:60]
-            now = f"{expect.get(name_key)} ({expect.get(key)})" if name_key else repr(expect.get(key))[:60]
-            raise RefCacheError(
-                f"reference cache {path} is stale: built for {what} {built}, this run uses {now}; "
-                f"rebuild it with: {rebuild}"
-            )
+    check_cache_meta(cache.meta, path, expect, rebuild)
     ids = [query_id(p) for p in prompt_ids]
     missing = cache.missing(ids)
     if missing:

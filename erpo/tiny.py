@@ -130,10 +130,15 @@ def resolve_model_dir(cfg: TrainConfig, examples: Sequence[Example], log: Callab
     return cfg.model
 
 
+def warmstart_dir(cfg: TrainConfig, examples: Sequence[Example], template: str) -> str:
+    """Where the warm-started demo model for these settings lives (whether trained yet or not)."""
+    return os.path.join(cfg.cache_dir, f"warmstart-{warmstart_key(cfg, examples, template)}")
+
+
 def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log=print) -> str:
     """The directory of the warm-started demo model for these settings (trained and
     cached on first use)."""
-    out = os.path.join(cfg.cache_dir, f"warmstart-{warmstart_key(cfg, examples, template)}")
+    out = warmstart_dir(cfg, examples, template)
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
     from erpo_kernels import linear_token_logprobs

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -49,7 +50,9 @@ from .plot import CURVES_FILE, METRICS_FILE, plot_runs, read_metrics
 from .query_weights import QueryWeighter
 from .ref_cache import (
     RefCache,
+    RefCacheError,
     build_ref_cache,
+    check_cache_meta,
     model_fingerprint,
     read_ref_cache,
     save_ref_cache,
@@ -58,7 +61,7 @@ from .ref_cache import (
 )
 from .rewards import CORRECT_THRESHOLD, get_reward_fn
 from .rollout import HFRolloutEngine, RolloutEngine, eos_ids_of
-from .tiny import resolve_model_dir
+from .tiny import resolve_model_dir, warmstart_dir
 
 # Logged every step (docs/method.md section 6); "policy_kl" too when a reference model is monitored.
 METRIC_KEYS = (
@@ -156,7 +159,9 @@ _DEMO_TASK_KEYS = ("task_max_operand", "task_train_size", "task_eval_size")
 
 
 def rebuild_command(cfg: TrainConfig) -> str:
-    """`erpo ref-cache ...` with the keys (differing from the defaults) that rebuild this run's cache."""
+    """`erpo ref-cache ...` with the keys (differing from the defaults) that rebuild this run's cache,
+    shell-quoted, ready to paste. The run's own cache (<run_dir>/ref_cache.safetensors) is replaced
+    (overwrite=true); a cache named by ref_cache= may be another run's, so `erpo ref-cache` asks."""
     default = TrainConfig()
     keys = list(_CACHE_KEYS)
     if cfg.is_demo_model:
@@ -167,7 +172,9 @@ def rebuild_command(cfg: TrainConfig) -> str:
         keys.append("seed")
     parts = [f"{k}={getattr(cfg, k)}" for k in keys if getattr(cfg, k) != getattr(default, k)]
     parts.append(f"ref_cache={cfg.ref_cache}" if cfg.ref_cache else f"run_dir={cfg.run_dir}")
-    return "erpo ref-cache " + " ".join(parts)
+    if not cfg.ref_cache and os.path.isfile(cfg.ref_cache_path):
+        parts.append("overwrite=true")
+    return "erpo ref-cache " + " ".join(shlex.quote(p) for p in parts)
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -216,10 +223,12 @@ def setup_device(cfg: TrainConfig) -> Tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
-def setup_data(cfg: TrainConfig) -> Tuple[List[Example], str]:
-    """(the training examples, their fingerprint); a missing file or field fails here."""
+def setup_data(cfg: TrainConfig, training: bool = True) -> Tuple[List[Example], str]:
+    """(the training examples, their fingerprint); a missing file or field fails here, and
+    when ``training`` a dataset smaller than one step (the cache does not need one)."""
     examples = load_examples(cfg, "train")
-    batches_per_epoch(len(examples), cfg.queries_per_step)
+    if training:
+        batches_per_epoch(len(examples), cfg.queries_per_step)
     return examples, examples_fingerprint(examples)
 
 
@@ -264,6 +273,7 @@ class Trainer:
         self.reward_fn = get_reward_fn(cfg.resolved_reward)
         self.examples, self.data_fingerprint = setup_data(cfg)
         saved = self._setup_resume()
+        self._check_reference_cache_early(saved)
         initial = self._setup_model(saved)
         initial = self._setup_reference_cache(initial)
         self._setup_policy(initial, engine)
@@ -309,6 +319,35 @@ class Trainer:
             )
         return saved
 
+    def _check_reference_cache_early(self, saved: Dict[str, Any]) -> None:
+        """Where the reference cache is read from, and its staleness checked before the
+        starting model is built (model=tiny trains a warm start first): against the
+        checkpoint's reference when resuming; for a new run its template, and for a warm
+        start not trained yet the model directory it will have."""
+        cfg = self.cfg
+        self.cache_path = cfg.ref_cache_path
+        self.rebuild = rebuild_command(cfg)
+        read_from = self.cache_path
+        if self.fork and not cfg.ref_cache and not os.path.isfile(read_from):  # the forked run's own cache
+            read_from = os.path.join(self.source_run, os.path.basename(self.cache_path))
+        self._cache_copy_from = read_from if read_from != self.cache_path and os.path.isfile(read_from) else None
+        self._cache_read_from = self._cache_copy_from or self.cache_path
+        if not os.path.isfile(self._cache_read_from):
+            return
+        meta = read_ref_cache(self._cache_read_from, self.rebuild).meta
+        if self.resume_from:
+            check_cache_meta(meta, self._cache_read_from, saved["reference"], self.rebuild)
+            return
+        if cfg.is_demo_model:
+            planned = os.path.abspath(warmstart_dir(cfg, self.examples, self.template))
+            if not os.path.isdir(planned) and meta.get("model") != planned:
+                raise RefCacheError(
+                    f"reference cache {self._cache_read_from} is stale: built for model weights {meta.get('model')} "
+                    f"({meta.get('model_fingerprint')}), this run starts from {planned} (a warm start of other "
+                    f"settings); rebuild it with: {self.rebuild}"
+                )
+        check_cache_meta(meta, self._cache_read_from, {"template": template_text(self.template)}, self.rebuild)
+
     def _setup_model(self, saved: Dict[str, Any]) -> Optional[Any]:
         """Model directory, tokenizer, prompts and the reference meta; returns the starting
         (pre-RL) model when loaded (a fresh run), None when resuming."""
@@ -330,13 +369,7 @@ class Trainer:
         """The reference cache (validated, or built from the starting model when missing)
         and the query weighter over its scores; returns the starting model if loaded."""
         cfg = self.cfg
-        self.cache_path = cfg.ref_cache_path
-        self.rebuild = rebuild_command(cfg)
-        read_from = self.cache_path
-        if self.fork and not cfg.ref_cache and not os.path.isfile(read_from):  # the forked run's own cache
-            read_from = os.path.join(self.source_run, os.path.basename(self.cache_path))
-        self._cache_copy_from = read_from if read_from != self.cache_path and os.path.isfile(read_from) else None
-        read_from = self._cache_copy_from or self.cache_path
+        read_from = self._cache_read_from  # located in _check_reference_cache_early
         self._cache_is_new = not os.path.isfile(read_from)
         if self._cache_is_new:
             if initial is None:  # resuming without a cache: the starting model must be the run's
@@ -638,8 +671,19 @@ def build_cache_command(cfg: TrainConfig, log: Callable[[str], None] = print) ->
     """`erpo ref-cache`: score every training query under cfg.model and write the cache
     (the set-up steps of `erpo train`, up to the reference cache)."""
     cfg.validate()
+    path = cfg.ref_cache_path
+    if os.path.isfile(path) and not cfg.overwrite:  # before any model is built: it may be another run's
+        try:
+            meta = read_ref_cache(path, "").meta
+            built = f" (built for model {meta.get('model')}, template {str(meta.get('template'))[:40]!r})"
+        except RefCacheError:
+            built = " (unreadable)"
+        raise ErpoError(
+            f"ref_cache {path} exists{built}; a run that uses it would no longer resume once it is replaced: "
+            f"write the new one elsewhere with ref_cache=PATH, or replace it with overwrite=true"
+        )
     device, dtype = setup_device(cfg)
-    examples, _ = setup_data(cfg)
+    examples, _ = setup_data(cfg, training=False)
     model_dir = resolve_model_dir(cfg, examples, log)
     tokenizer, prompt_ids = setup_prompts(cfg, examples, model_dir)
     model, meta = starting_model(model_dir, tokenizer, cfg.resolved_template, device)

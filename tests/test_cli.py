@@ -3,6 +3,7 @@ exit status 2, no traceback, and nothing of an earlier run is lost; the subcomma
 ref-cache, plot and eval do their job."""
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -231,8 +232,10 @@ def test_missing_query_then_ref_cache_rebuilds(capsys, done_run, tmp_path):
     err = one_line_error(capsys, ["train", f"dataset={large}", *args, "overwrite=true"],
                          "has no entry for training query 5 ('5+1=')", "(and 2 more)")
     assert err.endswith(f"rebuild it with: erpo ref-cache model={model_dir} dataset={large} template=plain "
-                        f"run_dir={tmp_path}/run")
-    assert main(["ref-cache", f"dataset={large}", *args]) == 0
+                        f"run_dir={tmp_path}/run overwrite=true")   # the run's own cache: replaced
+    one_line_error(capsys, ["ref-cache", f"dataset={large}", *args], "exists", "overwrite=true")
+    command = shlex.split(err.split("rebuild it with: ")[1])
+    assert command[:2] == ["erpo", "ref-cache"] and main(command[1:]) == 0   # pasted as suggested
     assert "wrote" in capsys.readouterr().out
     assert main(["train", f"dataset={large}", *args, "overwrite=true"]) == 0
     with open(f"{tmp_path}/run/config.yaml") as f:
@@ -600,3 +603,27 @@ def test_resume_from_a_checkpoint_and_into_another_run_dir(capsys, done_run, tmp
     assert _tree(src) == tree
     assert main(["train", f"resume={step2}", "overwrite=true"]) == 0   # in place: step 3 again, the same
     assert _metrics(src) == metrics
+
+
+def test_stale_cache_fails_before_the_warm_start_and_ref_cache_keeps_other_runs_caches(capsys, done_run, tmp_path):
+    """A run pointed at another run's cache with another template: stale, found before the demo's
+    warm start is trained; the suggested command is shell-quoted and, pasted, refuses to replace
+    the other run's cache (overwrite=true would); with a path of its own it builds the cache."""
+    from erpo.ref_cache import read_ref_cache
+
+    root, run, cache = done_run
+    theirs = os.path.join(run, "ref_cache.safetensors")
+    before, warm_starts = open(theirs, "rb").read(), sorted(os.listdir(cache))
+    capsys.readouterr()
+    args = [*tiny_args(str(tmp_path / "b"), cache), "template=Q: {prompt}"]
+    err = one_line_error(capsys, ["train", *args, f"ref_cache={theirs}"], "is stale", "rebuild it with: erpo ref-cache")
+    assert sorted(os.listdir(cache)) == warm_starts   # no warm start was trained
+    assert "warm start" not in capsys.readouterr().out
+    command = shlex.split(err.split("rebuild it with: ")[1])
+    assert "template=Q: {prompt}" in command and f"ref_cache={theirs}" in command and "overwrite=true" not in command
+    one_line_error(capsys, command[1:], f"ref_cache {theirs} exists", "overwrite=true", "ref_cache=PATH")
+    assert open(theirs, "rb").read() == before
+    mine = str(tmp_path / "mine.safetensors")
+    assert main([a if not a.startswith("ref_cache=") else f"ref_cache={mine}" for a in command[1:]]) == 0
+    assert read_ref_cache(mine, "").meta["template"] == "Q: {prompt}"
+    assert main(["train", *args, f"ref_cache={mine}"]) == 0
