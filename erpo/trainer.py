@@ -46,6 +46,7 @@ from .data import (
 from .models import (autocast, enable_gradient_checkpointing, load_model, load_tokenizer, resolve_compute_dtype,
                      resolve_device)
 from .packing import PackedSequences, forward_hidden, lm_head_of, pack
+from .divergence import DivergenceMonitor
 from .plot import CURVES_FILE, METRICS_FILE, plot_runs, read_metrics
 from .query_weights import QueryWeighter
 from .ref_cache import (
@@ -627,15 +628,22 @@ class Trainer:
             bar = tqdm(total=cfg.steps, initial=self.start_step, desc="erpo", unit="step", dynamic_ncols=True,
                        file=sys.stderr)
         checkpoint = ckpt.latest_checkpoint(cfg.run_dir)
+        monitor = DivergenceMonitor()
         try:
             for step in range(self.start_step + 1, last + 1):
                 metrics = self.step(step)
                 history.append(metrics)
                 with open(metrics_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(metrics) + "\n")
+                warnings, fatal = monitor.check(metrics)  # divergence: one line each, with what to try
+                if fatal:  # non-finite: stop before this step's checkpoint
+                    raise ErpoError(warnings[0])
+                for line in warnings:
+                    self._warn(f"erpo: warning: {line}", bar)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", qkl=f"{metrics['qkl/value']:.2e}")
+                    flags = {"warning": monitor.warning_tag} if monitor.warning_tag else {}
+                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", qkl=f"{metrics['qkl/value']:.2e}", **flags)
                 if step == last or (cfg.save_every and step % cfg.save_every == 0):
                     checkpoint = self.save(step)
         finally:
@@ -645,6 +653,14 @@ class Trainer:
         summary = self._summary(history, time.perf_counter() - t_start, checkpoint, plot)
         self.log(summary["line"])
         return summary
+
+    def _warn(self, line: str, bar: Any) -> None:
+        """A line in the log, printed above the progress bar when there is one."""
+        if bar is None:
+            self.log(line)
+            return
+        with bar.external_write_mode():
+            self.log(line)
 
     def _summary(self, history, seconds, checkpoint, plot) -> Dict[str, Any]:
         cfg = self.cfg
