@@ -16,7 +16,7 @@ $(STAMP): setup.py
 	else \
 		$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0; \
 	fi
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[train,dev]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[train,dev,trl]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -28,6 +28,8 @@ setup(
         # the peers the benchmark compares against (each optional at run time)
         "bench": ["liger-kernel", "cut-cross-entropy", "matplotlib"],
         "dev": ["pytest", "pytest-timeout", "hypothesis"],
+        # erpo.integrations.trl: our kernel inside TRL's GRPOTrainer, and ERPOTrainer (tested with this TRL)
+        "trl": ["trl==1.16.0"],
     },
     entry_points={"console_scripts": ["erpo=erpo.cli:main"]},
 )

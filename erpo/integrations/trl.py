@@ -1,0 +1,522 @@
+"""erpo inside TRL (tested with trl==1.16.0; `pip install erpo[trl]`).
+
+Our kernel behind TRL's fused LM head, a two-line change:
+
+    trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
+    use_erpo_kernels(trainer)   # TRL's fused LM head now runs erpo_kernels.linear_token_logprobs
+    trainer.train()
+
+ERPO as a TRL trainer (erpo-method.md: weighted policy loss + alpha * Query-KL):
+
+    trainer = ERPOTrainer(model=..., reward_funcs=..., args=ERPOConfig(alpha=0.01, ...), train_dataset=...)
+    trainer.train()            # logs query_kl, weights/ess, weights/min, weights/max with TRL's metrics
+
+How the kernel gets in. TRL's `add_fused_lm_head` patches `model.forward`: with
+`fused_lm_head=True` it runs the backbone, gathers an FSDP2 DTensor lm_head with
+`full_tensor()`, and hands (hidden rows, weight, bias, targets, temperature, chunk size,
+softcap, logit scale, outputs) to `trl.trainer.utils._ChunkedLogProbFunction.apply`.
+`use_erpo_kernels` replaces that module attribute, once, by `_KernelSwitch`, which
+calls TRL's own function unless the call happens inside the forward of a model given
+to `use_erpo_kernels` (a forward pre-hook marks those calls in a context variable);
+those calls go to `linear_token_logprobs`. Everything else is TRL's own forward.
+
+ERPOTrainer reuses the same switch: around its policy forward it also labels the
+prompt tokens of one copy per query (scored at temperature 1, the completion rows at
+1 / tau, in the same kernel call), then adds the Query-KL from those log-probs and
+puts the per-query weights into TRL's policy loss through the advantages.
+"""
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+try:
+    import trl
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer import utils as _trl_utils
+except ImportError:
+    raise ImportError("erpo.integrations.trl needs TRL: pip install erpo[trl]") from None
+
+import torch
+
+from erpo_kernels import linear_token_logprobs, segment_sum, weighted_k3
+from erpo_kernels.weighted_k3 import MAX_GUARD
+
+from ..query_weights import SCHEMES, QueryWeighter, effective_sample_size
+from ..ref_cache import (
+    RefCache,
+    RefCacheError,
+    build_ref_cache,
+    model_fingerprint,
+    query_id,
+    read_ref_cache,
+    save_ref_cache,
+    tokenizer_fingerprint,
+    validate_ref_cache,
+)
+
+__all__ = ["ERPOConfig", "ERPOTrainer", "ErpoKernelsHead", "use_erpo_kernels"]
+
+TESTED_TRL = "1.16.0"
+IGNORE_INDEX = -100
+# The per-token outputs TRL's fused head can ask for that linear_token_logprobs computes.
+SUPPORTED_OUTPUTS = ("log_probs", "entropy")
+
+# ----------------------------------------------------------------------------- the kernel switch
+
+# The head whose model's forward is running now (None: not one given to use_erpo_kernels).
+_ACTIVE: contextvars.ContextVar[Optional["ErpoKernelsHead"]] = contextvars.ContextVar("erpo_trl_head", default=None)
+
+
+class _KernelSwitch:
+    """Stands in for `trl.trainer.utils._ChunkedLogProbFunction` (same `apply` signature and
+    5-tuple result): TRL's own function, or our kernel inside a use_erpo_kernels model."""
+
+    trl_function: Any = None  # TRL's ChunkedLogProbFunction, set when the switch is installed
+
+    @classmethod
+    def apply(cls, hidden, weight, bias, targets, temperature, chunk_size,
+              final_logit_softcapping=None, logit_scale=1.0, outputs=("log_probs",)):
+        head = _ACTIVE.get()
+        if head is None:
+            return cls.trl_function.apply(
+                hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs
+            )
+        return head.score(hidden, weight, bias, targets, temperature, final_logit_softcapping, logit_scale, outputs)
+
+
+def _install_switch() -> None:
+    current = getattr(_trl_utils, "_ChunkedLogProbFunction", None)
+    if current is _KernelSwitch:
+        return
+    if current is None or not hasattr(current, "apply"):
+        raise RuntimeError(
+            f"erpo: this TRL ({trl.__version__}) has no trl.trainer.utils._ChunkedLogProbFunction to route; "
+            f"use_erpo_kernels is built for trl=={TESTED_TRL} (pip install erpo[trl])"
+        )
+    _KernelSwitch.trl_function = current
+    _trl_utils._ChunkedLogProbFunction = _KernelSwitch
+
+
+def _full(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A plain tensor from an FSDP2 DTensor (full_tensor(), as TRL's fused head does; the
+    gather is differentiable), anything else unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class _PromptPlan:
+    """ERPOTrainer's request for the next fused forward of the policy: also score the
+    prompt tokens of the sequences in `scored` ([B] bool), at temperature 1."""
+
+    prompt_len: int  # P, width of the left-padded prompt block of input_ids [B, P + C]
+    scored: torch.Tensor  # [B] bool, the copy that scores its query's prompt
+    is_prompt_row: Optional[torch.Tensor] = None  # [B, P + C - 1] bool, set by the pre-hook
+    label_mask: Optional[torch.Tensor] = None  # [B, P + C - 1] bool, set by the pre-hook
+    log_probs: Optional[torch.Tensor] = None  # [B, P + C - 1] fp32, the forward's log-probs
+
+
+class ErpoKernelsHead:
+    """What `use_erpo_kernels` attaches to a model as `model.erpo_kernels`.
+
+    calls: fused-LM-head calls our kernel has served (> 0 once training ran: the way to
+    tell that our kernel is in use); rows: token rows they scored; backend: the
+    backend argument of linear_token_logprobs ("auto": Triton on CUDA, the PyTorch
+    reference elsewhere).
+    """
+
+    def __init__(self, model_name: str, backend: str) -> None:
+        self.model_name = model_name
+        self.backend = backend
+        self.calls = 0
+        self.rows = 0
+        self.plan: Optional[_PromptPlan] = None
+        self._tokens: List[contextvars.Token] = []
+
+    def __repr__(self) -> str:
+        return (f"ErpoKernelsHead({self.model_name}: erpo_kernels.linear_token_logprobs, backend={self.backend!r}, "
+                f"calls={self.calls}, rows={self.rows})")
+
+    # -- forward hooks: mark the model's fused-head calls -------------------------------------
+
+    def _pre_hook(self, module, args, kwargs):
+        if not kwargs.get("fused_lm_head"):
+            return None
+        self._tokens.append(_ACTIVE.set(self))
+        if self.plan is None:
+            return None
+        kwargs = dict(kwargs)
+        kwargs["labels"] = self._label_prompts(self.plan, kwargs)
+        return args, kwargs
+
+    def _post_hook(self, module, args, kwargs, output):
+        if not kwargs.get("fused_lm_head") or not self._tokens:
+            return None
+        _ACTIVE.reset(self._tokens.pop())
+        plan = self.plan
+        if plan is not None and plan.log_probs is None and output is not None:
+            plan.log_probs = output.log_probs
+        return None
+
+    @staticmethod
+    def _label_prompts(plan: _PromptPlan, kwargs: Dict[str, Any]) -> torch.Tensor:
+        """TRL's labels [B, L] (completion tokens) plus the prompt tokens of the scored copies
+        that have a predecessor in their sequence (left padding: the first real token has none)."""
+        input_ids, attention_mask, labels = kwargs.get("input_ids"), kwargs.get("attention_mask"), kwargs.get("labels")
+        if input_ids is None or attention_mask is None or labels is None or kwargs.get("shift_labels") is not None:
+            raise ValueError("erpo: ERPOTrainer scores prompts from input_ids, attention_mask and labels; "
+                             "this forward has no such keyword arguments (shift_labels / context parallelism is not supported)")
+        b, width = input_ids.shape
+        p = plan.prompt_len
+        if plan.scored.shape[0] != b or p > width:
+            raise ValueError(f"erpo: the fused forward got {b} sequences of width {width}, ERPOTrainer planned "
+                             f"{plan.scored.shape[0]} with prompts of width {p}")
+        real = attention_mask[:, :p].bool()  # [B, P]
+        has_pred = torch.zeros_like(real)
+        has_pred[:, 1:] = real[:, 1:] & real[:, :-1]  # [B, P] the token has a real predecessor
+        score = has_pred & plan.scored.to(real.device)[:, None]  # [B, P]
+        labels = labels.clone()
+        labels[:, :p] = torch.where(score, input_ids[:, :p], labels[:, :p])
+        plan.label_mask = labels[:, 1:] != IGNORE_INDEX  # [B, L - 1] rows the kernel scores
+        is_prompt = torch.zeros_like(plan.label_mask)
+        is_prompt[:, : p - 1] = True
+        plan.is_prompt_row = is_prompt  # [B, L - 1] rows at temperature 1
+        return labels
+
+    # -- the kernel call ---------------------------------------------------------------------
+
+    def score(self, hidden, weight, bias, targets, temperature, softcap, logit_scale, outputs):
+        """TRL's _ChunkedLogProbFunction contract with linear_token_logprobs: hidden [n, D],
+        weight [V, D], bias [V] or None, targets [n] -> (log_probs [n], entropy [n] or None,
+        None, None, None)."""
+        extra = [o for o in outputs if o not in SUPPORTED_OUTPUTS]
+        if extra:
+            raise ValueError(
+                f"erpo: use_erpo_kernels computes the fused head's {' and '.join(SUPPORTED_OUTPUTS)}; this trainer also "
+                f"asks for {', '.join(extra)} (TRL's other outputs), which erpo does not compute. Use TRL's own head "
+                f"for this trainer (do not call use_erpo_kernels on it)"
+            )
+        if softcap is not None or float(logit_scale) != 1.0:
+            raise ValueError(
+                f"erpo: {self.model_name} scales its logits (final_logit_softcapping={softcap}, logit_scale={logit_scale}); "
+                f"linear_token_logprobs has no softcap / logit_scale yet, so use_erpo_kernels refuses this model "
+                f"(use TRL's own fused head for it)"
+            )
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():
+            raise ValueError("erpo: use_erpo_kernels does not support DeepSpeed ZeRO-3 (its lm_head weight is "
+                             "partitioned outside TRL's gather); use FSDP2 or ZeRO-1/2")
+        hidden, weight, bias = _full(hidden), _full(weight), _full(bias)
+        dev = hidden.device
+        # TRL computes in the autocast dtype when autocast is on, else in hidden's dtype.
+        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else hidden.dtype
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        inv_t: Any = 1.0 / float(temperature)
+        plan = self.plan
+        if plan is not None and plan.is_prompt_row is not None:
+            inv_t = self._row_inv_temperature(plan, hidden.shape[0], 1.0 / float(temperature))
+        want_entropy = "entropy" in outputs
+        with torch.autocast(dev.type, enabled=False):
+            out = linear_token_logprobs(
+                hidden, weight, targets, bias=bias, inv_temperature=inv_t, ignore_index=IGNORE_INDEX,
+                return_entropy=want_entropy, backend=self.backend,
+            )
+        logp, entropy = out if want_entropy else (out, None)
+        self.calls += 1
+        self.rows += int(hidden.shape[0])
+        return logp, entropy, None, None, None
+
+    @staticmethod
+    def _row_inv_temperature(plan: _PromptPlan, n_rows: int, inv_tau: float) -> torch.Tensor:
+        """[n] inverse temperature of the rows TRL hands over: 1 on prompt rows, 1 / tau on
+        completion rows. TRL passes every position (n = B (L - 1)) or, on Triton devices,
+        only the labelled ones (n = label_mask.sum())."""
+        full = torch.where(plan.is_prompt_row, 1.0, inv_tau).to(torch.float32)  # [B, L - 1]
+        if n_rows == full.numel():
+            return full.reshape(-1)
+        if n_rows == int(plan.label_mask.sum()):
+            return full[plan.label_mask]
+        raise ValueError(f"erpo: the fused head got {n_rows} rows, which fits neither every position "
+                         f"({full.numel()}) nor the labelled ones ({int(plan.label_mask.sum())})")
+
+
+def _hook(model: torch.nn.Module, backend: str, verbose: bool) -> ErpoKernelsHead:
+    head = getattr(model, "erpo_kernels", None)
+    if isinstance(head, ErpoKernelsHead):
+        head.backend = backend
+        return head
+    head = ErpoKernelsHead(type(model).__name__, backend)
+    model.register_forward_pre_hook(head._pre_hook, with_kwargs=True)
+    model.register_forward_hook(head._post_hook, with_kwargs=True, always_call=True)
+    model.erpo_kernels = head
+    if verbose:
+        print(f"erpo: TRL's fused LM head of {head.model_name} runs erpo_kernels.linear_token_logprobs "
+              f"(backend={backend!r}); model.erpo_kernels.calls counts its calls", file=sys.stderr)
+    return head
+
+
+def use_erpo_kernels(model_or_trainer: Any, *, backend: str = "auto", verbose: bool = True) -> ErpoKernelsHead:
+    """Make TRL's fused LM head run erpo_kernels.linear_token_logprobs (log-probs and entropy).
+
+    Args:
+        model_or_trainer: a TRL trainer (its model and, when it has one, its reference
+            model are switched), or a model whose fused head TRL adds (add_fused_lm_head)
+            before or after this call. Only calls with `fused_lm_head=True` change;
+            generation and the plain forward are TRL's / transformers' own.
+        backend: linear_token_logprobs' backend: "auto" (Triton on CUDA, the chunked
+            PyTorch reference elsewhere), "triton" or "torch".
+        verbose: print one line per switched model to stderr.
+    Returns:
+        The policy model's ErpoKernelsHead (also `model.erpo_kernels`): `.calls` counts
+        the fused-head calls our kernel served. TRL's other optional outputs
+        (log_sum_sq_probs, mean_logits, is_top1) and models with logit softcapping or
+        scaling are refused with a ValueError at the first such call.
+    """
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    _install_switch()
+    if isinstance(model_or_trainer, torch.nn.Module):
+        return _hook(model_or_trainer, backend, verbose)
+    model = getattr(model_or_trainer, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model_or_trainer must be a torch model or a TRL trainer, got {type(model_or_trainer).__name__}")
+    accelerator = getattr(model_or_trainer, "accelerator", None)
+    verbose = verbose and (accelerator is None or accelerator.is_main_process)
+    head = _hook(model, backend, verbose)
+    ref_model = getattr(model_or_trainer, "ref_model", None)
+    if isinstance(ref_model, torch.nn.Module):
+        _hook(ref_model, backend, verbose)
+    return head
+
+
+# ----------------------------------------------------------------------------- ERPO as a TRL trainer
+
+
+@dataclass
+class ERPOConfig(GRPOConfig):
+    """GRPOConfig plus the keys of ERPO (erpo-method.md sections 2, 3, 5, 7)."""
+
+    alpha: float = field(default=0.01, metadata={"help": "Query-KL coefficient: loss = TRL's policy loss with the "
+                         "query weights + alpha * weighted Query-KL; 0 = the weights-only ablation."})
+    query_weighting: str = field(default="prevalence", metadata={"help": "Per-query weights: prevalence, softmax "
+                                 "or none (none = uniform weights, the Query-KL-only ablation)."})
+    bins: int = field(default=20, metadata={"help": "K, equal-width histogram bins of the prevalence weights."})
+    gamma: float = field(default=1.0, metadata={"help": "Prevalence exponent: u(q) = p(q) ** gamma."})
+    weight_temperature: float = field(default=1.0, metadata={"help": "T_w of the softmax weights: u(q) = exp(s(q) / T_w)."})
+    w_min: float = field(default=0.1, metadata={"help": "Lower clip of the batch-normalised query weights (<= 1)."})
+    w_max: float = field(default=10.0, metadata={"help": "Upper clip of the batch-normalised query weights (>= 1)."})
+    kl_guard: float = field(default=10.0, metadata={"help": "c of the K3 guard: linear continuation of the "
+                            "Query-KL for delta > c."})
+    ref_cache: Optional[str] = field(default=None, metadata={"help": "Reference-cache file (l_0(q) of every training "
+                                     "prompt under the starting model): loaded when it exists, else built and written "
+                                     "there. None: built in memory at every start."})
+    erpo_backend: str = field(default="auto", metadata={"help": "Backend of the erpo kernels: auto (Triton on CUDA), "
+                              "triton or torch."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.query_weighting not in SCHEMES:
+            raise ValueError(f"query_weighting must be one of {SCHEMES}, got {self.query_weighting!r}")
+        if not 0.0 <= float(self.alpha) < float("inf"):
+            raise ValueError(f"alpha must be finite and >= 0, got {self.alpha}")
+        if isinstance(self.bins, bool) or not isinstance(self.bins, int) or self.bins < 1:
+            raise ValueError(f"bins must be an int >= 1, got {self.bins!r}")
+        if not 0.0 <= float(self.gamma) < float("inf"):
+            raise ValueError(f"gamma must be finite and >= 0, got {self.gamma}")
+        if not 0.0 < float(self.weight_temperature) < float("inf"):
+            raise ValueError(f"weight_temperature must be positive and finite, got {self.weight_temperature}")
+        if not 0.0 <= float(self.w_min) <= 1.0 <= float(self.w_max) < float("inf"):
+            raise ValueError(f"w_min={self.w_min}, w_max={self.w_max}: need 0 <= w_min <= 1 <= w_max (weights have mean 1)")
+        if not 0.0 < float(self.kl_guard) <= MAX_GUARD:
+            raise ValueError(f"kl_guard must lie in (0, {MAX_GUARD:g}], got {self.kl_guard}")
+        if self.erpo_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"erpo_backend must be 'auto', 'triton' or 'torch', got {self.erpo_backend!r}")
+        if self.ref_cache is not None and os.path.isdir(self.ref_cache):
+            raise ValueError(f"ref_cache={self.ref_cache} is a directory; give a file path (e.g. DIR/ref_cache.safetensors)")
+
+
+class ERPOTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer with ERPO's objective (erpo-method.md sections 1-5):
+
+        loss = TRL's policy loss with advantages A_i * w_B(q_i)  +  alpha * R_query
+
+    Each prompt is scored once per group (its first copy in the generation batch), at
+    temperature 1, in the same linear_token_logprobs call as the completions (1 / tau);
+    l_theta(q) is a segment_sum over its prompt rows; R_query = weighted_k3(l_theta,
+    l_0, w_B). l_0 and the weights' scores come from the reference cache, built from the
+    train dataset under the starting model (or loaded from ERPOConfig.ref_cache).
+    Sampling, rewards, advantages, loss types, beta, logging and launch are TRL's own.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, ERPOConfig):
+            raise ValueError(f"ERPOTrainer needs args=ERPOConfig(...), got {type(self.args).__name__}")
+        if self.environment_factories is not None:
+            raise ValueError("ERPOTrainer needs its prompts in the train dataset (environment_factory is not supported)")
+        if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
+            raise ValueError("ERPOTrainer needs a map-style train_dataset: the reference cache covers every training prompt")
+        self.erpo_head = use_erpo_kernels(self, backend=self.args.erpo_backend)
+        self.ref_cache = self._reference_cache()
+        self.query_weighter = QueryWeighter(
+            self.ref_cache.score[self._train_rows], scheme=self.args.query_weighting, bins=self.args.bins,
+            gamma=self.args.gamma, temperature=self.args.weight_temperature, w_min=self.args.w_min, w_max=self.args.w_max,
+        )
+
+    # -- reference cache (erpo-method.md section 7) ---------------------------------------------
+
+    def _template_text(self) -> str:
+        template = getattr(self, "chat_template", None) or getattr(self._tokenizer, "chat_template", None)
+        if not template:
+            return "trl: plain-text prompts"
+        return f"trl: chat template sha256:{hashlib.sha256(str(template).encode()).hexdigest()[:16]}"
+
+    def _tokenized_train_prompts(self) -> Tuple[List[Any], List[List[int]]]:
+        prompts = list(self.train_dataset["prompt"])
+        ids: List[List[int]] = []
+        for start in range(0, len(prompts), 256):
+            chunk_ids, _, _ = self._tokenize_prompts(prompts[start:start + 256])
+            ids.extend([int(t) for t in p] for p in chunk_ids)
+        return prompts, ids
+
+    def _reference_cache(self) -> RefCache:
+        prompts, prompt_ids = self._tokenized_train_prompts()
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        name = str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
+        expect = {
+            "model": name,
+            "model_fingerprint": model_fingerprint(model),
+            "tokenizer_fingerprint": tokenizer_fingerprint(self._tokenizer),
+            "template": self._template_text(),
+        }
+        path = self.args.ref_cache
+        rebuild = f"delete {path} (ERPOTrainer rebuilds a missing cache from the train dataset)" if path else ""
+        if path and os.path.isfile(path):
+            cache = read_ref_cache(path, rebuild)
+            self._train_rows = validate_ref_cache(
+                cache, path, expect=expect, prompt_ids=prompt_ids,
+                describe=lambda i: f"({str(prompts[i])[:40]!r})", rebuild=rebuild,
+            )
+            return cache
+        was_training = model.training
+        model.eval()
+        cache = build_ref_cache(
+            model, prompt_ids, expect, pad_token_id=int(self._tokenizer.pad_token_id), backend=self.args.erpo_backend,
+        )
+        model.train(was_training)
+        if path and self.accelerator.is_main_process:
+            save_ref_cache(cache, path)
+        if path:
+            self.accelerator.wait_for_everyone()
+        self._train_rows = cache.rows([query_id(p) for p in prompt_ids])
+        return cache
+
+    # -- per-query weights and the scoring copy, once per generation batch ----------------------
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        prompt_ids, prompt_mask = out["prompt_ids"], out["prompt_mask"]  # [B, P] left-padded
+        dev = prompt_ids.device
+        qids = [query_id(row[mask.bool()].tolist()) for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        first: Dict[int, int] = {}
+        for b, q in enumerate(qids):
+            first.setdefault(q, b)
+        distinct = list(first)  # m queries, in order of first appearance
+        q_index = torch.tensor([distinct.index(q) for q in qids], dtype=torch.long)  # [B]
+        scored = torch.zeros(len(qids), dtype=torch.bool)
+        scored[list(first.values())] = True  # [B] one copy per query scores its prompt
+        missing = self.ref_cache.missing(distinct)
+        if missing and mode == "train":
+            raise RefCacheError(f"erpo: a training prompt (id {distinct[missing[0]]:016x}) is not in the reference cache; "
+                                f"its tokens differ from the train dataset's")
+        if missing:  # eval prompts outside the cache: no Query-KL, uniform weights
+            w_q = torch.ones(len(distinct), dtype=torch.float32)
+            ref_q = torch.zeros(len(distinct), dtype=torch.float32)
+            scored[:] = False
+        else:
+            rows = self.ref_cache.rows(distinct)
+            w_q = self.query_weighter.batch_weights(self.ref_cache.score[rows]).float()  # [m] w_B, mean 1
+            ref_q = self.ref_cache.ref_query_logp[rows].float()  # [m] l_0(q)
+            self._metrics[mode]["weights/ess"].append(effective_sample_size(w_q))
+            self._metrics[mode]["weights/min"].append(float(w_q.min()))
+            self._metrics[mode]["weights/max"].append(float(w_q.max()))
+        out["query_weights"] = w_q[q_index].to(dev)  # [B] w_B of each sequence's query
+        out["ref_query_logp"] = ref_q[q_index].to(dev)  # [B]
+        out["query_scored"] = scored.to(dev)  # [B]
+        out["query_weight_total"] = w_q.sum().to(dev)  # 0-d: sum of w_B over the generation batch (= m)
+        return out
+
+    # -- the loss: TRL's policy loss with weighted advantages + alpha * R_query -----------------
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        w = inputs["query_weights"]  # [B]
+        adv = inputs["advantages"]  # [B] (or [B, T])
+        weighted = dict(inputs)
+        # Every TRL loss type is positively homogeneous in A for a fixed sign of A, so
+        # A * w(q) (w >= 0) multiplies each sequence's policy loss by w(q): L_PG(w_B).
+        weighted["advantages"] = adv * (w if adv.dim() == 1 else w[:, None])
+        scored = inputs["query_scored"]  # [B]
+        plan = _PromptPlan(prompt_len=int(inputs["prompt_ids"].shape[1]), scored=scored)
+        self.erpo_head.plan = plan
+        try:
+            loss = super()._compute_loss(model, weighted)
+        finally:
+            self.erpo_head.plan = None
+        if plan.log_probs is None:
+            raise RuntimeError("erpo: the policy forward did not go through TRL's fused LM head")
+        query_kl, share, metrics = self.query_kl_term(plan.log_probs, plan.prompt_len, inputs)
+        if query_kl is not None:
+            if mode == "train":  # the generation batch is split over steps_per_generation micro-batches
+                share = share * self.args.steps_per_generation / self.current_gradient_accumulation_steps
+            if self.args.alpha > 0:
+                loss = loss + self.args.alpha * query_kl * share
+            for key, value in metrics.items():
+                self._metrics[mode][key].append(value)
+        return loss
+
+    def query_kl_term(
+        self, log_probs: torch.Tensor, prompt_len: int, inputs: Dict[str, Any]
+    ) -> Tuple[Optional[torch.Tensor], float, Dict[str, float]]:
+        """R_query of the queries scored in this micro-batch, its share of the generation
+        batch's weight, and its metrics.
+
+        log_probs [B, L - 1] fp32 from the fused forward (row j scores token j + 1; prompt
+        rows [0, P - 1) are nonzero only on the scoring copies). Returns (R, share,
+        metrics) with R = weighted_k3(l_theta, l_0, w_B) over the scored queries (None
+        when none is) and share = sum of their w_B / sum of w_B over the generation batch:
+        sum over micro-batches of R * share is the batch's R_query.
+        """
+        b, width = log_probs.shape
+        rows = inputs["query_scored"].nonzero().squeeze(1)  # [k]
+        if rows.numel() == 0:
+            return None, 0.0, {}
+        dev = log_probs.device
+        starts = torch.arange(b, device=dev, dtype=torch.long) * width  # [B]
+        cu = torch.stack([starts, starts + (prompt_len - 1)], dim=1).reshape(-1)  # [2B] prompt, completion, ...
+        cu = torch.cat([cu, cu.new_tensor([b * width])])  # [2B + 1]
+        spans = segment_sum(log_probs.reshape(-1), cu, backend=self.args.erpo_backend)  # [2B]
+        query_logp = spans[0::2][rows]  # [k] l_theta(q) of the scored copies
+        ref = inputs["ref_query_logp"][rows].to(query_logp.dtype)  # [k] l_0(q)
+        w = inputs["query_weights"][rows].to(query_logp.dtype)  # [k] w_B(q)
+        guard = float(self.args.kl_guard)
+        r_query = weighted_k3(query_logp, ref, w, guard=guard, backend=self.args.erpo_backend)
+        share = float(w.sum() / inputs["query_weight_total"].clamp(min=1e-12))
+        with torch.no_grad():
+            delta = ref - query_logp.detach()
+            metrics = {
+                "query_kl": float(r_query.detach()),
+                "qkl/value": float(weighted_k3(query_logp.detach(), ref, None, guard=guard, backend=self.args.erpo_backend)),
+                "qkl/delta_mean": float(delta.mean()),
+                "query_logp/mean": float(query_logp.detach().mean()),
+            }
+        return r_query, share, metrics

@@ -1,0 +1,335 @@
+"""erpo inside TRL (erpo.integrations.trl) against the real trl==1.16.0, on CPU.
+
+A tiny Qwen2 built from a config and saved to a temp directory, the demo's locally built
+tokenizer, a local datasets.Dataset, HF_HUB_OFFLINE=1: nothing comes from a hub.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import datasets  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import trl  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl.kernels import ChunkedLogProbFunction  # noqa: E402
+from trl.trainer.utils import add_fused_lm_head  # noqa: E402
+
+from erpo.integrations.trl import ERPOConfig, ERPOTrainer, _PromptPlan, use_erpo_kernels  # noqa: E402
+from erpo.packing import forward_hidden, lm_head_of, pack  # noqa: E402
+from erpo.tiny import build_tokenizer  # noqa: E402
+from erpo_kernels.objective import LossConfig, PackedLossBatch, erpo_loss  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = ["1+2=", "13+4=", "7+18=", "100+5=", "3+3=", "21+21=", "9+90=", "45+6="]
+
+
+def tiny_model(tokenizer, seed=0, **extra):
+    cfg = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    path = str(tmp_path_factory.mktemp("tiny-qwen2"))
+    tiny_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS])
+
+
+def reward_digits(completions, **kwargs):
+    """Fraction of digits in the completion: varies within a group for a random model."""
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+
+
+def train_args(cls, tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+        max_steps=3, per_device_train_batch_size=8, num_generations=2, max_completion_length=6,
+        logging_steps=1, seed=0, disable_tqdm=True, num_iterations=2, optim="sgd", learning_rate=1.0,
+    )
+    base.update(kw)
+    return cls(**base)
+
+
+def run_trainer(cls, args, model_dir, tokenizer, dataset, erpo_kernels=False):
+    trainer = cls(model=model_dir, reward_funcs=reward_digits, args=args, train_dataset=dataset, processing_class=tokenizer)
+    head = use_erpo_kernels(trainer, verbose=False) if erpo_kernels else None
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return trainer, head, logs
+
+
+# ----------------------------------------------------------------------------- the fused head
+
+
+def _fused_outputs(model, ids, mask, labels, c1, c2):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    ((out.log_probs * c1).sum() + (out.entropy * c2).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.log_probs.detach(), out.entropy.detach(), grads
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_head_matches_trl(tokenizer, backend):
+    """Log-probs, entropies and every parameter's gradient through TRL's fused head: our
+    kernel vs TRL's ChunkedLogProbFunction, fp32, left padding, right padding and a prompt."""
+    model = tiny_model(tokenizer)
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, len(tokenizer), (3, 11), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, -2:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :4] = -100
+    c1, c2 = torch.randn(3, 10, generator=g), torch.randn(3, 10, generator=g)
+
+    calls = []
+    original = ChunkedLogProbFunction.apply
+    ChunkedLogProbFunction.apply = lambda *a: calls.append(1) or original(*a)  # count TRL's kernel calls
+    try:
+        logp_trl, ent_trl, grad_trl = _fused_outputs(model, ids, mask, labels, c1, c2)
+        head = use_erpo_kernels(model, backend=backend, verbose=False)
+        logp, ent, grad = _fused_outputs(model, ids, mask, labels, c1, c2)
+    finally:
+        ChunkedLogProbFunction.apply = original
+    assert len(calls) == 1 and head.calls == 1 and model.erpo_kernels is head
+    valid = labels[:, 1:] != -100
+    assert valid.sum() > 0 and torch.all(logp[~valid] == 0)
+    assert torch.allclose(logp, logp_trl, rtol=0, atol=1e-5), (logp - logp_trl).abs().max()
+    assert torch.allclose(ent, ent_trl, rtol=0, atol=1e-5), (ent - ent_trl).abs().max()
+    assert grad.keys() == grad_trl.keys() and "lm_head.weight" in grad
+    for name in grad:
+        scale = grad_trl[name].abs().max().clamp(min=1e-12)
+        assert (grad[name] - grad_trl[name]).abs().max() / scale < 1e-5, name
+
+
+def test_other_models_keep_trls_kernel(tokenizer):
+    """Only the models given to use_erpo_kernels switch; another fused head stays TRL's."""
+    ours, theirs = tiny_model(tokenizer), tiny_model(tokenizer)
+    for m in (ours, theirs):
+        add_fused_lm_head(m, outputs=("log_probs", "entropy"))
+    head = use_erpo_kernels(ours, verbose=False)
+    ids = torch.randint(4, len(tokenizer), (2, 7))
+    theirs(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert head.calls == 0
+    ours(input_ids=ids, labels=ids, fused_lm_head=True)
+    ours.generate(input_ids=ids[:, :3], max_new_tokens=2, do_sample=False)  # generation: the plain forward
+    assert head.calls == 1
+
+
+def test_refuses_what_it_does_not_compute(tokenizer):
+    model = tiny_model(tokenizer)
+    add_fused_lm_head(model, outputs=("log_probs", "is_top1"))
+    use_erpo_kernels(model, verbose=False)
+    ids = torch.randint(4, len(tokenizer), (2, 7))
+    with pytest.raises(ValueError, match="is_top1"):
+        model(input_ids=ids, labels=ids, fused_lm_head=True)
+    capped = tiny_model(tokenizer, final_logit_softcapping=30.0)
+    add_fused_lm_head(capped)
+    use_erpo_kernels(capped, verbose=False)
+    with pytest.raises(ValueError, match="softcap"):
+        capped(input_ids=ids, labels=ids, fused_lm_head=True)
+    with pytest.raises(ValueError, match="backend"):
+        use_erpo_kernels(model, backend="cuda")
+
+
+# ----------------------------------------------------------------------------- GRPOTrainer
+
+# Logged values of two 3-step runs, TRL's kernel vs ours (both fp32 on CPU). The runs use
+# SGD: Adam turns the ~1e-7 noise of near-zero gradient components into +-lr updates,
+# so after one Adam step two fp32 runs differ by ~1e-3 whatever the kernel. With SGD the
+# measured differences are ~1e-7 relative; the tolerance is 1e-5 relative (plus 1e-7
+# absolute for losses near 0).
+LOSS_TOL = dict(rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("loss_type,beta", [("grpo", 0.0), ("dapo", 0.1)])
+def test_grpo_trainer_same_loss(tmp_path, model_dir, tokenizer, dataset, loss_type, beta):
+    runs = []
+    for ours in (False, True):
+        args = train_args(GRPOConfig, tmp_path, loss_type=loss_type, beta=beta)
+        runs.append(run_trainer(GRPOTrainer, args, model_dir, tokenizer, dataset, erpo_kernels=ours))
+    (_, _, base), (trainer, head, logs) = runs
+    assert len(base) == len(logs) == 3
+    assert head.calls >= 3 and (beta == 0 or trainer.ref_model.erpo_kernels.calls >= 2)  # once per generation
+    for a, b in zip(base, logs):
+        assert b["loss"] == pytest.approx(a["loss"], **LOSS_TOL)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-5)
+        if beta:
+            assert b["kl"] == pytest.approx(a["kl"], rel=1e-5, abs=1e-8)
+    assert any(abs(a["loss"]) > 1e-3 for a in base)  # the losses compared are not all ~0
+
+
+# ----------------------------------------------------------------------------- ERPOTrainer
+
+
+def test_erpo_alpha0_uniform_is_grpo(tmp_path, model_dir, tokenizer, dataset):
+    """alpha = 0 and query_weighting = none: TRL's GRPO loss, step by step (beta = 0)."""
+    _, _, grpo = run_trainer(GRPOTrainer, train_args(GRPOConfig, tmp_path, loss_type="grpo"), model_dir, tokenizer, dataset)
+    args = train_args(ERPOConfig, tmp_path, loss_type="grpo", alpha=0.0, query_weighting="none")
+    trainer, _, erpo = run_trainer(ERPOTrainer, args, model_dir, tokenizer, dataset)
+    assert trainer.erpo_head.calls >= 3
+    for a, b in zip(grpo, erpo):
+        assert b["loss"] == pytest.approx(a["loss"], **LOSS_TOL)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert "query_kl" in b  # monitored even at alpha = 0
+    generated = [b for b in erpo if "weights/min" in b]  # steps that sampled (num_iterations = 2)
+    assert len(generated) == 2 and all(b["weights/min"] == b["weights/max"] == 1.0 for b in generated)
+
+
+def _erpo_loss_on_same_batch(trainer, inputs, alpha):
+    """erpo_loss (advantages 0, so the loss is alpha * R_query) on the micro-batch
+    `inputs`, repacked: one row per token, positions from 0, the prompt scored once per query."""
+    model = trainer.model
+    pids, pmask = inputs["prompt_ids"], inputs["prompt_mask"]
+    cids, cmask = inputs["completion_ids"], inputs["completion_mask"]
+    scored = inputs["query_scored"].tolist()
+    # one group per scoring copy; its other copies are left out: their prompt rows score nothing
+    prompts = [pids[b][pmask[b].bool()].tolist() for b in range(len(scored)) if scored[b]]
+    responses = [[cids[b][cmask[b].bool()].tolist()] for b in range(len(scored)) if scored[b]]
+    packed = pack(prompts, responses, trainer.temperature)
+    rows = torch.tensor([b for b in range(len(scored)) if scored[b]])
+    batch = PackedLossBatch(
+        targets=packed.targets, inv_temperature=packed.inv_temperature, span_cu_seqlens=packed.span_cu_seqlens,
+        group_index=packed.group_index, advantages=torch.zeros(len(prompts)),
+        ref_query_logp=inputs["ref_query_logp"][rows], query_weights=inputs["query_weights"][rows],
+    )
+    hidden = forward_hidden(model, packed.input_ids, packed.seq_cu_seqlens, tokenizer_pad(trainer))
+    weight, bias = lm_head_of(model)
+    cfg = LossConfig(algorithm="erpo", alpha=alpha, loss_agg="seq-mean-token-mean", kl_guard=trainer.args.kl_guard)
+    return erpo_loss(hidden, weight, batch, cfg, bias=bias, backend="torch")
+
+
+def tokenizer_pad(trainer):
+    return int(trainer.processing_class.pad_token_id)
+
+
+def test_erpo_query_kl_equals_erpo_loss(tmp_path, model_dir, tokenizer, dataset):
+    """On one generation batch: R_query from the trainer's fused forward (prompt rows at
+    temperature 1 in the completions' call) equals erpo_loss's, in value and gradient,
+    and _compute_loss adds alpha * R_query (the batch is one micro-batch: share 1)."""
+    alpha = 0.5
+    args = train_args(ERPOConfig, tmp_path, loss_type="grpo", alpha=alpha, query_weighting="prevalence", bins=3)
+    trainer = ERPOTrainer(model=model_dir, reward_funcs=reward_digits, args=args, train_dataset=dataset,
+                          processing_class=tokenizer)
+    trainer.model.train()
+    with torch.no_grad():  # a policy that has moved away from the reference (l_theta != l_0)
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    inputs = trainer._generate_and_score_completions([dict(dataset[i]) for i in (0, 0, 1, 1, 2, 2, 3, 3)])
+    assert inputs["query_scored"].sum() == 4 and float(inputs["query_weight_total"]) == pytest.approx(4.0)
+    weights = inputs["query_weights"][inputs["query_scored"]]
+    assert weights.max() > weights.min()  # prevalence weights that differ
+
+    # the trainer's R_query and its gradient
+    model = trainer.model
+    plan = _PromptPlan(prompt_len=inputs["prompt_ids"].shape[1], scored=inputs["query_scored"])
+    trainer.erpo_head.plan = plan
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, inputs["completion_ids"].shape[1])
+    trainer.erpo_head.plan = None
+    r_query, share, metrics = trainer.query_kl_term(plan.log_probs, plan.prompt_len, inputs)
+    assert share == pytest.approx(1.0)
+    model.zero_grad(set_to_none=True)
+    (alpha * r_query).backward()
+    grad_trainer = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    # erpo_loss on the same batch, repacked
+    model.zero_grad(set_to_none=True)
+    loss, ref_metrics = _erpo_loss_on_same_batch(trainer, inputs, alpha)
+    loss.backward()
+    assert ref_metrics["qkl/loss"] > 1e-3
+    assert metrics["query_kl"] == pytest.approx(ref_metrics["qkl/loss"], rel=1e-5)
+    assert metrics["qkl/value"] == pytest.approx(ref_metrics["qkl/value"], rel=1e-5)
+    assert float(loss) == pytest.approx(alpha * float(r_query), rel=1e-5)
+    for name, g in grad_trainer.items():
+        ref = model.get_parameter(name).grad
+        assert (g - ref).abs().max() / ref.abs().max().clamp(min=1e-12) < 1e-4, name
+
+    # _compute_loss: TRL's loss + alpha * R_query
+    trainer.current_gradient_accumulation_steps = 1  # set by TRL's training loop
+    with torch.no_grad():
+        with_qkl = trainer._compute_loss(model, inputs)
+        trainer.args.alpha = 0.0
+        without = trainer._compute_loss(model, inputs)
+        trainer.args.alpha = alpha
+    assert float(with_qkl - without) == pytest.approx(alpha * float(r_query), rel=1e-5)
+
+
+def test_erpo_trains_logs_and_caches(tmp_path, model_dir, tokenizer, dataset):
+    """3 steps with alpha > 0 and prevalence weights: TRL's log carries query_kl and the
+    weights' ESS, min and max; the reference cache is written and then loaded."""
+    cache = tmp_path / "ref.safetensors"
+    args = train_args(ERPOConfig, tmp_path, alpha=0.1, query_weighting="prevalence", bins=3, ref_cache=str(cache),
+                      num_iterations=1)
+    trainer, _, logs = run_trainer(ERPOTrainer, args, model_dir, tokenizer, dataset)
+    assert cache.is_file() and len(trainer.ref_cache) == len(PROMPTS)
+    assert len(logs) == 3
+    for log in logs:
+        assert log["query_kl"] >= 0 and 0 < log["weights/ess"] <= 1 + 1e-6
+        assert log["weights/min"] <= 1.0 <= log["weights/max"]
+    assert logs[-1]["query_kl"] > 0  # the policy moved away from l_0
+    mtime = cache.stat().st_mtime_ns
+    again = ERPOTrainer(model=model_dir, reward_funcs=reward_digits, args=args, train_dataset=dataset,
+                        processing_class=tokenizer)
+    assert cache.stat().st_mtime_ns == mtime  # loaded, not rebuilt
+    assert torch.equal(again.ref_cache.ref_query_logp, trainer.ref_cache.ref_query_logp)
+
+
+def test_erpo_config_names_bad_fields(tmp_path):
+    with pytest.raises(ValueError, match="query_weighting"):
+        ERPOConfig(output_dir=str(tmp_path), use_cpu=True, query_weighting="uniform")
+    with pytest.raises(ValueError, match="w_min"):
+        ERPOConfig(output_dir=str(tmp_path), use_cpu=True, w_min=2.0)
+
+
+# ----------------------------------------------------------------------------- without trl
+
+
+def test_import_without_trl():
+    code = textwrap.dedent(
+        """
+        import sys
+        class BlockTRL:
+            def find_spec(self, name, path=None, target=None):
+                if name == "trl" or name.startswith("trl."):
+                    raise ImportError("No module named 'trl'")
+        sys.meta_path.insert(0, BlockTRL())
+        import erpo, erpo.integrations
+        try:
+            import erpo.integrations.trl
+        except ImportError as exc:
+            print("MESSAGE:" + str(exc))
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    message = out.stdout.split("MESSAGE:", 1)[1].strip()
+    assert "\n" not in message and "pip install erpo[trl]" in message
