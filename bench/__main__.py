@@ -124,7 +124,7 @@ def _kernels(args: argparse.Namespace) -> int:
             cases = [c for c in cases if c.op in _csv(args.ops)]
     peers = _csv(args.peers)
     if args.target and peers is None:
-        peers = ["erpo", "erpo-inplace", "eager", "eager-ce", "trl"]
+        peers = ["erpo", "erpo-inplace", "eager", "eager-ce", "trl", "trl-chunked"]
     elif args.device == "cpu" and args.quick and peers is None:
         peers = list(kernels.CPU_QUICK_PEERS)
     passes = _csv(args.passes)

@@ -32,7 +32,7 @@ from .peers import LINEAR, PEER_BY_NAME, PEERS, TOKEN, peer_label, peer_versions
 PASSES = ("forward", "backward", "both")
 # `--quick` on CPU: the peers that run in seconds there (torch.compile compiles in every
 # measurement subprocess; the full CPU preset and --peers include it).
-CPU_QUICK_PEERS = ("erpo", "eager", "eager-ce", "trl")
+CPU_QUICK_PEERS = ("erpo", "eager", "eager-ce", "trl", "trl-chunked")
 # Logit scale of the synthetic inputs: logits ~ N(0, LOGIT_STD^2), a peaked softmax as in a
 # trained LM (this matters for peers that skip near-zero gradient blocks, e.g. CCE).
 LOGIT_STD = 4.0

@@ -13,7 +13,6 @@ the results file lists it as absent with the reason.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -113,46 +112,50 @@ def _compile(op: str, x: Inputs) -> torch.Tensor:
     return _COMPILED[op](x["hidden"], x["weight"], x["targets"])
 
 
-# ----------------------------------------------------------------------------- TRL
+# ----------------------------------------------------------------------------- TRL (the installed trl)
+
+# Rows per call of TRL's selective_log_softmax: it takes [batch, seq, V] and loops over the
+# batch, one sequence per step; a 1024-token sequence is the stand-in here.
+TRL_SEQ_ROWS = 1024
+# TRL's fused LM head calls ChunkedLogProbFunction with this vocabulary chunk
+# (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in trl 1.16; read from trl when present).
+TRL_VOCAB_CHUNK = 32768
 
 
-def chunked_selective_log_softmax(
-    logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = TRL_CHUNK_ROWS
-) -> torch.Tensor:
-    """TRL's selective log-softmax, rewritten from its description.
-
-    logits [N, V], targets [N] -> logp [N] fp32. fp32/fp64 inputs: gather the target logits,
-    then subtract a log-sum-exp computed one row chunk at a time. fp16/bf16 inputs: a
-    log_softmax (in the input dtype) per row chunk, then gather.
-    """
-    n = logits.shape[0]
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = logits.gather(1, targets[:, None]).squeeze(1)
-        lse = torch.cat([torch.logsumexp(logits[a : a + chunk_rows], dim=-1) for a in range(0, n, chunk_rows)])
-        return (picked - lse).float()
-    parts = [
-        torch.log_softmax(logits[a : a + chunk_rows], dim=-1).gather(1, targets[a : a + chunk_rows, None])
-        for a in range(0, n, chunk_rows)
-    ]
-    return torch.cat(parts).squeeze(1).float()
-
-
-@lru_cache(maxsize=None)  # looked up once, not inside every timed call
-def _trl_function() -> Optional[Callable]:
-    mod = import_optional("trl.trainer.utils")
-    return getattr(mod, "selective_log_softmax", None) if mod is not None else None
+def _as_sequences(logits: torch.Tensor, targets: torch.Tensor):
+    """[N, V] -> [N / rows, rows, V] and [N / rows, rows], rows = TRL_SEQ_ROWS when it divides N."""
+    n, v = logits.shape
+    rows = TRL_SEQ_ROWS if n % TRL_SEQ_ROWS == 0 else n
+    return logits.view(n // rows, rows, v), targets.view(n // rows, rows)
 
 
 def _trl(op: str, x: Inputs) -> torch.Tensor:
-    logits = _logits(op, x)
-    fn = _trl_function()
-    if fn is None:
-        return chunked_selective_log_softmax(logits, x["targets"])
-    n, v = logits.shape
-    rows = TRL_CHUNK_ROWS if n % TRL_CHUNK_ROWS == 0 else n
-    # TRL takes [batch, seq, V]; its loop runs over the batch (one sequence per step).
-    out = fn(logits.view(n // rows, rows, v), x["targets"].view(n // rows, rows))
-    return out.reshape(n).float()
+    """trl.trainer.utils.selective_log_softmax on the logits (hidden @ weight.T for the linear op)."""
+    from trl.trainer.utils import selective_log_softmax
+
+    logits, targets = _as_sequences(_logits(op, x), x["targets"])
+    return selective_log_softmax(logits, targets).reshape(-1).float()
+
+
+def _trl_chunked(op: str, x: Inputs) -> torch.Tensor:
+    """trl.kernels.ChunkedLogProbFunction, as TRL's fused LM head calls it (log-probs only, T = 1):
+    cuBLAS tiles of [4096, chunk] logits folded by a Triton kernel on CUDA (torch ops elsewhere)."""
+    from trl.kernels import ChunkedLogProbFunction
+    from trl.trainer import utils as trl_utils
+
+    chunk = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", TRL_VOCAB_CHUNK)
+    out = ChunkedLogProbFunction.apply(x["hidden"], x["weight"], None, x["targets"], 1.0, chunk, None, 1.0, ("log_probs",))
+    return out[0]
+
+
+def _trl_triton(op: str, x: Inputs) -> torch.Tensor:
+    """trl.kernels.logprob_entropy.selective_log_softmax_and_entropy (Triton, log-prob and entropy in
+    one pass over [batch, seq, V] logits); the entropy is computed and dropped, as the kernel always does."""
+    from trl.kernels.logprob_entropy import selective_log_softmax_and_entropy
+
+    logits, targets = _as_sequences(_logits(op, x), x["targets"])
+    logp, _ = selective_log_softmax_and_entropy(logits, targets, 1.0)
+    return logp.reshape(-1).float()
 
 
 # ----------------------------------------------------------------------------- Liger, CCE, flash-attn
@@ -182,12 +185,6 @@ def _flash_attn(op: str, x: Inputs) -> torch.Tensor:
     return -loss.float()
 
 
-def _trl_label() -> str:
-    if _trl_function() is not None:
-        return "TRL selective_log_softmax (imported)"
-    return "TRL-style chunked selective log-softmax (reimplemented; trl not installed)"
-
-
 # Measured in this order (the slow-to-compile torch.compile last, so a time budget cuts it first).
 PEERS: List[Peer] = [
     Peer("erpo", "erpo_kernels (Triton on CUDA, chunked PyTorch reference on CPU)", OPS, None, False, None, _erpo),
@@ -200,7 +197,12 @@ PEERS: List[Peer] = [
          "flash_attn.ops.triton.cross_entropy", _flash_attn),
     Peer("eager-ce", 'PyTorch eager: F.cross_entropy(reduction="none"), input dtype', OPS, None, False, None,
          _eager_ce),
-    Peer("trl", "TRL selective log-softmax", OPS, "trl", False, None, _trl),
+    Peer("trl", "TRL selective_log_softmax (trl.trainer.utils) on the logits", OPS, "trl", False,
+         "trl.trainer.utils", _trl),
+    Peer("trl-chunked", "TRL ChunkedLogProbFunction, its fused LM head's kernel (trl.kernels)", (LINEAR,), "trl",
+         False, "trl.kernels", _trl_chunked),
+    Peer("trl-triton", "TRL Triton selective_log_softmax_and_entropy on the logits (trl.kernels.logprob_entropy)",
+         OPS, "trl", True, "trl.kernels.logprob_entropy", _trl_triton),
     Peer("erpo-inplace", "erpo_kernels, inplace_backward=True", (TOKEN,), None, False, None, _erpo_inplace),
     Peer("compile", "torch.compile of the eager log_softmax + gather", OPS, None, False, None, _compile),
 ]
@@ -208,7 +210,7 @@ PEER_BY_NAME = {p.name: p for p in PEERS}
 
 
 def peer_label(name: str) -> str:
-    return _trl_label() if name == "trl" else PEER_BY_NAME[name].label
+    return PEER_BY_NAME[name].label
 
 
 def peer_versions() -> Dict[str, Optional[str]]:

@@ -21,7 +21,7 @@ from .measure import REPO, RESULTS_DIR, RunOptions
 
 README = REPO / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
-PEER_ORDER = ("eager", "eager-ce", "compile", "trl", "liger", "cce", "flash-attn", "erpo-inplace")
+PEER_ORDER = ("eager", "eager-ce", "compile", "trl", "trl-chunked", "trl-triton", "liger", "cce", "flash-attn", "erpo-inplace")
 PASS_LABEL = {"forward": "fwd", "backward": "bwd", "both": "fwd+bwd"}
 # The CPU target of the benchmark issue (measured, never asserted).
 CPU_TARGET = {"op": "token_logprobs", "N": 4096, "V": 151936, "dtype": "fp32", "mem": 0.35, "time": 1.0}
