@@ -10,7 +10,10 @@
 # PYTHONPATH with the machine's own packages. Every phase runs under `timeout`, and the whole
 # script ends within about T_TOTAL seconds (default 420, 7 minutes):
 #   0. environment; stops at once (exit 2, summary.txt says why) when no CUDA device is visible
-#   1. peer wheels from .whl/ when that folder travelled (pip --no-index --no-deps into /tmp)
+#   1. peer wheels from .whl/ when that folder travelled (pip --no-index --no-deps into /tmp):
+#      liger-kernel, cut-cross-entropy, and trl (trl==1.16.0, pure Python; made with
+#      `pip download trl==1.16.0 --no-deps -d .whl`), whose peers (trl, trl-chunked,
+#      trl-triton) and tests/test_trl_integration.py also need transformers on the image
 #   2. the tests with the compiled kernels (TRITON_INTERPRET unset), the modules that import
 #      erpo_kernels first, on WORKERS processes when pytest-xdist is there (limit T_TESTS);
 #      modules whose top-level imports are missing here are left out and listed, and without

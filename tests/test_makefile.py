@@ -29,10 +29,10 @@ def _install(tmp_path: Path, torch_importable: bool) -> str:
 def test_make_keeps_an_installed_torch(tmp_path):
     calls = _install(tmp_path, torch_importable=True)
     assert "torch==" not in calls
-    assert '-e .[train,dev]' in calls  # the project itself is still installed
+    assert '-e .[train,dev,trl]' in calls  # the project itself is still installed
 
 
 def test_make_installs_the_cpu_torch_into_a_fresh_venv(tmp_path):
     calls = _install(tmp_path, torch_importable=False)
     assert "install" in calls and "torch==2.13.0" in calls
-    assert calls.index("torch==2.13.0") < calls.index("-e .[train,dev]")
+    assert calls.index("torch==2.13.0") < calls.index("-e .[train,dev,trl]")

@@ -67,7 +67,7 @@ def train_args(cls, tmp_path, **kw):
     base = dict(
         output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
         max_steps=3, per_device_train_batch_size=8, num_generations=2, max_completion_length=6,
-        logging_steps=1, seed=0, disable_tqdm=True, num_iterations=2, optim="sgd", learning_rate=1.0,
+        logging_steps=1, seed=0, disable_tqdm=True, num_iterations=2, optim="sgd", learning_rate=0.1,
     )
     base.update(kw)
     return cls(**base)

@@ -103,11 +103,15 @@ def _install_switch() -> None:
 
 
 def _full(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A plain tensor from an FSDP2 DTensor (full_tensor(), as TRL's fused head does; the
-    gather is differentiable), anything else unchanged."""
-    from torch.distributed.tensor import DTensor
+    """A whole tensor from an FSDP2 DTensor, anything else unchanged. TRL's fused head
+    already gathers a DTensor lm_head (full_tensor()) before the kernel call; this covers a
+    DTensor that still arrives, with erpo.distributed.gather_for_call, whose backward
+    reduce-scatters (sums) the gradient into the shard."""
+    if t is None:
+        return None
+    from ..distributed import gather_for_call
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return gather_for_call(t)
 
 
 @dataclass
