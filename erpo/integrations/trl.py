@@ -6,7 +6,7 @@ Our kernel behind TRL's fused LM head, a two-line change:
     use_erpo_kernels(trainer)   # TRL's fused LM head now runs erpo_kernels.linear_token_logprobs
     trainer.train()
 
-ERPO as a TRL trainer (erpo-method.md: weighted policy loss + alpha * Query-KL):
+ERPO as a TRL trainer (docs/method.md: weighted policy loss + alpha * Query-KL):
 
     trainer = ERPOTrainer(model=..., reward_funcs=..., args=ERPOConfig(alpha=0.01, ...), train_dataset=...)
     trainer.train()            # logs query_kl, weights/ess, weights/min, weights/max with TRL's metrics
@@ -306,7 +306,7 @@ def use_erpo_kernels(model_or_trainer: Any, *, backend: str = "auto", verbose: b
 
 @dataclass
 class ERPOConfig(GRPOConfig):
-    """GRPOConfig plus the keys of ERPO (erpo-method.md sections 2, 3, 5, 7)."""
+    """GRPOConfig plus the keys of ERPO (docs/method.md sections 2, 3, 5, 7)."""
 
     alpha: float = field(default=0.01, metadata={"help": "Query-KL coefficient: loss = TRL's policy loss with the "
                          "query weights + alpha * weighted Query-KL; 0 = the weights-only ablation."})
@@ -348,7 +348,7 @@ class ERPOConfig(GRPOConfig):
 
 
 class ERPOTrainer(GRPOTrainer):
-    """TRL's GRPOTrainer with ERPO's objective (erpo-method.md sections 1-5):
+    """TRL's GRPOTrainer with ERPO's objective (docs/method.md sections 1-5):
 
         loss = TRL's policy loss with advantages A_i * w_B(q_i)  +  alpha * R_query
 
@@ -375,7 +375,7 @@ class ERPOTrainer(GRPOTrainer):
             gamma=self.args.gamma, temperature=self.args.weight_temperature, w_min=self.args.w_min, w_max=self.args.w_max,
         )
 
-    # -- reference cache (erpo-method.md section 7) ---------------------------------------------
+    # -- reference cache (docs/method.md section 7) ---------------------------------------------
 
     def _template_text(self) -> str:
         template = getattr(self, "chat_template", None) or getattr(self._tokenizer, "chat_template", None)
