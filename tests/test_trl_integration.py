@@ -219,14 +219,10 @@ def _erpo_loss_on_same_batch(trainer, inputs, alpha):
         group_index=packed.group_index, advantages=torch.zeros(len(prompts)),
         ref_query_logp=inputs["ref_query_logp"][rows], query_weights=inputs["query_weights"][rows],
     )
-    hidden = forward_hidden(model, packed.input_ids, packed.seq_cu_seqlens, tokenizer_pad(trainer))
+    hidden = forward_hidden(model, packed.input_ids, packed.position_ids)  # packed: positions from 0
     weight, bias = lm_head_of(model)
     cfg = LossConfig(algorithm="erpo", alpha=alpha, loss_agg="seq-mean-token-mean", kl_guard=trainer.args.kl_guard)
     return erpo_loss(hidden, weight, batch, cfg, bias=bias, backend="torch")
-
-
-def tokenizer_pad(trainer):
-    return int(trainer.processing_class.pad_token_id)
 
 
 def test_erpo_query_kl_equals_erpo_loss(tmp_path, model_dir, tokenizer, dataset):
