@@ -26,9 +26,10 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# configs/demo.yaml: the embedded default with two updates per rollout batch;
 # overwrite=true: a rerun of the demo replaces runs/demo (erpo train alone refuses to)
 demo: $(STAMP)
-	$(VENV)/bin/erpo train overwrite=true
+	$(VENV)/bin/erpo train configs/demo.yaml overwrite=true
 
 # The accuracy-over-temperatures evaluation of the demo run (runs/demo, after make demo).
 eval: $(STAMP)

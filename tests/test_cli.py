@@ -129,6 +129,20 @@ def test_a_config_yaml_written_before_the_sections_still_loads(tmp_path):
         "grpo", "seq-mean-token-mean", 4, [0.5, 1.0])
 
 
+def test_every_shipped_config_loads_and_validates():
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    paths = sorted(os.path.join(root, name) for name in os.listdir(root) if name.endswith(".yaml"))
+    assert [os.path.basename(p) for p in paths] == [
+        "demo.yaml", "qwen2.5-math-1.5b-1gpu.yaml", "qwen2.5-math-7b-8gpu.yaml"]
+    for path in paths:
+        cfg, given = load_config(path)
+        cfg.validate()
+        with open(path, encoding="utf-8") as f:
+            assert "Memory" in f.read()  # each states its (measured or estimated) memory per GPU
+    demo, _ = load_config(paths[0])
+    assert demo == TrainConfig(mini_batches=2)  # the embedded default, two updates per rollout batch
+
+
 def test_mini_batches_must_divide_the_queries(capsys):
     one_line_error(capsys, ["train", "mini_batches=3"], "mini_batches=3 does not divide queries_per_step=16",
                    "use one of 1, 2, 4, 8, 16")
