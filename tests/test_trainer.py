@@ -227,7 +227,8 @@ def test_micro_batch_budget_below_the_longest_sequence_is_refused(tmp_path, cach
 # ---------------------------------------------------------------------- resume
 
 
-@pytest.mark.parametrize("updates", [{}, dict(mini_batches=2, ppo_epochs=2)], ids=["one-update", "mini-batches"])
+@pytest.mark.parametrize("updates", [{}, dict(mini_batches=2, ppo_epochs=2, micro_batch_tokens=24)],
+                         ids=["one-update", "mini-and-micro-batches"])
 def test_resume_is_bit_exact(tmp_path, cache_dir, updates):
     full = Trainer(tiny(tmp_path, cache_dir, "full", warmup_steps=3, **updates), log=quiet)
     full.train()
