@@ -13,6 +13,7 @@ whatever the model's own generation_config says, so numbers compare across model
 """
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -183,6 +184,46 @@ def _check_eval_args(answers, temperatures, n_samples, k_values, batch_size, rew
         raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
 
 
+def _grade(sampler: Sampler, answers: Sequence[str], reward_fn: Callable[[str, str], float], batch_size: int,
+           samples: list[dict[str, Any]] | None, items: list[int], temperature: float, per_problem: int,
+           bar: Any) -> list[int]:
+    """Correctness (0/1) of one completion for each problem index in ``items``, sampled
+    ``batch_size`` at a time; every completion appended to ``samples`` unless None. The
+    bar advances by the problems finished (``per_problem`` sequences each)."""
+    results: list[int] = []
+    for start in range(0, len(items), batch_size):
+        chunk = items[start:start + batch_size]
+        completions = list(sampler(chunk, temperature))
+        if len(completions) != len(chunk):
+            raise ValueError(f"sampler: returned {len(completions)} completions for {len(chunk)} sequences")
+        for completion, i in zip(completions, chunk):
+            results.append(int(float(reward_fn(completion, answers[i])) >= CORRECT_THRESHOLD))
+            if samples is not None:
+                samples.append({"problem": i, "temperature": temperature, "completion": completion,
+                                "correct": results[-1]})
+        bar.update((start + len(chunk)) // per_problem - start // per_problem)  # problems finished
+    return results
+
+
+def _problem_order(order: Sequence[int] | None, n_problems: int) -> list[int]:
+    """``order`` as a list (default 0..P-1), checked to be a permutation of the problems."""
+    order = list(range(n_problems)) if order is None else [int(i) for i in order]
+    if sorted(order) != list(range(n_problems)):
+        raise ValueError(f"order: must be a permutation of the {n_problems} problem indices")
+    return order
+
+
+def _temperature_row(temperature: float, n_correct: list[int], n_samples: int, k_values: list[int]) -> TemperatureRow:
+    """Avg@n and Pass@k at one temperature from each problem's count of correct samples."""
+    n_problems = len(n_correct)
+    return TemperatureRow(
+        temperature=temperature,
+        avg_at_n=sum(n_correct) / (n_problems * n_samples),
+        pass_at_k={k: sum(pass_at_k(n_samples, c, k) for c in n_correct) / n_problems for k in k_values},
+        n_correct=n_correct,
+    )
+
+
 def evaluate_sampler(
     sampler: Sampler,
     answers: Sequence[str],
@@ -214,61 +255,51 @@ def evaluate_sampler(
 
     _check_eval_args(answers, temperatures, n_samples, k_values, batch_size, reward_fn)
     n_problems = len(answers)
-    order = list(range(n_problems)) if order is None else [int(i) for i in order]
-    if sorted(order) != list(range(n_problems)):
-        raise ValueError(f"order: must be a permutation of the {n_problems} problem indices")
+    order = _problem_order(order, n_problems)
     k_values = list(range(1, n_samples + 1)) if k_values is None else sorted({int(k) for k in k_values})
     sampled_items = [i for i in order for _ in range(n_samples)]  # problem index of each sampled sequence
     samples: list[dict[str, Any]] = []
-
-    def run(items: list[int], temperature: float, per_problem: int, bar) -> list[int]:
-        """Correctness (0/1) of one completion for each problem index in ``items``."""
-        results: list[int] = []
-        for start in range(0, len(items), batch_size):
-            chunk = items[start:start + batch_size]
-            completions = list(sampler(chunk, temperature))
-            if len(completions) != len(chunk):
-                raise ValueError(f"sampler: returned {len(completions)} completions for {len(chunk)} sequences")
-            for completion, i in zip(completions, chunk):
-                results.append(int(float(reward_fn(completion, answers[i])) >= CORRECT_THRESHOLD))
-                if keep_samples:
-                    samples.append({"problem": i, "temperature": temperature, "completion": completion,
-                                    "correct": results[-1]})
-            bar.update((start + len(chunk)) // per_problem - start // per_problem)   # problems finished
-        return results
+    grade = functools.partial(_grade, sampler, answers, reward_fn, batch_size, samples if keep_samples else None)
 
     rng_devices = [torch.device(d) for d in rng_devices]
     device_type = rng_devices[0].type if rng_devices else "cuda"
-    with torch.random.fork_rng(devices=rng_devices, device_type=device_type), \
-            tqdm(total=n_problems * (1 + len(temperatures)), desc="eval", unit="problem", disable=not progress,
-                 leave=False) as bar:
+    bar = tqdm(total=n_problems * (1 + len(temperatures)), desc="eval", unit="problem", disable=not progress,
+               leave=False)
+    with torch.random.fork_rng(devices=rng_devices, device_type=device_type), bar:
         bar.set_postfix_str("greedy")
-        greedy = dict(zip(order, run(order, 0.0, 1, bar)))
+        greedy = dict(zip(order, grade(order, 0.0, 1, bar)))
         greedy_correct = [greedy[i] for i in range(n_problems)]
-
         rows = []
         for t_index, temperature in enumerate(temperatures):
             bar.set_postfix_str(f"T={temperature:g}")
             torch.manual_seed(derived_seed(seed, "eval", t_index))
             n_correct = [0] * n_problems
-            for problem, ok in zip(sampled_items, run(sampled_items, float(temperature), n_samples, bar)):
+            for problem, ok in zip(sampled_items, grade(sampled_items, float(temperature), n_samples, bar)):
                 n_correct[problem] += ok
-            rows.append(TemperatureRow(
-                temperature=float(temperature),
-                avg_at_n=sum(n_correct) / (n_problems * n_samples),
-                pass_at_k={k: sum(pass_at_k(n_samples, c, k) for c in n_correct) / n_problems for k in k_values},
-                n_correct=n_correct,
-            ))
+            rows.append(_temperature_row(float(temperature), n_correct, n_samples, k_values))
 
-    return EvalResult(
-        rows=rows,
-        greedy_pass_at_1=sum(greedy_correct) / n_problems,
-        n_samples=n_samples,
-        n_problems=n_problems,
-        greedy_correct=greedy_correct,
-        settings={"seed": seed, "batch_size": batch_size, "correct_threshold": CORRECT_THRESHOLD},
-        samples=samples,
-    )
+    settings = {"seed": seed, "batch_size": batch_size, "correct_threshold": CORRECT_THRESHOLD}
+    return EvalResult(rows=rows, greedy_pass_at_1=sum(greedy_correct) / n_problems, n_samples=n_samples,
+                      n_problems=n_problems, greedy_correct=greedy_correct, settings=settings, samples=samples)
+
+
+def _pad_and_eos(model: Any, tokenizer: Any) -> tuple[int, list[int]]:
+    """(pad token id, EOS token ids) for generation; pad falls back to EOS."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = eos_ids_of(model, tokenizer)
+    if pad_id is None or not eos_ids:
+        raise ValueError("tokenizer: needs an eos token (and a pad token, or eos is used to pad)")
+    return pad_id, eos_ids
+
+
+def _encode(tokenizer: Any, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+    """Token ids of each prompt: strings tokenised without special tokens, id lists as they are."""
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else [int(t) for t in p]
+               for p in prompts]
+    empty = [i for i, ids in enumerate(encoded) if not ids]
+    if empty:
+        raise ValueError(f"prompts: prompt {empty[0]} has no tokens")
+    return encoded
 
 
 def evaluate(
@@ -302,17 +333,8 @@ def evaluate(
         raise ValueError(f"answers: need one answer per prompt, got {len(answers)} for {len(prompts)} prompts")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = eos_ids_of(model, tokenizer)
-    if pad_id is None or not eos_ids:
-        raise ValueError("tokenizer: needs an eos token (and a pad token, or eos is used to pad)")
-
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else [int(t) for t in p]
-               for p in prompts]
-    empty = [i for i, ids in enumerate(encoded) if not ids]
-    if empty:
-        raise ValueError(f"prompts: prompt {empty[0]} has no tokens")
-
+    pad_id, eos_ids = _pad_and_eos(model, tokenizer)
+    encoded = _encode(tokenizer, prompts)
     counts = {"sequences": 0, "truncated": 0}
 
     def sample(problems: Sequence[int], temperature: float) -> list[str]:
@@ -647,41 +669,39 @@ def check_no_silent_replace(out_root: str, planned: dict[str, dict[str, Any]]) -
                 raise ErpoError(f"{where} compares {name} made with {was} (this one: {now}); {fix}")
 
 
-def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, str]:
-    """`erpo eval`: evaluate each of cfg.eval_checkpoints (default: the latest checkpoint of
-    cfg.run_dir) on the evaluation set; a table per model on the terminal, reports in
-    <out>/<name>/ (eval.json, eval.md, eval.png), and with several models compare.{md,png,json}
-    in <out> (cfg.eval_out, default <run_dir>/eval). Returns {name: report dir}."""
+def _eval_entries(cfg: TrainConfig) -> list[str]:
+    """cfg.eval_checkpoints, or the run's own directory (its latest checkpoint) when empty."""
     from . import checkpoint as ckpt
-    from .data import encode_prompts, load_examples
-    from .rewards import get_reward_fn
-    from .models import load_model, load_tokenizer, resolve_compute_dtype, resolve_device
 
-    cfg.validate()
-    examples = load_examples(cfg, "eval")
-    if cfg.eval_limit:
-        examples = examples[: cfg.eval_limit]
-    entries = list(cfg.eval_checkpoints)
-    if not entries:
-        if ckpt.latest_checkpoint(cfg.run_dir) is None:
-            raise ErpoError(
-                f"eval: {cfg.run_dir} holds no checkpoint to evaluate; train it first (make demo, or erpo train "
-                f"run_dir={cfg.run_dir}) or name one: erpo eval model=RUN_OR_CHECKPOINT_OR_MODEL_DIR (model=tiny: the "
-                f"demo's starting model)"
-            )
-        entries = [cfg.run_dir]
-    # a report per model and evaluation set: data= of another file does not replace the default one
-    data_name = cfg.eval_dataset or cfg.dataset
+    if cfg.eval_checkpoints:
+        return list(cfg.eval_checkpoints)
+    if ckpt.latest_checkpoint(cfg.run_dir) is None:
+        raise ErpoError(
+            f"eval: {cfg.run_dir} holds no checkpoint to evaluate; train it first (make demo, or erpo train "
+            f"run_dir={cfg.run_dir}) or name one: erpo eval model=RUN_OR_CHECKPOINT_OR_MODEL_DIR (model=tiny: the "
+            f"demo's starting model)"
+        )
+    return [cfg.run_dir]
+
+
+def _eval_targets(cfg: TrainConfig, log: Callable[[str], None]) -> dict[str, str]:
+    """{model dir: report name} of every model= entry, each checked before the first long
+    evaluation; a report per model and evaluation set (data= of another file adds its name)."""
     suffix = f"-{os.path.splitext(os.path.basename(cfg.eval_dataset))[0]}" if cfg.eval_dataset else ""
-    targets: dict[str, str] = {}  # model dir -> report name; every entry checked before the first long evaluation
-    for entry in entries:
+    targets: dict[str, str] = {}
+    for entry in _eval_entries(cfg):
         model_dir, name = _eval_target(entry, cfg, log)
         if model_dir not in targets:
             targets[model_dir] = _unique(name + suffix, set(targets.values()))
+    return targets
+
+
+def _writable_out_root(cfg: TrainConfig) -> str:
+    """The report directory (created), or an ErpoError now rather than after hours of generation."""
     out_root = cfg.eval_out or os.path.join(cfg.run_dir, "eval")
     if os.path.exists(out_root) and not os.path.isdir(out_root):
         raise ErpoError(f"out={out_root} is a file; give a directory for the reports with out=DIR")
-    try:  # a report directory that cannot be written fails now, not after hours of generation
+    try:
         os.makedirs(out_root, exist_ok=True)
         probe = os.path.join(out_root, f".write-test-{os.getpid()}")
         open(probe, "wb").close()
@@ -689,6 +709,59 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
     except OSError as exc:
         raise ErpoError(f"out={out_root}: reports cannot be written there ({exc.strerror}); give a writable "
                         f"directory with out=DIR") from None
+    return out_root
+
+
+def _evaluate_model(cfg: TrainConfig, model_dir: str, name: str, examples: Sequence[Any], out: str,
+                    device: torch.device, dtype: torch.dtype, log: Callable[[str], None]) -> EvalResult:
+    """Evaluate one model on `examples`, write its report to `out` and log its table."""
+    from .data import encode_prompts
+    from .models import load_model, load_tokenizer
+    from .rewards import get_reward_fn
+
+    max_new_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
+    model = load_model(model_dir, device, dtype).eval()
+    tokenizer = load_tokenizer(model_dir)
+    prompts = encode_prompts(tokenizer, examples, cfg.eval_template)  # as in training (BOS included)
+    t0 = time.perf_counter()
+    result = evaluate(
+        model, tokenizer, prompts, [ex.answer for ex in examples], reward_fn=get_reward_fn(cfg.eval_reward),
+        temperatures=cfg.eval_temperatures, n_samples=cfg.eval_n_samples, k_values=cfg.eval_k_values or None,
+        max_new_tokens=max_new_tokens, batch_size=cfg.eval_batch_size,
+        seed=cfg.seed, progress=cfg.progress, keep_samples=cfg.eval_save_samples,
+    )
+    result.settings.update({"model": model_dir, "data": cfg.eval_dataset or cfg.dataset, "template": cfg.eval_template,
+                            "reward": cfg.eval_reward, "seconds": round(time.perf_counter() - t0, 2),
+                            "model_path": os.path.abspath(model_dir), "data_path": _data_path(cfg)})
+    written = write_report(result, out, title=name, questions=[ex.prompt for ex in examples],
+                           answers=[ex.answer for ex in examples])
+    every = " (every Pass@k in eval.md)" if len(result.k_values) > 8 else ""
+    log(f"\n{name} ({result.settings['seconds']:.0f}s)\n\n{format_table(result, brief=True)}\n"
+        f"-> {out}/{', '.join(p.name for p in written.values())}{every}")
+    cut = result.settings["truncated_fraction"]
+    if cut > TRUNCATION_WARNING:
+        log(f"erpo: warning: {cut:.0%} of {name}'s responses reached max_new_tokens={max_new_tokens} without "
+            f"ending; their answers may be cut off (raise max_new_tokens=)")
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the next model gets the memory back
+    return result
+
+
+def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, str]:
+    """`erpo eval`: evaluate each of cfg.eval_checkpoints (default: the latest checkpoint of
+    cfg.run_dir) on the evaluation set; a table per model on the terminal, reports in
+    <out>/<name>/ (eval.json, eval.md, eval.png), and with several models compare.{md,png,json}
+    in <out> (cfg.eval_out, default <run_dir>/eval). Returns {name: report dir}."""
+    from .data import load_examples
+    from .models import resolve_compute_dtype, resolve_device
+
+    cfg.validate()
+    examples = load_examples(cfg, "eval")
+    if cfg.eval_limit:
+        examples = examples[: cfg.eval_limit]
+    targets = _eval_targets(cfg, log)  # model dir -> report name
+    out_root = _writable_out_root(cfg)
     max_new_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
     planned = {name: _planned_settings(cfg, model_dir, len(examples), max_new_tokens)
                for model_dir, name in targets.items()}
@@ -696,41 +769,14 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
         check_no_silent_replace(out_root, planned)
     device = resolve_device(cfg)
     dtype = resolve_compute_dtype(cfg, device)
-    reward_fn = get_reward_fn(cfg.eval_reward)
     n_temps = len(cfg.eval_temperatures)
-    log(f"erpo: eval on {len(examples)} problems of {data_name} (template {cfg.eval_template}, reward "
-        f"{cfg.eval_reward}, responses of at most {max_new_tokens} tokens), {cfg.eval_n_samples} samples at each of "
-        f"{n_temps} temperature{'s' if n_temps > 1 else ''} + greedy")
-
+    log(f"erpo: eval on {len(examples)} problems of {cfg.eval_dataset or cfg.dataset} (template {cfg.eval_template}, "
+        f"reward {cfg.eval_reward}, responses of at most {max_new_tokens} tokens), {cfg.eval_n_samples} samples at "
+        f"each of {n_temps} temperature{'s' if n_temps > 1 else ''} + greedy")
     results, out_dirs = {}, {}
     for model_dir, name in targets.items():
-        model = load_model(model_dir, device, dtype).eval()
-        tokenizer = load_tokenizer(model_dir)
-        prompts = encode_prompts(tokenizer, examples, cfg.eval_template)  # as in training (BOS included)
-        t0 = time.perf_counter()
-        result = evaluate(
-            model, tokenizer, prompts, [ex.answer for ex in examples], reward_fn=reward_fn,
-            temperatures=cfg.eval_temperatures, n_samples=cfg.eval_n_samples, k_values=cfg.eval_k_values or None,
-            max_new_tokens=max_new_tokens, batch_size=cfg.eval_batch_size,
-            seed=cfg.seed, progress=cfg.progress, keep_samples=cfg.eval_save_samples,
-        )
-        result.settings.update({"model": model_dir, "data": data_name, "template": cfg.eval_template,
-                                "reward": cfg.eval_reward, "seconds": round(time.perf_counter() - t0, 2),
-                                "model_path": os.path.abspath(model_dir), "data_path": _data_path(cfg)})
-        out = os.path.join(out_root, name)
-        written = write_report(result, out, title=name, questions=[ex.prompt for ex in examples],
-                               answers=[ex.answer for ex in examples])
-        results[name], out_dirs[name] = result, out
-        every = " (every Pass@k in eval.md)" if len(result.k_values) > 8 else ""
-        log(f"\n{name} ({result.settings['seconds']:.0f}s)\n\n{format_table(result, brief=True)}\n"
-            f"-> {out}/{', '.join(p.name for p in written.values())}{every}")
-        cut = result.settings["truncated_fraction"]
-        if cut > TRUNCATION_WARNING:
-            log(f"erpo: warning: {cut:.0%} of {name}'s responses reached max_new_tokens={max_new_tokens} without "
-                f"ending; their answers may be cut off (raise max_new_tokens=)")
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the next model gets the memory back
+        out_dirs[name] = os.path.join(out_root, name)
+        results[name] = _evaluate_model(cfg, model_dir, name, examples, out_dirs[name], device, dtype, log)
     if len(results) > 1:
         path = compare_report(results, out_root)
         log(f"\n{compare_table(results)}\n-> {path}, compare.png, compare.json")

@@ -1,7 +1,8 @@
 """The import layers of the README's module map, read from the source (ast, every import
 statement, also those inside functions): erpo_kernels imports neither erpo nor bench;
 erpo imports neither bench nor tests; the modules of erpo/ import each other without a
-cycle. No file cites a document the repository lacks."""
+cycle. No file cites a document the repository lacks; no function in erpo/ reaches 60
+lines."""
 import ast
 import os
 import re
@@ -118,3 +119,16 @@ def test_every_cited_document_exists():
             missing += [f"{os.path.relpath(path, ROOT)} cites {doc}" for doc in cited
                         if not os.path.isfile(os.path.join(ROOT, doc))]
     assert not missing, missing
+
+
+def test_every_function_in_erpo_is_under_60_lines():
+    long = []
+    for path in _python_files("erpo"):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines >= 60:
+                    long.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long
