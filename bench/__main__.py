@@ -77,6 +77,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--response-len", type=int, default=32, help="L (with --model)")
     s.add_argument("--tau", type=float, default=1.0, help="rollout temperature (with --model)")
     s.add_argument("--dtype", default=None, help="fp32 or bf16 (default: fp32 on CPU, bf16 on CUDA)")
+    s.add_argument("--micro-batch-tokens", default=None,
+                   help="comma list of budgets K: adds an erpo-micro-K variant each (peak memory against K)")
 
     r = sub.add_parser("report", help="regenerate the README table and the plots from bench/results/*.json")
     r.add_argument("--out-dir", default=str(RESULTS_DIR))
@@ -147,7 +149,8 @@ def _step(args: argparse.Namespace) -> int:
                                args.response_len, args.tau, dtype)]
     else:
         cases = step.preset_cases(args.device, args.quick)
-    step.run(cases, _csv(args.variants), opts)
+    variants = _csv(args.variants) + [f"{step.MICRO_PREFIX}{k}" for k in (_ints(args.micro_batch_tokens) or [])]
+    step.run(cases, variants, opts)
     return 0
 
 

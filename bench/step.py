@@ -18,6 +18,10 @@ out as erpo_kernels.objective.PackedLossBatch describes). Variants:
                batch (erpo.packing.forward_hidden_padded): every padding position computed
   erpo-packed  the same batch packed into one row with no padding (erpo.packing.forward_hidden,
                attn_implementation=auto); tokens/s of both count the real tokens only
+  erpo-micro-K erpo-packed in micro-batches of at most K tokens (whole sequences, packed
+               greedily), gradients accumulated, every micro-batch normalised by the whole
+               batch (the trainer's micro_batch_tokens=K): the same update, a lower peak;
+               `--micro-batch-tokens K1,K2,...` adds one variant per budget
 Time and peak extra memory are defined in bench/measure.py; "resident before" is what the
 step starts from (weights, optimizer state, the reference model for GRPO). Two peaks are
 recorded: of the whole step, and of forward + loss + backward alone (read just before the
@@ -36,6 +40,22 @@ from .measure import MIB, Measurement, RunOptions, guarded, measure, measure_iso
 
 PACKING_VARIANTS = ("erpo-padded", "erpo-packed")
 VARIANTS = ("erpo-fused", "erpo-stock", "grpo-stock", "grpo-fused") + PACKING_VARIANTS
+MICRO_PREFIX = "erpo-micro-"  # + the token budget K of each micro-batch
+
+
+def micro_budget(variant: str) -> Optional[int]:
+    """K of an erpo-micro-K variant (None for the other variants; SystemExit for a bad K)."""
+    if not variant.startswith(MICRO_PREFIX):
+        return None
+    text = variant[len(MICRO_PREFIX):]
+    if not text.isdigit() or int(text) < 1:
+        raise SystemExit(f"variant {variant!r}: the micro-batch budget must be a positive integer (erpo-micro-4096)")
+    return int(text)
+
+
+def is_packing_variant(variant: str) -> bool:
+    """Variants on the skewed, packed batch (erpo-padded, erpo-packed, erpo-micro-K)."""
+    return variant in PACKING_VARIANTS or micro_budget(variant) is not None
 STEP_DEFINITION = (
     "forward (+ reference forward for grpo) + loss + backward + AdamW step, timed; zero_grad(set_to_none) "
     "before it, untimed; m queries x G responses, T prompt + L response tokens each"
@@ -170,7 +190,7 @@ def make_packed_batch(case: StepCase, vocab: int, device: str, seed: int = 0):
 
 def case_tokens(case: StepCase, variant: str) -> int:
     """The real tokens N of a variant's batch (skewed lengths for the packing variants)."""
-    if variant in PACKING_VARIANTS:
+    if is_packing_variant(variant):
         return case.queries * case.group * case.prompt_len + sum(
             skewed_lengths(case.queries * case.group, case.response_len))
     return case.tokens
@@ -208,7 +228,7 @@ def make_step(case: StepCase, variant: str, device: str):
     model = build_model(case, device, seed=0)
     model.train()
     vocab = model.config.vocab_size
-    if variant in PACKING_VARIANTS:
+    if is_packing_variant(variant):
         return _packing_step(case, variant, device, model)
     ids, batch = make_batch(case, vocab, device)
     n = ids.numel()
@@ -264,6 +284,10 @@ def _packing_step(case: StepCase, variant: str, device: str, model: Any):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     peaks: List[int] = []
 
+    budget = micro_budget(variant)
+    if budget is not None:
+        return model, opt, _micro_step(model, opt, packed, batch, config, budget, device, peaks), packed.num_rows, peaks
+
     def step():
         if variant == "erpo-packed":
             hidden = forward_hidden(model, packed.input_ids, packed.position_ids)  # [N, D], one row
@@ -276,6 +300,30 @@ def _packing_step(case: StepCase, variant: str, device: str, model: Any):
         return metrics
 
     return model, opt, step, packed.num_rows, peaks
+
+
+def _micro_step(model: Any, opt: Any, packed: Any, batch: Any, config: Any, budget: int, device: str,
+                peaks: List[int]):
+    """The erpo-micro-K step function: micro-batches of at most `budget` rows, gradients
+    accumulated, normalised by the whole batch (erpo_kernels.objective's micro-batch API)."""
+    from erpo.packing import forward_hidden
+    from erpo_kernels.objective import LossNormalizers, combine_metrics, erpo_loss, plan_micro_batches, split_batch
+
+    norm = LossNormalizers.of(batch)
+    micros = split_batch(batch, plan_micro_batches(batch, budget))
+
+    def step():
+        parts = []
+        for micro in micros:
+            hidden = forward_hidden(model, packed.input_ids[micro.rows], packed.position_ids[micro.rows])  # [n_k, D]
+            loss, metrics = erpo_loss(hidden, model.lm_head.weight, micro.batch, config, normalizers=norm)
+            loss.backward()  # gradients accumulate
+            parts.append(metrics)
+        peaks.append(_current_peak(device))
+        opt.step()
+        return combine_metrics(parts)
+
+    return step
 
 
 def _current_peak(device: str) -> int:
@@ -317,9 +365,9 @@ def worker(spec: Dict[str, Any], device: str = "cpu") -> Dict[str, Any]:
 
 def run(cases: List[StepCase], variants: Sequence[str], opts: RunOptions) -> Dict[str, Any]:
     """Measure every (case, variant), rewriting the run in <out_dir>/<machine>.json after each."""
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if v not in VARIANTS and micro_budget(v) is None]
     if bad:
-        raise SystemExit(f"unknown variant(s) {bad}; known: {list(VARIANTS)}")
+        raise SystemExit(f"unknown variant(s) {bad}; known: {list(VARIANTS)} and {MICRO_PREFIX}K")
     header = run_header("step", opts)
     header["step_definition"] = STEP_DEFINITION
     out = report.RunWriter(header, opts)

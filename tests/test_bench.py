@@ -146,6 +146,31 @@ def test_step_padded_vs_packed_tiny():
     assert losses["erpo-packed"] == pytest.approx(losses["erpo-padded"], rel=1e-5, abs=1e-6)
 
 
+def test_step_micro_batches_tiny(tmp_path):
+    """erpo-micro-K accumulates the same step as erpo-packed (same loss), in several
+    micro-batches; bad budgets are refused; --micro-batch-tokens adds the variants."""
+    pytest.importorskip("transformers")
+    from bench.step import StepCase, make_step, micro_budget
+
+    case = StepCase("tiny", None, 2, 3, 5, 9, 1.0, "fp32")
+    _, _, packed_step, n, _ = make_step(case, "erpo-packed", "cpu")
+    _, _, micro_step, n_micro, peaks = make_step(case, "erpo-micro-16", "cpu")
+    assert n_micro == n and len(peaks) == 0
+    assert micro_step()["loss"] == pytest.approx(packed_step()["loss"], rel=1e-5, abs=1e-6)
+    assert len(peaks) == 1 and micro_budget("erpo-packed") is None
+    with pytest.raises(SystemExit, match="positive integer"):
+        micro_budget("erpo-micro-x")
+    with pytest.raises(ValueError, match="smaller than sequence"):
+        make_step(case, "erpo-micro-4", "cpu")  # a budget below the longest sequence
+    _bench(["step", "--device", "cpu", "--model", "tiny", "--queries", "2", "--group", "2", "--prompt-len", "6",
+            "--response-len", "5", "--variants", "erpo-packed", "--micro-batch-tokens", "12", "--warmup", "1",
+            "--repeats", "1", "--no-report"], tmp_path)
+    run = json.loads((tmp_path / "smoke.json").read_text())["runs"][0]
+    recs = {r["variant"]: r for r in run["results"]}
+    assert set(recs) == {"erpo-packed", "erpo-micro-12"} and all(r["status"] == "ok" for r in recs.values())
+    assert recs["erpo-micro-12"]["loss"] == pytest.approx(recs["erpo-packed"]["loss"], rel=1e-5, abs=1e-6)
+
+
 def test_report_of_a_gpu_run_with_roofline(tmp_path):
     """The parts of the report only a CUDA run produces (ceilings, roofline), from a synthetic run:
     bytes / FLOPs models and their rendering are checked without a GPU."""
