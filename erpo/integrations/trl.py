@@ -206,12 +206,6 @@ class ErpoKernelsHead:
                 f"asks for {', '.join(extra)} (TRL's other outputs), which erpo does not compute. Use TRL's own head "
                 f"for this trainer (do not call use_erpo_kernels on it)"
             )
-        if softcap is not None or float(logit_scale) != 1.0:
-            raise ValueError(
-                f"erpo: {self.model_name} scales its logits (final_logit_softcapping={softcap}, logit_scale={logit_scale}); "
-                f"linear_token_logprobs has no softcap / logit_scale yet, so use_erpo_kernels refuses this model "
-                f"(use TRL's own fused head for it)"
-            )
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
         if is_deepspeed_zero3_enabled():
@@ -232,6 +226,9 @@ class ErpoKernelsHead:
             out = linear_token_logprobs(
                 hidden, weight, targets, bias=bias, inv_temperature=inv_t, ignore_index=IGNORE_INDEX,
                 return_entropy=want_entropy, backend=self.backend,
+                # TRL's order: the logit scale, then softcap * tanh(z / softcap), then 1 / T
+                softcap=None if softcap is None else float(softcap),
+                logit_scale=None if float(logit_scale) == 1.0 else float(logit_scale),
             )
         logp, entropy = out if want_entropy else (out, None)
         self.calls += 1
@@ -280,9 +277,10 @@ def use_erpo_kernels(model_or_trainer: Any, *, backend: str = "auto", verbose: b
         verbose: print one line per switched model to stderr.
     Returns:
         The policy model's ErpoKernelsHead (also `model.erpo_kernels`): `.calls` counts
-        the fused-head calls our kernel served. TRL's other optional outputs
-        (log_sum_sq_probs, mean_logits, is_top1) and models with logit softcapping or
-        scaling are refused with a ValueError at the first such call.
+        the fused-head calls our kernel served. A model's final_logit_softcapping and
+        logit scale (as TRL reads them from its config) pass to the kernel; TRL's other
+        optional outputs (log_sum_sq_probs, mean_logits, is_top1) are refused with a
+        ValueError at the first such call.
     """
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
