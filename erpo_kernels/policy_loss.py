@@ -149,6 +149,8 @@ def policy_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.3,
     dual_clip: float = 3.0,
+    validate: bool = True,
+    sync_metrics: bool = True,
 ) -> Tuple[torch.Tensor, Dict[str, float]]:
     """Clipped (and dual-clipped) surrogate, aggregated per query with weights w(q).
 
@@ -163,6 +165,10 @@ def policy_loss(
         loss_agg: "token-mean" or "seq-mean-token-mean" (module docstring).
         eps_low, eps_high: the asymmetric clip range [1 - eps_low, 1 + eps_high].
         dual_clip: c, the bound -c A on the loss of tokens with A < 0.
+        validate: check the values of cu_seqlens (0 to T, non-decreasing) and
+            group_index (in [0, m)): one host read (a device sync). Shapes, dtypes and
+            devices are always checked.
+        sync_metrics: python-float metrics (one transfer), or 0-d tensors (none).
     Returns:
         (scalar loss in logp's compute dtype, metrics) with metrics "pg/loss",
         "pg/clipfrac" (fraction of tokens where a clip binds), "pg/dual_clipfrac",
@@ -179,24 +185,33 @@ def policy_loss(
     n_seq = cu_seqlens.shape[0] - 1
     if n_seq < 0:
         raise ValueError("cu_seqlens must hold B + 1 offsets")
-    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != n_tok:
-        raise ValueError(f"cu_seqlens must start at 0 and end at T = {n_tok} (the length of logp)")
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    if bool((lengths < 0).any()):
-        raise ValueError("cu_seqlens must be non-decreasing")
     check_tensor("advantages", advantages, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
     check_rows("advantages", advantages, n_seq)
     check_tensor("group_index", group_index, ndim=1, dtypes=INDEX_DTYPES, device=dev)
     check_rows("group_index", group_index, n_seq)
     check_tensor("query_weights", query_weights, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
     m = query_weights.shape[0]
-    if n_seq and (int(group_index.min()) < 0 or int(group_index.max()) >= m):
-        raise ValueError(f"group_index must lie in [0, m) with m = {m} (the length of query_weights)")
+    if validate:  # every value check in one transfer
+        gi = group_index.long()
+        ok = torch.stack([
+            (cu_seqlens[0] == 0) & (cu_seqlens[-1] == n_tok),
+            (lengths >= 0).all(),
+            ((gi >= 0) & (gi < m)).all(),
+        ]).tolist()
+        if not ok[0]:
+            raise ValueError(f"cu_seqlens must start at 0 and end at T = {n_tok} (the length of logp)")
+        if not ok[1]:
+            raise ValueError("cu_seqlens must be non-decreasing")
+        if not ok[2]:
+            raise ValueError(f"group_index must lie in [0, m) with m = {m} (the length of query_weights)")
     check_loss_agg(loss_agg)
     check_clip_args(eps_low, eps_high, dual_clip)
     loss, metrics = _policy_loss(
         logp, old_logp, advantages, lengths, group_index, query_weights,
         loss_agg, float(eps_low), float(eps_high), float(dual_clip),
     )
-    values = torch.stack(list(metrics.values())).tolist()
+    if not sync_metrics:
+        return loss, metrics
+    values = torch.stack(list(metrics.values())).tolist()  # the one transfer
     return loss, dict(zip(metrics.keys(), values))

@@ -578,7 +578,7 @@ def test_policy_loss_bad_inputs():
     with pytest.raises(ValueError, match="cu_seqlens"):
         policy_loss(logp, None, adv, torch.tensor([0, 2, 4]), gi, w)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        policy_loss(logp, None, adv, torch.tensor([0, 3, 2, 5]), torch.tensor([0, 1, 1]), w)
+        policy_loss(logp, None, torch.zeros(3), torch.tensor([0, 3, 2, 5]), torch.tensor([0, 1, 1]), w)
     with pytest.raises(ValueError, match="group_index"):
         policy_loss(logp, None, adv, cu, torch.tensor([0, 2]), w)
     with pytest.raises(ValueError, match="advantages"):
