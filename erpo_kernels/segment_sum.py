@@ -109,7 +109,7 @@ def _segment_gather_launch(grad_out: torch.Tensor, cu_seqlens: torch.Tensor, n_v
 # autograd registered): torch.compile(fullgraph=True) traces a call without a graph
 # break, and the kernels run as they are. The sum's backward is the gather and the
 # gather's backward the sum, so the op is twice differentiable.
-@torch.library.custom_op("erpo::segment_sum", mutates_args=())
+@torch.library.custom_op("erpo_kernels::segment_sum", mutates_args=())
 def _segment_sum_op(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """values [N] -> [S] per-segment sums (Triton)."""
     return _segment_sum_launch(values.contiguous(), cu_seqlens.contiguous())
@@ -120,9 +120,9 @@ def _segment_sum_fake(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.T
     return values.new_empty(cu_seqlens.shape[0] - 1)
 
 
-@torch.library.custom_op("erpo::segment_gather", mutates_args=())
+@torch.library.custom_op("erpo_kernels::segment_gather", mutates_args=())
 def _segment_gather_op(grad_out: torch.Tensor, cu_seqlens: torch.Tensor, n_values: int) -> torch.Tensor:
-    """g [S] -> [N], g[s] over segment s (Triton); the adjoint of erpo::segment_sum."""
+    """g [S] -> [N], g[s] over segment s (Triton); the adjoint of erpo_kernels::segment_sum."""
     return _segment_gather_launch(grad_out.contiguous(), cu_seqlens.contiguous(), n_values)
 
 

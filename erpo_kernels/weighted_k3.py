@@ -149,7 +149,7 @@ def _weighted_k3_stats(logp: torch.Tensor, ref_logp: torch.Tensor, weight: Optio
 # The Triton path as torch.library custom ops (fake implementations for shapes,
 # autograd registered): torch.compile(fullgraph=True) traces a call without a graph
 # break. The forward returns (R, stats) and the backward reads stats = (R, W).
-@torch.library.custom_op("erpo::weighted_k3", mutates_args=())
+@torch.library.custom_op("erpo_kernels::weighted_k3", mutates_args=())
 def _weighted_k3_op(
     logp: torch.Tensor, ref_logp: torch.Tensor, weight: Optional[torch.Tensor], guard: float
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +164,7 @@ def _weighted_k3_fake(logp, ref_logp, weight, guard):
     return logp.new_empty((), dtype=torch.float32), logp.new_empty(2, dtype=torch.float32)
 
 
-@torch.library.custom_op("erpo::weighted_k3_backward", mutates_args=())
+@torch.library.custom_op("erpo_kernels::weighted_k3_backward", mutates_args=())
 def _weighted_k3_backward_op(
     grad_r: torch.Tensor,
     logp: torch.Tensor,
