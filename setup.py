@@ -30,6 +30,8 @@ setup(
         "dev": ["pytest", "pytest-timeout", "hypothesis"],
         # erpo.integrations.trl: our kernel inside TRL's GRPOTrainer, and ERPOTrainer (tested with this TRL)
         "trl": ["trl==1.16.0"],
+        # rollout_backend=vllm (CUDA only): the version erpo.rollout's vLLM engine is written and tested against
+        "vllm": ["vllm==0.33.0"],
     },
     entry_points={"console_scripts": ["erpo=erpo.cli:main"]},
 )

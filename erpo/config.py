@@ -109,9 +109,14 @@ class TrainConfig:
     max_new_tokens: int = ROLLOUT(8, "longest response in tokens")
     rollout_backend: str = ROLLOUT(
         "hf",
-        "rollout engine: hf (transformers generate); a vllm engine fits the same interface",
+        "rollout engine: hf (transformers generate on the trained model) or vllm (a colocated vLLM engine, "
+        "CUDA only: pip install 'erpo[vllm]'; asleep between rollouts, weights reloaded after every optimizer step)",
+        choices="erpo.rollout:ROLLOUT_BACKENDS",
     )
-    rollout_batch_size: int = ROLLOUT(0, "sequences per generate call; 0 = all m * G at once")
+    rollout_batch_size: int = ROLLOUT(0, "hf: sequences per generate call; 0 = all m * G at once")
+    vllm_gpu_memory_utilization: float = ROLLOUT(
+        0.3, "vllm: the fraction of GPU memory the engine may take (weights and KV cache) while it generates"
+    )
 
     lr: float = OPTIMISATION(3e-4, "AdamW learning rate")
     lr_schedule: str = OPTIMISATION(
@@ -182,6 +187,12 @@ class TrainConfig:
         "auto",
         "erpo_kernels backend: auto (Triton on CUDA, PyTorch elsewhere), triton or torch",
         choices="erpo_kernels:BACKENDS",
+    )
+    attn_implementation: str = MODEL(
+        "auto",
+        "attention of the padding-free packed forward: auto = flash_attention_2 when flash-attn is installed, "
+        "else flex_attention on CUDA, sdpa on CPU (correct there, not faster than padding)",
+        choices="erpo.packing:ATTN_IMPLEMENTATIONS",
     )
 
     run_dir: str = RUN(
@@ -315,10 +326,6 @@ class TrainConfig:
 
     def _validate_ranges(self) -> None:
         """Each numeric key within its own range."""
-        if self.rollout_backend != "hf":
-            raise ConfigError(
-                f"rollout_backend={self.rollout_backend!r} is not available in this version; use rollout_backend=hf"
-            )
         if not (self.device == "auto" or self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ConfigError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
         for name in ("alpha", "beta", "gamma", "weight_decay", "max_grad_norm", "eps_low", "eps_high"):
@@ -340,6 +347,8 @@ class TrainConfig:
         for name in ("cpu_threads", "rollout_batch_size", "warmup_steps", "save_every", "keep_checkpoints", "max_prompt_tokens",
                      "micro_batch_tokens", "warmstart_steps", "eval_max_new_tokens", "eval_limit", "task_max_operand"):
             at_least(name, getattr(self, name), 0)
+        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must lie in (0, 1]")
         if not 0.0 <= self.warmstart_unboxed < 1.0:
             raise ConfigError(f"warmstart_unboxed={self.warmstart_unboxed} must lie in [0, 1)")
 

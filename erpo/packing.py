@@ -58,6 +58,29 @@ class PackedSequences:
         """A copy with every tensor on `device`."""
         return replace(self, **{k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)})
 
+    def response_token_rows(self) -> torch.Tensor:
+        """The row scoring each response token, in packing order (sequence 0's y_1..y_L, then
+        sequence 1's, ...): [sum of response lengths] int64. Row span_start + t of a response
+        span targets y_(t+1); the span's last row has no target."""
+        span = self.span_cu_seqlens.long()
+        starts, ends = span[1:-1:2], span[2::2] - 1  # [B] first and one-past-last scoring row
+        lengths = ends - starts  # [B] L of each response
+        seq = torch.repeat_interleave(torch.arange(lengths.shape[0], device=span.device), lengths)  # [sum L]
+        first = torch.cumsum(lengths, 0) - lengths  # [B] offset of each response among the tokens
+        return starts[seq] + torch.arange(seq.shape[0], device=span.device) - first[seq]
+
+    def rows_from_response_tokens(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-response-token values [sum L] (packing order) -> row space [N] fp32, 0 on the
+        rows that score no response token: e.g. the rollout engine's log-probs as the
+        objective's `rollout_logp`."""
+        rows = self.response_token_rows()
+        if values.shape != rows.shape:
+            raise ValueError(f"values has shape {tuple(values.shape)}, expected ({rows.shape[0]},): one per "
+                             f"response token")
+        out = torch.zeros(self.num_rows, dtype=torch.float32, device=self.targets.device)
+        out[rows] = values.to(out.device, torch.float32)
+        return out
+
     def loss_batch(
         self,
         advantages: torch.Tensor,

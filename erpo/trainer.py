@@ -45,7 +45,7 @@ from .data import (
 )
 from .models import (autocast, enable_gradient_checkpointing, load_model, load_tokenizer, resolve_compute_dtype,
                      resolve_device)
-from .packing import PackedSequences, forward_hidden, lm_head_of, pack
+from .packing import PackedSequences, forward_hidden, lm_head_of, pack, resolve_attn_implementation, set_attn_implementation
 from .divergence import DivergenceMonitor
 from .plot import CURVES_FILE, METRICS_FILE, plot_runs, read_metrics
 from .query_weights import QueryWeighter
@@ -61,7 +61,7 @@ from .ref_cache import (
     validate_ref_cache,
 )
 from .rewards import CORRECT_THRESHOLD, get_reward_fn
-from .rollout import HFRolloutEngine, RolloutEngine, eos_ids_of
+from .rollout import RolloutEngine, check_rollout_backend, make_engine
 from .tiny import resolve_model_dir, warmstart_dir
 
 # Logged every step (docs/method.md section 6); "policy_kl" too when a reference model is monitored.
@@ -129,12 +129,16 @@ def mean_metrics(updates: Sequence[Dict[str, float]]) -> Dict[str, float]:
 
 
 def check_setup(cfg: TrainConfig, device: torch.device) -> None:
-    """ConfigError, before anything is loaded, for a kernel backend this device cannot run
-    or an output path that cannot be written."""
+    """ConfigError, before anything is loaded, for a kernel backend or an attention this
+    device cannot run, or an output path that cannot be written."""
     try:
         resolve_backend(cfg.kernel_backend, torch.empty(0, device=device))
     except ValueError as exc:
         raise ConfigError(f"kernel_backend={cfg.kernel_backend}: {exc}") from None
+    try:
+        resolve_attn_implementation(cfg.attn_implementation, device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
         raise ConfigError(f"run_dir={cfg.run_dir} is a file, not a directory; choose another run_dir")
     if os.path.isdir(cfg.ref_cache_path):
@@ -270,6 +274,7 @@ class Trainer:
         self.log = log
         self.earlier_run = check_run_dir(cfg)
         self.device, self.compute_dtype = setup_device(cfg)
+        check_rollout_backend(cfg.rollout_backend, self.device)
         self.template = cfg.resolved_template
         self.reward_fn = get_reward_fn(cfg.resolved_reward)
         self.examples, self.data_fingerprint = setup_data(cfg)
@@ -400,13 +405,15 @@ class Trainer:
         self.model.eval()  # no dropout: the sampler and the loss see the same function
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
+        set_attn_implementation(self.model, cfg.attn_implementation)  # the packed forward's attention
         self.ref_model = None
         if (cfg.algorithm == "grpo" and cfg.beta > 0) or cfg.monitor_policy_kl:
             self.ref_model = load_model(self.model_dir, self.device, self.compute_dtype).eval()
             self.ref_model.requires_grad_(False)
+            set_attn_implementation(self.ref_model, cfg.attn_implementation)
         self.loss_config = cfg.loss_config()
-        self.engine = engine or HFRolloutEngine(
-            self.model, self.pad_token_id, eos_ids_of(self.model, self.tokenizer), cfg.rollout_batch_size
+        self.engine = engine or make_engine(
+            cfg, self.model, self.resume_from or self.model_dir, self.tokenizer, self.prompt_ids, self.compute_dtype
         )
 
     def _setup_optimizer(self) -> None:
@@ -472,7 +479,8 @@ class Trainer:
 
         # 1. rollout: G responses per query, sampled at tau
         with autocast(self.device, self.compute_dtype):
-            responses = self.engine.generate(prompts, cfg.group_size, cfg.temperature, cfg.max_new_tokens)  # [m][G]
+            rollout = self.engine.generate(prompts, cfg.group_size, cfg.temperature, cfg.max_new_tokens)
+        responses = rollout.responses  # [m][G] token lists
         t_rollout = time.perf_counter() - t0
 
         # 2. rewards and 3. group advantages (section 4)

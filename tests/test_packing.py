@@ -210,6 +210,21 @@ def test_response_logprobs_match_the_sampler():
         assert lp[start:start + len(r)].tolist() == pytest.approx(sampler, abs=1e-5)
 
 
+def test_response_token_rows():
+    p = pack(PROMPTS[:1], RESPONSES[:1], temperature=0.5)
+    # rows of y: copy 0 rows 2, 3 (targets 11, 12); copy 1 row 7 (13); copy 2 rows 11, 12, 13 (14, 15, 1)
+    assert p.response_token_rows().tolist() == [2, 3, 7, 11, 12, 13]
+    assert p.targets[p.response_token_rows()].tolist() == [11, 12, 13, 14, 15, 1]
+    mixed = pack(MIXED_PROMPTS, MIXED_RESPONSES, 1.0)
+    tokens = [t for group in MIXED_RESPONSES for r in group for t in r]
+    assert mixed.targets[mixed.response_token_rows()].tolist() == tokens
+    rows = mixed.rows_from_response_tokens(torch.arange(1.0, len(tokens) + 1))  # [N]
+    assert rows[mixed.response_token_rows()].tolist() == list(range(1, len(tokens) + 1))
+    assert int((rows != 0).sum()) == len(tokens)
+    with pytest.raises(ValueError, match="one per response token"):
+        mixed.rows_from_response_tokens(torch.zeros(len(tokens) + 1))
+
+
 def test_prompt_alone_and_segment_sums():
     p = pack([[2, 5, 6]], [[[]]], 1.0)
     assert p.targets.tolist() == [5, 6, IGN]
@@ -254,7 +269,9 @@ def test_sampling_ignores_the_models_generation_config():
     assert model.generation_config is doctored
     # the rollout engine samples through the same call: [m][G] responses
     torch.manual_seed(11)
-    grouped = HFRolloutEngine(model, 0, [1]).generate(prompts * 4, 1, 1.0, 6)
+    grouped = HFRolloutEngine(model, 0, [1]).generate(prompts * 4, 1, 1.0, 6).responses
     assert [g[0] for g in grouped] == plain
-    grouped = HFRolloutEngine(model, 0, [1], batch_size=3).generate(prompts, 4, 1.0, 6)
+    rollout = HFRolloutEngine(model, 0, [1], batch_size=3).generate(prompts, 4, 1.0, 6)
+    grouped = rollout.responses
     assert [len(g) for g in grouped] == [4, 4] and all(len(r) <= 6 for g in grouped for r in g)
+    assert [[len(x) for x in g] for g in rollout.logprobs] == [[len(r) for r in g] for g in grouped]

@@ -1,0 +1,227 @@
+"""Rollout engines (erpo/rollout.py): the HF engine's rollout log-probs, and the vLLM engine
+checked call by call against vLLM 0.33.0's API with the fake module tests/_fake_vllm.py
+(no live vLLM runs in this repository)."""
+import os
+import sys
+
+import pytest
+import torch
+
+import _fake_vllm as fake
+from erpo.packing import forward_hidden, lm_head_of, pack
+from erpo.rollout import (
+    VLLM_VERSION,
+    HFRolloutEngine,
+    Rollout,
+    VLLMRolloutEngine,
+    check_rollout_backend,
+    generate_ids_with_logprobs,
+)
+from erpo_kernels import linear_token_logprobs
+from test_packing import tiny_model
+
+PROMPTS = [[2, 5, 6, 7], [2, 8]]
+
+
+def scored_response_logprobs(model, prompts, rollout: Rollout, tau: float) -> torch.Tensor:
+    """What the trainer computes for the response tokens: packed forward -> linear_token_logprobs
+    at 1/tau, the rows of the response tokens (not the final no-target row), in packing order."""
+    p = pack(prompts, rollout.responses, tau)
+    w, _ = lm_head_of(model)
+    with torch.no_grad():
+        lp = linear_token_logprobs(forward_hidden(model, p.input_ids, p.position_ids), w, p.targets,
+                                   inv_temperature=p.inv_temperature)
+    return lp[p.response_token_rows()]
+
+
+def test_vllm_version_is_the_fakes():
+    assert fake.__version__ == VLLM_VERSION
+
+
+# ---------------------------------------------------------------------- HF engine
+
+
+def test_hf_rollout_logprobs_are_the_samplers_and_the_trainers():
+    """generate's own logits at tau give each sampled token's log-prob; they equal the packed
+    trainer-side scoring of the same tokens (same model, fp32: no mismatch)."""
+    model = tiny_model(layers=2, seed=3)
+    tau = 0.7
+    torch.manual_seed(0)
+    rollout = HFRolloutEngine(model, 0, [1]).generate(PROMPTS, 3, tau, 6)
+    assert [len(g) for g in rollout.responses] == [3, 3]
+    flat = rollout.flat_logprobs()
+    assert flat.shape[0] == sum(len(r) for g in rollout.responses for r in g)
+    assert bool((flat <= 0).all())
+    torch.testing.assert_close(flat, scored_response_logprobs(model, PROMPTS, rollout, tau), rtol=1e-5, atol=1e-5)
+    # the same tokens as sampling without recording (the recorder changes nothing)
+    from erpo.rollout import generate_ids
+
+    torch.manual_seed(1)
+    tokens, lps = generate_ids_with_logprobs(model, PROMPTS * 2, temperature=1.3, max_new_tokens=5,
+                                             pad_token_id=0, eos_token_ids=[1])
+    torch.manual_seed(1)
+    assert generate_ids(model, PROMPTS * 2, temperature=1.3, max_new_tokens=5, pad_token_id=0,
+                        eos_token_ids=[1]) == tokens
+    assert [len(x) for x in lps] == [len(t) for t in tokens]
+    with pytest.raises(ValueError, match="temperature"):
+        generate_ids_with_logprobs(model, PROMPTS, temperature=0.0, max_new_tokens=2, pad_token_id=0, eos_token_ids=[1])
+
+
+def test_rollout_flat_logprobs_order_and_checks():
+    r = Rollout([[[5, 1], [6]], [[7, 8, 1]]], [[[-0.1, -0.2], [-0.3]], [[-0.4, -0.5, -0.6]]])
+    assert r.flat_logprobs().tolist() == pytest.approx([-0.1, -0.2, -0.3, -0.4, -0.5, -0.6])
+    with pytest.raises(ValueError, match="no log-probs"):
+        Rollout([[[5]]]).flat_logprobs()
+    with pytest.raises(ValueError, match="response 1"):
+        Rollout([[[5, 1], [6]]], [[[-0.1, -0.2], []]]).flat_logprobs()
+
+
+# ---------------------------------------------------------------------- vLLM engine
+
+
+@pytest.fixture
+def served():
+    """A training model and the fake vllm serving a copy of it."""
+    model = tiny_model(layers=2, seed=7)
+    fake.LLM.hf_model = model
+    fake.LLM.instances.clear()
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    yield model
+    fake.LLM.hf_model = None
+    if saved is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+
+
+def make_vllm_engine(**kw):
+    args = dict(dtype="float32", max_model_len=16, gpu_memory_utilization=0.25, seed=3, vllm_module=fake)
+    args.update(kw)
+    return VLLMRolloutEngine("/models/policy", [1], **args)
+
+
+def test_vllm_engine_construction(served):
+    engine = make_vllm_engine()
+    llm = engine.llm
+    assert llm.model_path == "/models/policy" and llm.in_process
+    kw = llm.init_kwargs
+    assert kw["enable_sleep_mode"] is True
+    assert kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["generation_config"] == "vllm"  # the model's generation_config.json adds nothing
+    assert kw["dtype"] == "float32" and kw["max_model_len"] == 16 and kw["gpu_memory_utilization"] == 0.25
+    assert kw["seed"] == 3 and kw["tensor_parallel_size"] == 1
+    assert "distributed_executor_backend" not in kw  # one process: vLLM's default executor
+
+
+def test_vllm_engine_under_torchrun_uses_the_external_launcher(served, monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 2)
+    kw = make_vllm_engine().llm.init_kwargs
+    assert kw["distributed_executor_backend"] == "external_launcher"
+    assert kw["seed"] == 3 + 2  # one engine per rank, each its own sampling stream
+
+
+def test_vllm_sampling_params_match_ours_exactly(served):
+    engine = make_vllm_engine()
+    torch.manual_seed(0)
+    engine.generate(PROMPTS, 3, 0.7, 5)
+    (name, params), = [c for c in engine.llm.calls if c[0] == "generate"]
+    assert isinstance(params, fake.SamplingParams)
+    assert params.n == 3 and params.temperature == 0.7 and params.max_tokens == 5
+    assert params.top_p == 1.0 and params.top_k in (0, -1) and params.min_p == 0.0  # no truncation
+    assert params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
+    assert params.min_tokens == 0 and params.ignore_eos is False and params.stop_token_ids == [1]
+    assert params.logprobs == 0  # the sampled token's log-prob only
+    assert params.logit_bias is None and params.allowed_token_ids is None and params.bad_words is None
+    assert params.stop is None and params.detokenize is False and isinstance(params.seed, int)
+
+
+def test_vllm_engine_sleep_wake_and_weight_sync(served):
+    """The protocol: generate -> sleep(2); after the optimizer step wake_up(weights) and
+    load every parameter, one at a time; before the next generate wake_up(kv_cache). The
+    rollouts come from the synced weights and their log-probs equal the trainer's scoring."""
+    model = served
+    names = [n for n, _ in model.named_parameters()]
+    engine = make_vllm_engine()
+    llm = engine.llm
+    tau = 0.9
+    torch.manual_seed(0)
+    first = engine.generate(PROMPTS, 2, tau, 6)
+    assert [c[0] for c in llm.calls] == ["generate", "sleep"] and llm.calls[1] == ("sleep", 2)
+    torch.testing.assert_close(first.flat_logprobs(), scored_response_logprobs(model, PROMPTS, first, tau),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="sync_weights"):
+        engine.generate(PROMPTS, 2, tau, 6)  # its weights were dropped at sleep
+
+    with torch.no_grad():  # an optimizer step
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    del llm.calls[:]
+    engine.sync_weights(model)
+    assert llm.calls[0] == ("wake_up", ("weights",)) and llm.calls[1] == ("apply_model",)
+    loaded = [c[1] for c in llm.calls if c[0] == "load_weight"]
+    assert sorted(loaded) == sorted(names)  # every parameter, each once
+    for (name, p), (_, q) in zip(model.named_parameters(), llm.model.inner.named_parameters()):
+        assert torch.equal(p, q), name
+
+    del llm.calls[:]
+    torch.manual_seed(1)
+    second = engine.generate(PROMPTS, 2, tau, 6)
+    assert [c[0] for c in llm.calls] == ["wake_up", "generate", "sleep"] and llm.calls[0] == ("wake_up", ("kv_cache",))
+    torch.testing.assert_close(second.flat_logprobs(), scored_response_logprobs(model, PROMPTS, second, tau),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_vllm_engine_partial_sync_is_caught(served):
+    """The fake drops the weights at sleep(2) like vLLM: a sync that misses a parameter
+    leaves it uninitialised, and generating from it fails (so the test above could fail)."""
+    engine = make_vllm_engine()
+    engine.generate(PROMPTS, 2, 1.0, 4)
+    engine.llm.wake_up(tags=["weights"])
+    engine.weights_awake = True
+    engine.llm.model.load_weights((n, p.detach()) for n, p in list(served.named_parameters())[1:])
+    with pytest.raises(RuntimeError, match="never reloaded"):
+        engine.generate(PROMPTS, 2, 1.0, 4)
+
+
+def test_trainer_runs_with_the_vllm_engine(served, tmp_path):
+    """Two training steps with the vLLM engine (fake vllm, CPU): rollout, sleep, update,
+    weight sync after the optimizer step, rollout from the new weights."""
+    from erpo.trainer import Trainer
+    from test_trainer import tiny
+
+    cache = tmp_path / "cache"
+    trainer = Trainer(tiny(tmp_path, cache, steps=2), log=lambda *_: None)
+    fake.LLM.hf_model = trainer.model
+    engine = make_vllm_engine()
+    trainer.engine = engine
+    trainer.train()
+    kinds = [c[0] for c in engine.llm.calls if c[0] != "load_weight"]
+    assert kinds == ["generate", "sleep", "wake_up", "apply_model"] * 1 + ["wake_up", "generate", "sleep",
+                                                                             "wake_up", "apply_model"]
+    for (name, p), (_, q) in zip(trainer.model.named_parameters(), engine.llm.model.inner.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_vllm_missing_is_one_error_line(monkeypatch, capsys, tmp_path):
+    """Without vllm installed, rollout_backend=vllm stops before any loading with one line
+    saying how to install it."""
+    from erpo.cli import main
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    rc = main(["train", "rollout_backend=vllm", f"run_dir={tmp_path / 'run'}", "progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err == [f"erpo: error: rollout_backend=vllm needs vLLM, which is not installed: "
+                   f"pip install 'erpo[vllm]' (vllm=={VLLM_VERSION}; needs a CUDA machine)"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_vllm_needs_cuda(monkeypatch):
+    from erpo.config import ConfigError
+
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    with pytest.raises(ConfigError, match="CUDA only"):
+        check_rollout_backend("vllm", torch.device("cpu"))
+    check_rollout_backend("hf", torch.device("cpu"))
