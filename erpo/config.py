@@ -191,7 +191,8 @@ class TrainConfig:
     attn_implementation: str = MODEL(
         "auto",
         "attention of the padding-free packed forward: auto = flash_attention_2 when flash-attn is installed, "
-        "else flex_attention on CUDA, sdpa on CPU (correct there, not faster than padding)",
+        "else flex_attention on CUDA, sdpa_varlen on CPU (PyTorch sdpa per sequence; plain sdpa on a packed row "
+        "computes every pair of rows under a mask)",
         choices="erpo.packing:ATTN_IMPLEMENTATIONS",
     )
 

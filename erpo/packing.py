@@ -184,19 +184,27 @@ def row_layout(seq_cu_seqlens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor
 # ---------------------------------------------------------------------- attention
 
 
-ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "flex_attention", "sdpa", "eager")
+ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "flex_attention", "sdpa_varlen", "sdpa", "eager")
+VARLEN_SDPA = "sdpa_varlen"
 
 
 def resolve_attn_implementation(name: str, device: Any) -> str:
     """The attention of the packed forward: `name`, or for auto flash_attention_2 when the
-    flash-attn package is installed (CUDA), flex_attention on CUDA otherwise, sdpa elsewhere.
-    ValueError naming attn_implementation for an unknown name or one the device cannot run."""
+    flash-attn package is installed (CUDA), flex_attention on CUDA otherwise, sdpa_varlen
+    elsewhere. ValueError naming attn_implementation for an unknown name or one the device
+    cannot run.
+
+    sdpa_varlen (ours, registered with transformers' attention interface) runs PyTorch's
+    scaled_dot_product_attention causally on each sequence of the packed row, sequences of
+    equal length batched together: the work of the sequences alone, where sdpa on a packed
+    row computes all N x N scores under a block-diagonal mask (correct, and on CPU several
+    times slower than padding; bench/step.py measures both)."""
     if name not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation={name!r} is not one of {', '.join(ATTN_IMPLEMENTATIONS)}")
     cuda = torch.device(device).type == "cuda"
     has_flash = importlib.util.find_spec("flash_attn") is not None
     if name == "auto":
-        return ("flash_attention_2" if has_flash else "flex_attention") if cuda else "sdpa"
+        return ("flash_attention_2" if has_flash else "flex_attention") if cuda else VARLEN_SDPA
     if name == "flash_attention_2" and not (cuda and has_flash):
         why = "runs on CUDA only" if not cuda else "needs the flash-attn package (pip install flash-attn)"
         raise ValueError(f"attn_implementation=flash_attention_2 {why}; use attn_implementation=auto")
@@ -207,9 +215,59 @@ def set_attn_implementation(model: Any, name: str = "auto") -> str:
     """Switch `model` (and its sub-models) to the attention `name` resolves to on the
     model's device; returns the resolved name."""
     resolved = resolve_attn_implementation(name, next(model.parameters()).device)
+    if resolved == VARLEN_SDPA:
+        _register_varlen_sdpa()
     if getattr(model.config, "_attn_implementation", None) != resolved:
         model.set_attn_implementation(resolved)
     return resolved
+
+
+def varlen_sdpa_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0, scaling: Optional[float] = None, position_ids: Optional[torch.Tensor] = None, **kwargs: Any,
+) -> Tuple[torch.Tensor, None]:
+    """transformers attention function (query [1, H, N, d], key and value [1, Hkv, N, d])
+    of one packed row: each sequence (position_ids [1, N] restart at 0) attends causally to
+    itself alone; returns ([1, N, H, d], None). Anything else (a mask, a batch of rows,
+    decoding with a KV cache) goes to transformers' own sdpa function."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    n = query.shape[2]
+    if attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != n:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    groups = getattr(module, "num_key_value_groups", 1)
+    q, k, v = query[0], repeat_kv(key, groups)[0], repeat_kv(value, groups)[0]  # [H, N, d]
+    starts = torch.nonzero(position_ids.reshape(-1) == 0).flatten()  # [B] first row of each sequence
+    lengths = torch.diff(starts, append=torch.tensor([n], device=starts.device))  # [B]
+    out = q.new_empty(q.shape)  # [H, N, d]
+    for length in torch.unique(lengths).tolist():  # the sequences of one length as one batch
+        rows = (starts[lengths == length][:, None] + torch.arange(length, device=starts.device)).reshape(-1)
+        count = rows.shape[0] // length
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return t[:, rows].reshape(t.shape[0], count, length, -1).transpose(0, 1)  # [count, H, length, d]
+
+        o = torch.nn.functional.scaled_dot_product_attention(
+            gather(q), gather(k), gather(v), is_causal=True, scale=scaling, dropout_p=dropout
+        )  # [count, H, length, d]
+        out[:, rows] = o.transpose(0, 1).reshape(o.shape[1], count * length, -1)
+    return out.transpose(0, 1)[None].contiguous(), None
+
+
+def _varlen_sdpa_mask(*args: Any, attention_mask: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
+    """No mask for a packed row (the attention reads position_ids); sdpa's mask otherwise."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def _register_varlen_sdpa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+    AttentionMaskInterface.register(VARLEN_SDPA, _varlen_sdpa_mask)
 
 
 def check_packing_support() -> None:

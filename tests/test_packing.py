@@ -110,10 +110,10 @@ MIXED_PROMPTS = [[2, 5, 6], [2, 7, 8, 9, 10, 11, 12], [3]]
 MIXED_RESPONSES = [[[11, 12], [13], [14, 15, 16, 17, 18, 19, 20, 21, 1]], [[16, 17, 18], []], [[], [4, 4, 4, 4]]]
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa_varlen", "sdpa", "eager"])
 def test_packed_hidden_states_equal_padded_and_each_sequence_alone(attn):
     """One packed row [1, N] (no mask, no cache) = the right-padded [B, Lmax] batch = each
-    sequence forwarded alone, fp32 1e-5, with the attention CPU runs (sdpa: auto's choice)."""
+    sequence forwarded alone, fp32 1e-5, with the attentions CPU runs (sdpa_varlen: auto's)."""
     model = tiny_model(layers=2)
     assert set_attn_implementation(model, attn) == attn
     p = pack(MIXED_PROMPTS, MIXED_RESPONSES, 1.0)
@@ -133,8 +133,8 @@ def test_packed_hidden_states_equal_padded_and_each_sequence_alone(attn):
     assert (joined - hidden).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("algorithm", ["erpo", "grpo"])
-def test_training_step_packed_equals_padded(algorithm):
+@pytest.mark.parametrize("algorithm,attn", [("erpo", "sdpa_varlen"), ("grpo", "sdpa_varlen"), ("erpo", "sdpa")])
+def test_training_step_packed_equals_padded(algorithm, attn):
     """The loss, its metrics and every parameter's gradient of one step are those of the
     padded forward (fp32, 1e-5)."""
     from erpo_kernels.objective import LossConfig, erpo_loss
@@ -148,6 +148,7 @@ def test_training_step_packed_equals_padded(algorithm):
     results = []
     for forward in ("packed", "padded"):
         model = tiny_model(layers=2, seed=4)
+        set_attn_implementation(model, attn)
         if forward == "packed":
             hidden = forward_hidden(model, p.input_ids, p.position_ids)
         else:
@@ -169,7 +170,7 @@ def test_training_step_packed_equals_padded(algorithm):
 def test_attn_implementation_choice(monkeypatch):
     import importlib.util
 
-    assert resolve_attn_implementation("auto", "cpu") == "sdpa"
+    assert resolve_attn_implementation("auto", "cpu") == "sdpa_varlen"
     assert resolve_attn_implementation("eager", "cpu") == "eager"
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
@@ -248,6 +249,24 @@ def test_cut_at_eos():
     assert cut_at_eos([5, 6, 1, 0, 0], [1]) == [5, 6, 1]
     assert cut_at_eos([5, 6, 7], [1]) == [5, 6, 7]
     assert cut_at_eos([3, 9, 4], [9, 4]) == [3, 9]
+
+
+def test_generation_with_varlen_sdpa_is_sdpas():
+    """The trained model keeps its attention for the HF rollout: sdpa_varlen hands generate's
+    padded, cached calls to sdpa, so the samples and their log-probs do not change."""
+    from erpo.rollout import generate_ids_with_logprobs
+
+    model = tiny_model(layers=2, seed=6)
+    prompts = [[2, 5, 6, 7], [2, 8], [3]]
+    kw = dict(temperature=0.8, max_new_tokens=6, pad_token_id=0, eos_token_ids=[1])
+    out = {}
+    for attn in ("sdpa", "sdpa_varlen"):
+        set_attn_implementation(model, attn)
+        torch.manual_seed(2)
+        out[attn] = generate_ids_with_logprobs(model, prompts * 2, **kw)
+    assert out["sdpa"][0] == out["sdpa_varlen"][0]
+    for a, b in zip(out["sdpa"][1], out["sdpa_varlen"][1]):
+        assert a == pytest.approx(b, abs=1e-6)
 
 
 def test_sampling_ignores_the_models_generation_config():
