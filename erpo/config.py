@@ -102,6 +102,14 @@ class TrainConfig:
     dual_clip: float = OBJECTIVE(3.0, "dual-clip constant c for negative advantages")
     kl_guard: float = OBJECTIVE(10.0, "c of the K3 guard: linear continuation for delta > c")
     monitor_policy_kl: bool = OBJECTIVE(False, "erpo: also forward a frozen reference model to log policy_kl")
+    rollout_is: str = OBJECTIVE(
+        "auto",
+        "truncated importance sampling against the rollout engine's log-probs: none, token (each token's policy "
+        "loss times min(pi_old / pi_rollout, rollout_is_cap)) or sequence (times min(prod_t of that ratio, cap)); "
+        "auto = none for rollout_backend=hf (the trained model samples), token for vllm",
+        choices=("auto",) + ("none", "token", "sequence"),
+    )
+    rollout_is_cap: float = OBJECTIVE(2.0, "C, the truncation of the rollout importance weight (rollout_is)")
 
     group_size: int = ROLLOUT(8, "G, responses sampled per query")
     queries_per_step: int = ROLLOUT(16, "m, distinct queries per step (a step trains on m * G sequences)")
@@ -306,13 +314,23 @@ class TrainConfig:
     def ref_cache_path(self) -> str:
         return self.ref_cache or os.path.join(self.run_dir, "ref_cache.safetensors")
 
+    @property
+    def resolved_rollout_is(self) -> str:
+        """`rollout_is`, with auto resolved: none for hf generate, token for vllm."""
+        if self.rollout_is != "auto":
+            return self.rollout_is
+        return "token" if self.rollout_backend == "vllm" else "none"
+
     def loss_config(self) -> Any:
         """The objective's settings as erpo_kernels' LossConfig: every LossConfig field
-        this config has (same name, same meaning), the rest at LossConfig's defaults."""
+        this config has (same name, same meaning; rollout_is resolved), the rest at
+        LossConfig's defaults."""
         from erpo_kernels import LossConfig
 
         names = [f.name for f in dataclasses.fields(LossConfig) if f.name in FIELDS]
-        return LossConfig(**{name: getattr(self, name) for name in names})
+        values = {name: getattr(self, name) for name in names}
+        values["rollout_is"] = self.resolved_rollout_is
+        return LossConfig(**values)
 
     def validate(self) -> None:
         """ConfigError (one line: the key, what is wrong, how to fix it) on the first bad value."""
@@ -331,7 +349,7 @@ class TrainConfig:
             raise ConfigError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
         for name in ("alpha", "beta", "gamma", "weight_decay", "max_grad_norm", "eps_low", "eps_high"):
             at_least(name, getattr(self, name), 0.0)
-        for name in ("temperature", "weight_temperature", "kl_guard", "lr", "warmstart_lr"):
+        for name in ("temperature", "weight_temperature", "kl_guard", "lr", "warmstart_lr", "rollout_is_cap"):
             positive(name, getattr(self, name))
         if not self.eps_low < 1:
             raise ConfigError(f"eps_low={self.eps_low} must be < 1 (the lower clip 1 - eps_low must stay positive)")

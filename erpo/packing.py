@@ -87,8 +87,10 @@ class PackedSequences:
         ref_query_logp: torch.Tensor,
         query_weights: torch.Tensor,
         ref_logp: Optional[torch.Tensor] = None,
+        rollout_logp: Optional[torch.Tensor] = None,
     ) -> PackedLossBatch:
-        """The objective's batch: advantages [B], ref_query_logp [m], query_weights [m], ref_logp [N] or None."""
+        """The objective's batch: advantages [B], ref_query_logp [m], query_weights [m], ref_logp [N] or
+        None, rollout_logp [N] or None (the rollout engine's log-probs, rows_from_response_tokens)."""
         dev = self.targets.device
         return PackedLossBatch(
             targets=self.targets,
@@ -100,6 +102,7 @@ class PackedSequences:
             query_weights=query_weights.to(dev, torch.float32),
             old_logp=None,
             ref_logp=None if ref_logp is None else ref_logp.to(dev),
+            rollout_logp=None if rollout_logp is None else rollout_logp.to(dev),
             ignore_index=self.ignore_index,
         )
 

@@ -26,6 +26,9 @@ PANELS = [
     ("weights/ess", "query-weight ESS"),
     ("pg/clipfrac", "clip fraction"),
     ("grad_norm", "grad norm"),
+    ("mismatch/logp_diff_mean", "rollout mismatch: mean |logp_rollout - logp_old|"),
+    ("mismatch/logp_diff_max", "rollout mismatch: max |logp_rollout - logp_old|"),
+    ("mismatch/ratio_out_frac", "rollout ratio outside [0.9, 1.1]"),
 ]
 
 

@@ -61,7 +61,7 @@ from .ref_cache import (
     validate_ref_cache,
 )
 from .rewards import CORRECT_THRESHOLD, get_reward_fn
-from .rollout import RolloutEngine, check_rollout_backend, make_engine
+from .rollout import Rollout, RolloutEngine, check_rollout_backend, make_engine
 from .tiny import resolve_model_dir, warmstart_dir
 
 # Logged every step (docs/method.md section 6); "policy_kl" too when a reference model is monitored.
@@ -69,6 +69,7 @@ METRIC_KEYS = (
     "reward/mean", "reward/accuracy", "qkl/value", "qkl/delta_mean", "qkl/guarded_frac", "entropy/mean",
     "response_length/mean", "pg/clipfrac", "weights/ess", "weights/min", "weights/max", "grad_norm",
     "time/step_s", "throughput/tokens_per_s",
+    "mismatch/logp_diff_mean", "mismatch/logp_diff_max", "mismatch/ratio_out_frac",
 )
 ADV_EPS = 1e-6
 
@@ -492,7 +493,7 @@ class Trainer:
         advantages = group_advantages(rewards, cfg.adv_norm)  # [m, G]
 
         # 4.-7. mini_batches x ppo_epochs updates, each: pack, forward, objective, optimizer step
-        updates, num_rows = self._updates(idx, prompts, responses, advantages)
+        updates, num_rows = self._updates(idx, prompts, responses, advantages, rollout.logprobs)
         self.scheduler.step()  # the learning rate moves once per rollout batch
         self.engine.sync_weights(self.model)
 
@@ -511,16 +512,19 @@ class Trainer:
         return {"step": step, **{k: metrics[k] for k in sorted(metrics)}}
 
     def _updates(self, idx: Sequence[int], prompts: List[List[int]], responses: List[List[List[int]]],
-                 advantages: torch.Tensor) -> Tuple[List[Dict[str, float]], int]:
+                 advantages: torch.Tensor, rollout_logprobs: Optional[List[List[List[float]]]] = None
+                 ) -> Tuple[List[Dict[str, float]], int]:
         """The optimizer updates of one rollout batch (docs/method.md section 9): its m
         queries split into mini_batches equal shares of whole groups, ppo_epochs passes
         over them. With more than one update, old_logp of every row comes from one no-grad
-        pass under the sampling weights, before the first update. Returns each update's
+        pass under the sampling weights, before the first update. rollout_logprobs [m][G][L]:
+        the engine's log-probs of the response tokens, or None. Returns each update's
         metrics (also kept in self.last_updates) and the rows N of the rollout batch."""
         cfg = self.cfg
         size = len(idx) // cfg.mini_batches  # queries per mini-batch
         shares = [slice(j * size, (j + 1) * size) for j in range(cfg.mini_batches)]
-        batches = [self._mini_batch(idx[s], prompts[s], responses[s], advantages[s]) for s in shares]
+        batches = [self._mini_batch(idx[s], prompts[s], responses[s], advantages[s],
+                                    None if rollout_logprobs is None else rollout_logprobs[s]) for s in shares]
         if cfg.mini_batches * cfg.ppo_epochs > 1:
             for mini in batches:
                 mini.batch.old_logp = self._row_logp(self.model, mini)  # [N_j] under the weights that sampled
@@ -529,9 +533,10 @@ class Trainer:
         return self.last_updates, sum(mini.packed.num_rows for mini in batches)
 
     def _mini_batch(self, idx: Sequence[int], prompts: List[List[int]], responses: List[List[List[int]]],
-                    advantages: torch.Tensor) -> MiniBatch:
+                    advantages: torch.Tensor, rollout_logprobs: Optional[List[List[List[float]]]] = None) -> MiniBatch:
         """The packed rows, loss batch and micro-batch plan of queries `idx` (their prompts,
-        responses [m][G] and advantages [m, G]); the query weights are this mini-batch's."""
+        responses [m][G], advantages [m, G] and rollout log-probs [m][G][L] or None); the
+        query weights are this mini-batch's."""
         cfg = self.cfg
         # 4. pack: prompt rows at temperature 1 (scored once per group), response rows at 1/tau
         packed = pack(prompts, responses, cfg.temperature).to(self.device)  # N rows, B = m G sequences
@@ -541,7 +546,9 @@ class Trainer:
             query_weights = self.weighter.batch_weights(self.cache.score[rows])  # [m] w_B(q) (section 3)
         else:
             query_weights = torch.ones(len(idx))  # [m] grpo weighs every query 1
-        batch = packed.loss_batch(advantages.reshape(-1), ref_query_logp, query_weights)
+        rollout_logp = None if rollout_logprobs is None else \
+            packed.rows_from_response_tokens(Rollout(responses, rollout_logprobs).flat_logprobs())  # [N]
+        batch = packed.loss_batch(advantages.reshape(-1), ref_query_logp, query_weights, rollout_logp=rollout_logp)
         # whole sequences per micro-batch, at most micro_batch_tokens rows each (0: one micro-batch)
         mini = MiniBatch(packed, batch, plan_micro_batches(batch, cfg.micro_batch_tokens))
         if self.ref_model is not None:

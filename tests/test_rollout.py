@@ -225,3 +225,71 @@ def test_vllm_needs_cuda(monkeypatch):
     with pytest.raises(ConfigError, match="CUDA only"):
         check_rollout_backend("vllm", torch.device("cpu"))
     check_rollout_backend("hf", torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------- mismatch metrics and TIS in the trainer
+
+
+class ShiftedEngine(HFRolloutEngine):
+    """HF sampling that reports every log-prob `shift` nats lower than the sampler's: a rollout
+    engine whose distribution differs from the trainer's by a known amount."""
+
+    shift = 0.5
+
+    def generate(self, prompt_ids, n, temperature, max_new_tokens):
+        out = super().generate(prompt_ids, n, temperature, max_new_tokens)
+        out.logprobs = [[[v - self.shift for v in r] for r in g] for g in out.logprobs]
+        return out
+
+
+def run_two_steps(tmp_path, engine_cls=None, **overrides):
+    from erpo.plot import read_metrics
+    from erpo.trainer import Trainer
+    from test_trainer import tiny
+
+    cfg = tiny(tmp_path, tmp_path / "cache", steps=2, **overrides)
+    trainer = Trainer(cfg, log=lambda *_: None)
+    if engine_cls is not None:
+        e = trainer.engine
+        trainer.engine = engine_cls(e.model, e.pad_token_id, e.eos_token_ids)
+    trainer.train()
+    return read_metrics(cfg.run_dir)
+
+
+def test_step_logs_the_rollout_mismatch(tmp_path):
+    """HF generate on the trained model (fp32): its log-probs land on the rows the loss
+    scores, so the logged mismatch is rounding only, and every curve panel has data."""
+    from erpo.plot import PANELS
+
+    rows = run_two_steps(tmp_path)
+    for r in rows:
+        assert r["mismatch/logp_diff_mean"] < 1e-5 and r["mismatch/logp_diff_max"] < 1e-4, r
+        assert r["mismatch/ratio_out_frac"] == 0.0
+        assert r["mismatch/is_weight_mean"] == pytest.approx(1.0)  # rollout_is=auto -> none for hf
+    assert all(key in rows[-1] for key, _ in PANELS if key != "policy_kl")
+
+
+@pytest.mark.parametrize("mode,weight", [("token", min(2.0, float(torch.tensor(0.5).exp()))), ("none", 1.0)])
+def test_step_measures_and_corrects_a_known_mismatch(tmp_path, mode, weight):
+    """An engine reporting log-probs 0.5 nats below the sampler's: the step logs |diff| = 0.5,
+    every ratio pi_old / pi_rollout = e^0.5 outside [0.9, 1.1], and rollout_is=token weighs
+    each token by min(e^0.5, cap)."""
+    rows = run_two_steps(tmp_path, ShiftedEngine, rollout_is=mode)
+    for r in rows:
+        assert r["mismatch/logp_diff_mean"] == pytest.approx(0.5, abs=1e-4)
+        assert r["mismatch/logp_diff_max"] == pytest.approx(0.5, abs=1e-3)
+        assert r["mismatch/ratio_out_frac"] == 1.0
+        assert r["mismatch/is_weight_mean"] == pytest.approx(weight, rel=1e-4)
+
+
+def test_rollout_is_config():
+    from erpo.config import ConfigError, TrainConfig
+
+    assert TrainConfig().loss_config().rollout_is == "none"  # hf generate: the trained model samples
+    assert TrainConfig(rollout_backend="vllm").loss_config().rollout_is == "token"
+    lc = TrainConfig(rollout_backend="vllm", rollout_is="sequence", rollout_is_cap=3.0).loss_config()
+    assert (lc.rollout_is, lc.rollout_is_cap) == ("sequence", 3.0)
+    with pytest.raises(ConfigError, match="rollout_is"):
+        TrainConfig(rollout_is="tokens").validate()
+    with pytest.raises(ConfigError, match="rollout_is_cap"):
+        TrainConfig(rollout_is_cap=0.0).validate()
