@@ -92,14 +92,14 @@ class HFRolloutEngine:
         tokens: List[List[int]] = []
         logprobs: List[List[float]] = []
         for start in range(0, len(flat), step):
-            toks, lps = generate_ids_with_logprobs(
-                self.model, flat[start:start + step], temperature=temperature, max_new_tokens=max_new_tokens,
-                pad_token_id=self.pad_token_id, eos_token_ids=self.eos_token_ids,
-            )
+            toks, lps = _generate(self.model, flat[start:start + step], temperature, max_new_tokens,
+                                  self.pad_token_id, self.eos_token_ids, record=temperature > 0)
             tokens.extend(toks)
-            logprobs.extend(lps)
-        group = lambda rows: [rows[i * n:(i + 1) * n] for i in range(len(prompt_ids))]  # noqa: E731
-        return Rollout(group(tokens), group(logprobs) if temperature > 0 else None)
+            logprobs.extend(lps or [])
+        def by_prompt(rows: List[Any]) -> List[List[Any]]:
+            return [rows[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
+
+        return Rollout(by_prompt(tokens), by_prompt(logprobs) if temperature > 0 else None)
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_token_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +177,11 @@ def generate_ids_with_logprobs(
 
 
 @torch.no_grad()
-def _generate(model, prompts, temperature, max_new_tokens, pad_token_id, eos_token_ids, record):
+def _generate(
+    model: Any, prompts: Sequence[Sequence[int]], temperature: float, max_new_tokens: int, pad_token_id: int,
+    eos_token_ids: Sequence[int], record: bool,
+) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
+    """(responses, their tokens' sampling log-probs when `record`, else None): one generate call."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     device = next(model.parameters()).device
