@@ -256,12 +256,14 @@ def run_two_steps(tmp_path, engine_cls=None, **overrides):
     return read_metrics(cfg.run_dir)
 
 
-def test_step_logs_the_rollout_mismatch(tmp_path):
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_step_logs_the_rollout_mismatch(tmp_path, mini_batches):
     """HF generate on the trained model (fp32): its log-probs land on the rows the loss
-    scores, so the logged mismatch is rounding only, and every curve panel has data."""
+    scores (each mini-batch its own queries' share), so the logged mismatch against
+    old_logp is rounding only, and every curve panel has data."""
     from erpo.plot import PANELS
 
-    rows = run_two_steps(tmp_path)
+    rows = run_two_steps(tmp_path, mini_batches=mini_batches)
     for r in rows:
         assert r["mismatch/logp_diff_mean"] < 1e-5 and r["mismatch/logp_diff_max"] < 1e-4, r
         assert r["mismatch/ratio_out_frac"] == 0.0

@@ -13,6 +13,7 @@ import torch
 from erpo import checkpoint as ckpt
 from erpo.cli import resolve_config
 from erpo.config import ConfigError, ErpoError, TrainConfig
+from erpo.rollout import Rollout
 from erpo.trainer import METRIC_KEYS, Trainer, group_advantages, rebuild_command
 
 TIMING = ("time/", "throughput/")
@@ -98,7 +99,7 @@ class FixedRollout:
             texts = ["\\boxed{" + (answer if j < n // 2 else answer + "1") + "}" for j in range(n)]
             out.append([self.tokenizer(t, add_special_tokens=False)["input_ids"][:max_new_tokens]
                         + [self.tokenizer.eos_token_id] for t in texts])
-        return out
+        return Rollout(out)  # no log-probs: written, not sampled
 
     def sync_weights(self, model):
         pass
@@ -124,7 +125,7 @@ def test_one_mini_batch_is_the_plain_update_bit_for_bit(tmp_path, cache_dir):
                                   weight_decay=cfg.weight_decay)  # warmup_steps=1: the full lr at step 1
     idx = step_indices(len(trainer.examples), cfg.queries_per_step, 1, cfg.seed)
     prompts = [trainer.prompt_ids[i] for i in idx]
-    responses = trainer.engine.generate(prompts, cfg.group_size, cfg.temperature, cfg.max_new_tokens)
+    responses = trainer.engine.generate(prompts, cfg.group_size, cfg.temperature, cfg.max_new_tokens).responses
     rewards = torch.tensor([[trainer.reward_fn(trainer.tokenizer.decode(r, skip_special_tokens=True),
                                                trainer.examples[i].answer) for r in group]
                             for i, group in zip(idx, responses)])
