@@ -279,6 +279,42 @@ def test_erpo_query_kl_equals_erpo_loss(tmp_path, model_dir, tokenizer, dataset)
     assert float(with_qkl - without) == pytest.approx(alpha * float(r_query), rel=1e-5)
 
 
+def test_erpo_query_kl_adds_up_over_micro_batches(tmp_path, model_dir, tokenizer, dataset):
+    """A generation batch of 8 split into 2 accumulated micro-batches (shuffled, as TRL
+    does): the Query-KL terms _compute_loss adds sum to alpha * R_query of the whole batch."""
+    from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+
+    alpha = 0.5
+    args = train_args(ERPOConfig, tmp_path, loss_type="grpo", alpha=alpha, query_weighting="prevalence", bins=3,
+                      per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    trainer = ERPOTrainer(model=model_dir, reward_funcs=reward_digits, args=args, train_dataset=dataset,
+                          processing_class=tokenizer)
+    assert trainer.args.steps_per_generation == 2
+    trainer.model.train()
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    inputs = trainer._generate_and_score_completions([dict(dataset[i]) for i in (0, 0, 1, 1, 2, 2, 3, 3)])
+    model = trainer.model
+
+    def qkl_added(batch, accumulation):
+        trainer.current_gradient_accumulation_steps = accumulation
+        with torch.no_grad():
+            with_qkl = trainer._compute_loss(model, batch)
+            trainer.args.alpha = 0.0
+            without = trainer._compute_loss(model, batch)
+            trainer.args.alpha = alpha
+        return float(with_qkl - without)
+
+    torch.manual_seed(3)
+    parts = split_tensor_dict(shuffle_sequence_dict(inputs), 2)
+    assert all(0 < int(part["query_scored"].sum()) < 4 for part in parts)  # the scoring copies are split
+    # the whole generation batch at once, with accumulation = steps_per_generation: share 1, alpha * R_query
+    whole = qkl_added(dict(inputs), trainer.args.steps_per_generation)
+    assert whole > 1e-3
+    assert sum(qkl_added(part, 2) for part in parts) == pytest.approx(whole, rel=1e-5)
+
+
 def test_erpo_trains_logs_and_caches(tmp_path, model_dir, tokenizer, dataset):
     """3 steps with alpha > 0 and prevalence weights: TRL's log carries query_kl and the
     weights' ESS, min and max; the reference cache is written and then loaded."""
