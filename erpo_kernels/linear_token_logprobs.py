@@ -3,8 +3,9 @@ lm_head weight, never materialising [N, V].
 
 Kernels, then the autograd Function, then the public function.
 
-Per row, with z = hidden @ weight.T + bias and s = z * inv_T (inv_T a per-row runtime
-fp32 value), the kernels compute the same quantities as `reference.py`:
+Per row, with z = hidden @ weight.T + bias (then the optional logit scale and soft
+cap, see the backward's comment) and s = z * inv_T (inv_T a per-row runtime fp32
+value), the kernels compute the same quantities as `reference.py`:
     lse = log sum_j exp(s_j),   logp = s_target - lse,   H = lse - sum_j p_j s_j.
 The log-sum-exp is kept as two fp32 numbers, the row max m and log l with
 l = sum_j exp(s_j - m), and log-probs are formed as (s_j - m) - log l: a single fp32
@@ -14,16 +15,24 @@ error every p_j inherits (measured here: 10x larger d_weight / d_hidden errors a
 Logits live only in [BLOCK_N, BLOCK_V] register tiles, made by `tl.dot` over D with
 fp32 accumulation; nothing of size N x V is written to memory, in either direction.
 
-Work plan (rows whose target is ignore_index are compacted away before any launch):
-    forward   one program per (row tile, vocabulary split): an online log-sum-exp
-              and entropy over its part of V; the per-split statistics (a few floats
-              per row) are merged in PyTorch.
-    backward  `_ltl_bwd_dhidden_kernel`: one program per (row tile, vocabulary
-              split), looping over V and recomputing the logits -> d_hidden.
+Work plan. Rows whose target is ignore_index are skipped without a host sync: a
+stable sort puts the valid rows first (`order`), their count stays on the device, and
+every kernel reads rows through `order` (tiles past the count do no work).
+    forward   `_ltl_fwd_kernel`: one program per (row tile, vocabulary chunk): an
+              online log-sum-exp and entropy over its chunk; `_ltl_merge_kernel`
+              merges the chunks' statistics (a few floats per row) in chunk order.
+    backward  `_ltl_bwd_dhidden_kernel`: one program per row tile, looping over V
+              and recomputing the logits -> d_hidden.
               `_ltl_bwd_dweight_kernel`: one program per vocabulary tile, looping
               over the rows and recomputing the logits -> d_weight and d_bias.
 Each output element is owned by one program and accumulated in a fixed order in an
 fp32 buffer, so gradients are deterministic (no atomics).
+
+Batch invariance: the vocabulary chunks depend on V and the tiles only; a row's
+logits come from tl.dot tiles whose per-element sums do not depend on the other rows
+of the tile; every per-row reduction (online softmax, merge, d_hidden) runs in a fixed
+order over the vocabulary. So a row's logp, entropy and d_hidden are bit-identical
+whatever else is in the batch (tests/test_batch_invariance.py).
 
 Precision: fp32 operands use `input_precision="ieee"` (no TF32) so fp32 inputs keep
 fp32 accuracy; bf16/fp16 operands use tensor cores with fp32 accumulation, and the
@@ -137,28 +146,42 @@ def _scaled_logits(
 
 @triton.jit
 def _row_tile_and_split(n_rows, BLOCK_N: tl.constexpr):
-    """(rows, row_mask, split) of program pid in a (row tile, vocabulary split) launch:
-    row tile pid % n_tiles of split pid // n_tiles, so that neighbouring programs share
-    a split and stream the same weight tiles (L2)."""
+    """(rows, split) of program pid in a (row tile, vocabulary split) launch: row tile
+    pid % n_tiles of split pid // n_tiles, so that neighbouring programs share a split
+    and stream the same weight tiles (L2). `rows` are compact positions (see `_rows_of`)."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(n_rows, BLOCK_N)
     tile = pid % n_tiles
     split = pid // n_tiles
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    return rows, rows < n_rows, split
+    return rows, split
+
+
+@triton.jit
+def _rows_of(rows, order_ptr, n_valid_ptr):
+    """Compact positions -> (row_mask, row_index, n_valid). Position p < n_valid holds the
+    p-th row whose target is not ignore_index; order[p] is its index in the caller's
+    [N] tensors (hidden, targets, outputs). n_valid is read from device memory, so the
+    launch never waits for the host to count the valid rows."""
+    n_valid = tl.load(n_valid_ptr)
+    row_mask = rows < n_valid
+    row_index = tl.load(order_ptr + rows, mask=row_mask, other=0)
+    return row_mask, row_index.to(tl.int64), n_valid
 
 
 @triton.jit
 def _ltl_fwd_kernel(
-    h_ptr,  # [n_rows, D] compacted hidden states (fp16/bf16/fp32)
+    h_ptr,  # [N, D] hidden states (fp16/bf16/fp32), rows read through order
     w_ptr,  # [V, D] weight, hidden's dtype
     b_ptr,  # [V] bias (unused when HAS_BIAS is False)
-    tgt_ptr,  # [n_rows] int32 targets, all in [0, V)
-    inv_t_ptr,  # [n_rows] fp32 inverse temperature (times logit_scale without a soft cap)
-    max_ptr,  # [splits, n_rows] fp32 out: running max m of s over the split
-    sum_ptr,  # [splits, n_rows] fp32 out: l = sum_j exp(s_j - m)
-    entropy_ptr,  # [splits, n_rows] fp32 out: a = sum_j exp(s_j - m) (s_j - m)  (WANT_ENTROPY)
-    tgt_logit_ptr,  # [splits, n_rows] fp32 out: s_target if the target is in the split, else 0
+    targets_ptr,  # [N] int32/int64 targets
+    inv_t_ptr,  # [N] fp32 inverse temperature (times logit_scale without a soft cap)
+    order_ptr,  # [N] int64: valid rows first (see _rows_of)
+    n_valid_ptr,  # [1] int64: the number of valid rows
+    max_ptr,  # [splits, N] fp32 out: running max m of s over the split (compact positions)
+    sum_ptr,  # [splits, N] fp32 out: l = sum_j exp(s_j - m)
+    entropy_ptr,  # [splits, N] fp32 out: a = sum_j exp(s_j - m) (s_j - m)  (WANT_ENTROPY)
+    target_logit_ptr,  # [splits, N] fp32 out: s_target if the target is in the split, else 0
     n_rows, V, D, v_per_split,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
     softcap, softcap_pre,  # fp32 runtime values (read with HAS_SOFTCAP)
@@ -171,20 +194,22 @@ def _ltl_fwd_kernel(
     #     l' = l e^(m - m') + sum_j e^(s_j - m')
     #     a' = e^(m - m') (a + (m - m') l) + sum_j e^(s_j - m') (s_j - m')
     # (a is kept relative to m, so H = log l - a / l has no cancellation at large |s|).
-    rows, row_mask, split = _row_tile_and_split(n_rows, BLOCK_N)
-    tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
-    inv_t = tl.load(inv_t_ptr + rows, mask=row_mask, other=1.0)
+    rows, split = _row_tile_and_split(n_rows, BLOCK_N)
+    row_mask, row_index, n_valid = _rows_of(rows, order_ptr, n_valid_ptr)
+    tgt = tl.load(targets_ptr + row_index, mask=row_mask, other=-1).to(tl.int32)
+    inv_t = tl.load(inv_t_ptr + row_index, mask=row_mask, other=1.0)
     m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_N,), dtype=tl.float32)
     a = tl.zeros((BLOCK_N,), dtype=tl.float32)
     t = tl.zeros((BLOCK_N,), dtype=tl.float32)
     v_start = split * v_per_split
     v_end = tl.minimum(V, v_start + v_per_split)
+    v_end = tl.where(tl.min(rows, axis=0) < n_valid, v_end, v_start)  # a tile of ignored rows: no work
     for v0 in range(v_start, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_mask = cols < v_end
         s, _ = _scaled_logits(
-            h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, inv_t, D,
+            h_ptr, w_ptr, b_ptr, row_index, row_mask, cols, col_mask, inv_t, D,
             stride_hn, stride_hd, stride_wv, stride_wd, stride_b, softcap, softcap_pre,
             HAS_BIAS, HAS_SOFTCAP, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
         )
@@ -204,27 +229,73 @@ def _ltl_fwd_kernel(
     out = split.to(tl.int64) * n_rows + rows
     tl.store(max_ptr + out, m, mask=row_mask)
     tl.store(sum_ptr + out, l, mask=row_mask)
-    tl.store(tgt_logit_ptr + out, t, mask=row_mask)
+    tl.store(target_logit_ptr + out, t, mask=row_mask)
     if WANT_ENTROPY:
         tl.store(entropy_ptr + out, a, mask=row_mask)
 
 
+# Merge of the forward's per-split statistics (m_k, l_k, a_k, t_k of split k), per row:
+#     M = max_k m_k,  L = sum_k e^(m_k - M) l_k,  log l = log L
+#     logp = (sum_k t_k - M) - log l
+#     A = sum_k e^(m_k - M) (a_k + (m_k - M) l_k),  H = log l - A / L
+# One program per block of compact positions; the splits are visited in order 0, 1, ...
+# so a row's result depends on its own statistics only (batch invariance).
+@triton.jit
+def _ltl_merge_kernel(
+    max_ptr, sum_ptr, entropy_part_ptr, target_logit_ptr,  # [splits, N] fp32 from the forward
+    order_ptr, n_valid_ptr,  # as in the forward
+    logp_ptr,  # [N] fp32 out, at the caller's row index (ignored rows untouched)
+    entropy_ptr,  # [N] fp32 out (WANT_ENTROPY)
+    shift_ptr, log_l_ptr,  # [N] fp32 out: M and log l, saved for the backward (lse = M + log l)
+    n_rows, splits,
+    WANT_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row_mask, row_index, _ = _rows_of(rows, order_ptr, n_valid_ptr)
+    m_all = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    for k in range(0, splits):
+        m_all = tl.maximum(m_all, tl.load(max_ptr + k * n_rows + rows, mask=row_mask, other=float("-inf")))
+    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    a_all = tl.zeros((BLOCK,), dtype=tl.float32)
+    t_all = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, splits):
+        at = k * n_rows + rows
+        m_k = tl.load(max_ptr + at, mask=row_mask, other=float("-inf"))
+        l_k = tl.load(sum_ptr + at, mask=row_mask, other=0.0)
+        scale = tl.exp(m_k - m_use)
+        total += scale * l_k
+        t_all += tl.load(target_logit_ptr + at, mask=row_mask, other=0.0)
+        if WANT_ENTROPY:
+            a_k = tl.load(entropy_part_ptr + at, mask=row_mask, other=0.0)
+            shifted = tl.where(l_k > 0, m_k - m_use, 0.0) * l_k
+            a_all += scale * (a_k + shifted)
+    total = tl.where(row_mask, total, 1.0)
+    log_l = tl.log(total)
+    tl.store(logp_ptr + row_index, (t_all - m_use) - log_l, mask=row_mask)
+    tl.store(shift_ptr + row_index, m_use, mask=row_mask)
+    tl.store(log_l_ptr + row_index, log_l, mask=row_mask)
+    if WANT_ENTROPY:
+        tl.store(entropy_ptr + row_index, log_l - a_all / total, mask=row_mask)
+
+
 @triton.jit
 def _load_row_stats(
-    rows, row_mask, tgt_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr, g_entropy_ptr,
+    row_index, row_mask, targets_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr, g_entropy_ptr,
     HAS_ENTROPY_GRAD: tl.constexpr,
 ):
-    """What the backward needs per row: target, inv_T, the forward's m and log l, the
-    entropy and the upstream gradients (neutral values in padded rows; without
-    HAS_ENTROPY_GRAD, entropy and g_entropy are stand-ins that _softmax_grad never reads)."""
-    tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1)
-    inv_t = tl.load(inv_t_ptr + rows, mask=row_mask, other=1.0)
-    shift = tl.load(shift_ptr + rows, mask=row_mask, other=0.0)
-    log_l = tl.load(log_l_ptr + rows, mask=row_mask, other=0.0)
-    g_logp = tl.load(g_logp_ptr + rows, mask=row_mask, other=0.0)
+    """What the backward needs per row (at the caller's row index): target, inv_T, the
+    forward's M and log l, the entropy and the upstream gradients (neutral values in
+    padded rows; without HAS_ENTROPY_GRAD, entropy and g_entropy are stand-ins that
+    _softmax_grad never reads)."""
+    tgt = tl.load(targets_ptr + row_index, mask=row_mask, other=-1).to(tl.int32)
+    inv_t = tl.load(inv_t_ptr + row_index, mask=row_mask, other=1.0)
+    shift = tl.load(shift_ptr + row_index, mask=row_mask, other=0.0)
+    log_l = tl.load(log_l_ptr + row_index, mask=row_mask, other=0.0)
+    g_logp = tl.load(g_logp_ptr + row_index, mask=row_mask, other=0.0)
     if HAS_ENTROPY_GRAD:
-        entropy = tl.load(entropy_ptr + rows, mask=row_mask, other=0.0)
-        g_entropy = tl.load(g_entropy_ptr + rows, mask=row_mask, other=0.0)
+        entropy = tl.load(entropy_ptr + row_index, mask=row_mask, other=0.0)
+        g_entropy = tl.load(g_entropy_ptr + row_index, mask=row_mask, other=0.0)
     else:
         entropy = log_l
         g_entropy = g_logp
@@ -261,41 +332,41 @@ def _softmax_grad(
 # of the raw logits r = hidden @ weight.T + bias (a = logit_scale / softcap), and
 #     dr_j       = dz_j logit_scale (1 - tanh^2(a r_j))
 # (without one, a logit scale is folded into inv_T and dr = dz). Then
-#     d_hidden   = dr @ weight                   (this kernel: [n_rows, D])
+#     d_hidden   = dr @ weight                   (this kernel: [N, D])
 #     d_weight   = dr.T @ hidden,  d_bias = sum over rows of dr   (next kernel)
-# This kernel: program pid owns row tile pid % n_tiles and vocabulary split
-# pid // n_tiles. For each vocabulary tile it recomputes s from hidden and weight,
-# forms dz (fp32), rounds it to the input dtype and adds dz @ weight[tile] into its own
-# rows of the fp32 buffer dh[split] (read-modify-write by that program alone: no
-# races, a fixed order, deterministic). The splits are summed afterwards.
+# This kernel: one program per row tile, looping over the whole vocabulary in order.
+# For each vocabulary tile it recomputes s from hidden and weight, forms dr (fp32),
+# rounds it to the input dtype and adds dr @ weight[tile] into its own rows of the fp32
+# buffer dh (read-modify-write by that program alone: no races, a fixed order,
+# deterministic, and a row's sum never depends on the other rows: batch invariant).
 @triton.jit
 def _ltl_bwd_dhidden_kernel(
     h_ptr, w_ptr, b_ptr,  # as in the forward kernel
-    tgt_ptr, inv_t_ptr,  # [n_rows] int32, fp32
-    shift_ptr, log_l_ptr,  # [n_rows] fp32 row max m and log l from the forward (lse = m + log l)
-    entropy_ptr,  # [n_rows] fp32 entropy from the forward (when HAS_ENTROPY_GRAD)
-    g_logp_ptr, g_entropy_ptr,  # [n_rows] fp32 upstream gradients (g_entropy when HAS_ENTROPY_GRAD)
-    dh_ptr,  # [splits, n_rows, D] fp32, zero-initialised, contiguous
-    n_rows, V, D, v_per_split,
+    targets_ptr, inv_t_ptr, order_ptr, n_valid_ptr,  # as in the forward kernel
+    shift_ptr, log_l_ptr,  # [N] fp32 M and log l from the forward (lse = M + log l)
+    entropy_ptr,  # [N] fp32 entropy from the forward (when HAS_ENTROPY_GRAD)
+    g_logp_ptr, g_entropy_ptr,  # [N] fp32 upstream gradients (g_entropy when HAS_ENTROPY_GRAD)
+    dh_ptr,  # [N, D] fp32, zero-initialised, contiguous: rows of ignored targets stay 0
+    n_rows, V, D,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
     softcap, softcap_pre, logit_scale,  # fp32 runtime values (read with HAS_SOFTCAP)
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    rows, row_mask, split = _row_tile_and_split(n_rows, BLOCK_N)
+    rows, _ = _row_tile_and_split(n_rows, BLOCK_N)
+    row_mask, row_index, n_valid = _rows_of(rows, order_ptr, n_valid_ptr)
     tgt, inv_t, shift, log_l, entropy, g_logp, g_entropy = _load_row_stats(
-        rows, row_mask, tgt_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr, g_entropy_ptr,
+        row_index, row_mask, targets_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr, g_entropy_ptr,
         HAS_ENTROPY_GRAD,
     )
-    dh_rows = (split.to(tl.int64) * n_rows + rows.to(tl.int64)) * D
-    v_start = split * v_per_split
-    v_end = tl.minimum(V, v_start + v_per_split)
-    for v0 in range(v_start, v_end, BLOCK_V):
+    dh_rows = row_index * D
+    v_end = tl.where(tl.min(rows, axis=0) < n_valid, V, 0)  # a tile of ignored rows: no work
+    for v0 in range(0, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        col_mask = cols < v_end
+        col_mask = cols < V
         s, cap_slope = _scaled_logits(
-            h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, inv_t, D,
+            h_ptr, w_ptr, b_ptr, row_index, row_mask, cols, col_mask, inv_t, D,
             stride_hn, stride_hd, stride_wv, stride_wd, stride_b, softcap, softcap_pre,
             HAS_BIAS, HAS_SOFTCAP, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
         )
@@ -312,18 +383,19 @@ def _ltl_bwd_dhidden_kernel(
         )  # dh[rows] += dz @ weight[cols]
 
 
-# Same gradient as above; this kernel makes d_weight = dz.T @ hidden and
-# d_bias = sum over rows of dz. Program pid owns vocabulary tile pid and loops over all
-# row tiles in order, recomputing s and dz, adding dz.T @ hidden[rows] into its own rows
+# Same gradient as above; this kernel makes d_weight = dr.T @ hidden and
+# d_bias = sum over rows of dr. Program pid owns vocabulary tile pid and loops over all
+# row tiles in order, recomputing s and dr, adding dr.T @ hidden[rows] into its own rows
 # of the fp32 buffer dw (read-modify-write by that program alone: deterministic) and
-# summing dz over rows in registers for d_bias.
+# summing dr over rows in registers for d_bias. (These sums run over the batch's rows:
+# d_weight and d_bias are outside the batch-invariance guarantee.)
 @triton.jit
 def _ltl_bwd_dweight_kernel(
     h_ptr, w_ptr, b_ptr,
-    tgt_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr, g_entropy_ptr,
+    targets_ptr, inv_t_ptr, order_ptr, n_valid_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr, g_entropy_ptr,
     dw_ptr,  # [V, D] fp32, zero-initialised, contiguous (when WANT_DW)
     db_ptr,  # [V] fp32 (when WANT_DB)
-    n_rows, V, D,
+    V, D,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
     softcap, softcap_pre, logit_scale,  # fp32 runtime values (read with HAS_SOFTCAP)
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
@@ -337,15 +409,16 @@ def _ltl_bwd_dweight_kernel(
     cols64 = cols.to(tl.int64)
     dw_rows = cols64 * D
     db = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    for n0 in range(0, n_rows, BLOCK_N):
+    n_valid = tl.load(n_valid_ptr)
+    for n0 in range(0, n_valid, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
-        row_mask = rows < n_rows
+        row_mask, row_index, _ = _rows_of(rows, order_ptr, n_valid_ptr)
         tgt, inv_t, shift, log_l, entropy, g_logp, g_entropy = _load_row_stats(
-            rows, row_mask, tgt_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr, g_entropy_ptr,
-            HAS_ENTROPY_GRAD,
+            row_index, row_mask, targets_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr,
+            g_entropy_ptr, HAS_ENTROPY_GRAD,
         )
         s, cap_slope = _scaled_logits(
-            h_ptr, w_ptr, b_ptr, rows, row_mask, cols, col_mask, inv_t, D,
+            h_ptr, w_ptr, b_ptr, row_index, row_mask, cols, col_mask, inv_t, D,
             stride_hn, stride_hd, stride_wv, stride_wd, stride_b, softcap, softcap_pre,
             HAS_BIAS, HAS_SOFTCAP, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
         )
@@ -358,7 +431,7 @@ def _ltl_bwd_dweight_kernel(
         if WANT_DW:
             dzt = tl.trans(round_to(dz, h_ptr.dtype.element_ty, UPCAST))  # [BLOCK_V, BLOCK_N]
             _add_mm_over_d(
-                dw_ptr, dw_rows, col_mask, dzt, h_ptr, rows.to(tl.int64), row_mask, stride_hn, stride_hd, D,
+                dw_ptr, dw_rows, col_mask, dzt, h_ptr, row_index, row_mask, stride_hn, stride_hd, D,
                 IEEE, UPCAST, BLOCK_D,
             )  # dw[cols] += dz.T @ hidden[rows]
     if WANT_DB:
@@ -367,23 +440,25 @@ def _ltl_bwd_dweight_kernel(
 
 @dataclass(frozen=True)
 class Tiles:
-    """Launch configuration shared by the three kernels (GPU-sized defaults).
+    """Launch configuration shared by the kernels (GPU-sized defaults per dtype in
+    DEFAULT_TILES; pass one as `tiles=` to choose another).
 
-    One configuration for all three on purpose: the backward recomputes each
+    One configuration for all kernels on purpose: the backward recomputes each
     [block_n, block_v] logit tile, and it must reproduce the forward's values bit for
     bit. A tile computed with another shape can differ by an ulp of the logit, and near
     p = 1 the gradient g (onehot - p) is a difference of nearly equal numbers: an ulp
     at |s| ~ 400 (3e-5) then becomes a 3e-5 gradient error where the true value is ~0.
-    Block sizes are powers of two >= 16 (tl.dot). `v_splits` (None = automatic) splits
-    the vocabulary of the forward and d_hidden launches across programs when there are
-    too few row tiles to fill the GPU.
+    Block sizes are powers of two >= 16 (tl.dot). The forward splits the vocabulary
+    into chunks of `split_tiles` vocabulary tiles, one program per (row tile, chunk):
+    the split depends on V and this configuration only, never on the batch, so that a
+    row's results do not either (batch invariance).
     """
 
     block_n: int = 64
     block_v: int = 128
     block_d: int = 32
     num_warps: int = 8
-    v_splits: Optional[int] = None
+    split_tiles: int = 32
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_v", "block_d"):
@@ -393,9 +468,9 @@ class Tiles:
         w = self.num_warps
         if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 32 or w & (w - 1):
             raise ValueError(f"Tiles.num_warps must be a power of two in [1, 32], got {w!r}")
-        if self.v_splits is not None and (isinstance(self.v_splits, bool) or not isinstance(self.v_splits, int)
-                                          or self.v_splits < 1):
-            raise ValueError(f"Tiles.v_splits must be None or an int >= 1, got {self.v_splits!r}")
+        k = self.split_tiles
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"Tiles.split_tiles must be an int >= 1, got {k!r}")
 
 
 # Defaults per input dtype, chosen without a GPU from ptxas's register report for sm_90
@@ -404,57 +479,25 @@ class Tiles:
 # spilled 200-500 bytes in the backward; fp32 (FMA dots, IEEE) at 64 x 64 x 32 spills
 # 8-40 bytes, at 64 x 128 x 32 over 600. With triton 3.6 (the GPU machine's) the
 # defaults compile the same way: bf16/fp16 spill nothing, fp32 12-40 bytes in the
-# backward.
-DEFAULT_TILES = {
+# backward. The forward chunk is 32 vocabulary tiles (4096 columns in bf16/fp16, 2048
+# in fp32): V = 151,936 makes 38 (75) chunks per row tile, enough programs to fill a
+# GPU from a single row tile.
+DEFAULT_TILES: Dict[torch.dtype, Tiles] = {
     torch.float16: Tiles(),
     torch.bfloat16: Tiles(),
     torch.float32: Tiles(block_v=64),
 }
-# Set to a Tiles to override the defaults for every dtype (the tests use tiny tiles).
-TILES: Optional[Tiles] = None
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _split_vocab(
-    n_rows: int, vocab: int, cfg: Tiles, device: torch.device, max_splits: Optional[int] = None
-) -> Tuple[int, int]:
-    """(splits, columns per split): enough programs to fill the GPU, >= 4 vocab tiles each,
-    at most max_splits. Splits start at multiples of block_v, so every split sees the
-    same logit tiles."""
-    block_v = cfg.block_v
-    n_tiles = _cdiv(n_rows, cfg.block_n)
-    if cfg.v_splits is not None:
-        want = max(1, int(cfg.v_splits))
-    elif device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        want = max(1, min(_cdiv(2 * sms, n_tiles), _cdiv(vocab, 4 * block_v)))
-    else:
-        want = 1
-    if max_splits is not None:
-        want = min(want, max_splits)
-    per_split = _cdiv(_cdiv(vocab, want), block_v) * block_v  # whole vocabulary tiles
+def _split_vocab(vocab: int, tiles: Tiles) -> Tuple[int, int]:
+    """(splits, columns per split) of the forward: whole chunks of tiles.split_tiles
+    vocabulary tiles, a function of V and the tiles only."""
+    per_split = tiles.split_tiles * tiles.block_v
     return _cdiv(vocab, per_split), per_split
-
-
-def _launch_args(
-    h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: Tiles, softcap: Optional[float]
-) -> Tuple[torch.Tensor, Tuple[int, ...], Dict[str, object]]:
-    """What the three kernels share: the bias pointer (weight as an unread stand-in),
-    the strides of hidden, weight and bias, and the meta-parameters (IEEE and UPCAST
-    for tl.dot: see `_mm`)."""
-    b_arg, stride_b = (bias, bias.stride(0)) if bias is not None else (weight, 0)
-    strides = (h.stride(0), h.stride(1), weight.stride(0), weight.stride(1), stride_b)
-    meta = dict(
-        HAS_BIAS=bias is not None,
-        HAS_SOFTCAP=softcap is not None,
-        IEEE=h.dtype == torch.float32,
-        UPCAST=h.dtype == torch.bfloat16 and interpreting(),
-        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
-    )
-    return b_arg, strides, meta
 
 
 # The kernels form column offsets as offs_d * stride_d in int32 (row offsets are int64).
@@ -469,142 +512,163 @@ def _int32_safe_columns(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _softcap_args(softcap: Optional[float], logit_scale: Optional[float]) -> Tuple[float, float, float]:
-    """(softcap, logit_scale / softcap, logit_scale) as runtime kernel arguments (1.0 stand-ins when unused)."""
-    scale = logit_scale or 1.0
-    return (softcap, scale / softcap, scale) if softcap is not None else (1.0, 1.0, 1.0)
+@dataclass(frozen=True)
+class _Launch:
+    """Everything the kernels share, derived once per call: the operands, their strides,
+    the valid-row order, the soft-cap values and every compile-time flag."""
+
+    hidden: torch.Tensor  # [N, D]
+    weight: torch.Tensor  # [V, D]
+    bias: Optional[torch.Tensor]  # [V]
+    targets: torch.Tensor  # [N] int32/int64, contiguous
+    inv_t: torch.Tensor  # [N] fp32, contiguous (times logit_scale when there is no soft cap)
+    order: torch.Tensor  # [N] int64: rows whose target is not ignore_index first, in order
+    n_valid: torch.Tensor  # [1] int64 on the device: how many there are (never read on the host)
+    softcap: Optional[float]
+    logit_scale: Optional[float]
+    tiles: Tiles
+
+    @staticmethod
+    def build(hidden, weight, bias, targets, inv_t, ignore_index, softcap, logit_scale, tiles) -> "_Launch":
+        ignored = targets == ignore_index
+        # a stable sort of a 0/1 key: the valid rows first, without a host sync
+        order = torch.sort(ignored.to(torch.uint8), stable=True).indices
+        n_valid = (~ignored).sum().reshape(1)
+        return _Launch(
+            _int32_safe_columns(hidden), _int32_safe_columns(weight), bias, targets.contiguous(),
+            inv_t.contiguous(), order, n_valid, softcap, logit_scale, tiles,
+        )
+
+    @property
+    def n(self) -> int:
+        return self.hidden.shape[0]
+
+    def grid_rows(self, splits: int = 1) -> Tuple[int]:
+        return (_cdiv(self.n, self.tiles.block_n) * splits,)
+
+    def common(self) -> Dict[str, object]:
+        """Keyword arguments every matmul kernel takes, flags included."""
+        h, w, b, cfg = self.hidden, self.weight, self.bias, self.tiles
+        cap = self.softcap
+        return dict(
+            h_ptr=h, w_ptr=w, b_ptr=b if b is not None else w,  # weight: an unread stand-in
+            targets_ptr=self.targets, inv_t_ptr=self.inv_t, order_ptr=self.order, n_valid_ptr=self.n_valid,
+            V=w.shape[0], D=h.shape[1],
+            stride_hn=h.stride(0), stride_hd=h.stride(1), stride_wv=w.stride(0), stride_wd=w.stride(1),
+            stride_b=b.stride(0) if b is not None else 0,
+            softcap=cap if cap is not None else 1.0,
+            softcap_pre=(self.logit_scale or 1.0) / cap if cap is not None else 1.0,
+            HAS_BIAS=b is not None,
+            HAS_SOFTCAP=cap is not None,
+            IEEE=h.dtype == torch.float32,  # fp32 operands: no TF32 (see _mm)
+            UPCAST=h.dtype == torch.bfloat16 and interpreting(),  # the interpreter's bf16 dot (see _mm)
+            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+        )
 
 
-def _forward_stats(
-    h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], tgt: torch.Tensor,
-    inv_t: torch.Tensor, want_entropy: bool, cfg: Tiles, softcap: Optional[float], logit_scale: Optional[float],
-) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """h [n, D] (n >= 1), tgt [n] int32 valid, inv_t [n] fp32 ->
-    lse_parts [2, n] (row max m, log l), logp [n], entropy [n] or None; all fp32."""
-    n, d = h.shape
-    vocab = weight.shape[0]
-    splits, per_split = _split_vocab(n, vocab, cfg, h.device)
-    stats = torch.empty(4, splits, n, dtype=torch.float32, device=h.device)
+# Rows per program of the merge kernel.
+MERGE_BLOCK = 256
+
+
+def _forward(launch: _Launch, want_entropy: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """logp [N], entropy [N] or None, and lse_parts [2, N] (M, log l) saved for the
+    backward; all fp32, 0 in ignored rows."""
+    n = launch.n
+    vocab = launch.weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=launch.hidden.device)
+    logp = torch.zeros(n, **f32)
+    entropy = torch.zeros(n, **f32) if want_entropy else None
+    lse_parts = torch.zeros(2, n, **f32)
+    if n == 0:
+        return logp, entropy, lse_parts
+    splits, per_split = _split_vocab(vocab, launch.tiles)
+    stats = torch.empty(4, splits, n, **f32)
     m, l, a, t = stats.unbind(0)
-    b_arg, strides, meta = _launch_args(h, weight, bias, cfg, softcap)
-    grid = (_cdiv(n, cfg.block_n) * splits,)
-    _ltl_fwd_kernel[grid](
-        h, weight, b_arg, tgt, inv_t, m, l, a, t, n, vocab, d, per_split, *strides,
-        *_softcap_args(softcap, logit_scale)[:2],
-        WANT_ENTROPY=want_entropy, **meta,
+    common = launch.common()
+    _ltl_fwd_kernel[launch.grid_rows(splits)](
+        max_ptr=m, sum_ptr=l, entropy_ptr=a, target_logit_ptr=t,
+        n_rows=n, v_per_split=per_split, WANT_ENTROPY=want_entropy, **common,
     )
-    # Merge the splits ([splits, n] -> [n]); one split is the common case.
-    m_all = m.max(dim=0).values
-    m_use = torch.where(torch.isneginf(m_all), torch.zeros_like(m_all), m_all)
-    scale = torch.exp(m - m_use)  # [splits, n]
-    total = (scale * l).sum(dim=0)
-    log_l = torch.log(total)
-    logp = (t.sum(dim=0) - m_use) - log_l
-    entropy = None
-    if want_entropy:
-        shifted = torch.where(l > 0, m - m_use, torch.zeros_like(l)) * l
-        a_all = (scale * (a + shifted)).sum(dim=0)
-        entropy = log_l - a_all / total
-    return torch.stack([m_use, log_l]), logp, entropy
+    _ltl_merge_kernel[(_cdiv(n, MERGE_BLOCK),)](
+        max_ptr=m, sum_ptr=l, entropy_part_ptr=a, target_logit_ptr=t,
+        order_ptr=launch.order, n_valid_ptr=launch.n_valid,
+        logp_ptr=logp, entropy_ptr=entropy if want_entropy else logp,  # logp: an unwritten stand-in
+        shift_ptr=lse_parts[0], log_l_ptr=lse_parts[1],
+        n_rows=n, splits=splits, WANT_ENTROPY=want_entropy, BLOCK=MERGE_BLOCK, num_warps=4,
+    )
+    return logp, entropy, lse_parts
+
+
+def _backward(
+    launch: _Launch, lse_parts: torch.Tensor, entropy: Optional[torch.Tensor], g_logp: torch.Tensor,
+    g_entropy: Optional[torch.Tensor], need: Tuple[bool, bool, bool],
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(d_hidden, d_weight, d_bias), each None unless `need` says so."""
+    hidden, weight, bias = launch.hidden, launch.weight, launch.bias
+    n, d = hidden.shape
+    vocab = weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    has_entropy_grad = g_entropy is not None
+    rows = dict(
+        shift_ptr=lse_parts[0], log_l_ptr=lse_parts[1],
+        entropy_ptr=entropy if has_entropy_grad else g_logp,  # unread stand-ins without entropy
+        g_logp_ptr=g_logp, g_entropy_ptr=g_entropy if has_entropy_grad else g_logp,
+        logit_scale=launch.logit_scale or 1.0,
+        HAS_ENTROPY_GRAD=has_entropy_grad,
+    )
+    common = launch.common()
+    d_hidden = d_weight = d_bias = None
+    if need[0]:
+        dh = torch.zeros(n, d, **f32)
+        if n > 0:
+            _ltl_bwd_dhidden_kernel[launch.grid_rows()](dh_ptr=dh, n_rows=n, **rows, **common)
+        d_hidden = dh.to(hidden.dtype)
+    if need[1] or need[2]:
+        dw = torch.zeros(vocab, d, **f32) if need[1] else g_logp  # stand-ins when unwanted
+        db = torch.zeros(vocab, **f32) if need[2] else g_logp
+        if n > 0:
+            _ltl_bwd_dweight_kernel[(_cdiv(vocab, launch.tiles.block_v),)](
+                dw_ptr=dw, db_ptr=db, WANT_DW=need[1], WANT_DB=need[2], **rows, **common
+            )
+        d_weight = dw.to(weight.dtype) if need[1] else None
+        d_bias = db.to(bias.dtype) if need[2] else None
+    return d_hidden, d_weight, d_bias
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
-    """Saves hidden, weight, bias and per-row statistics (m, log l, entropy); never [N, V]."""
+    """Saves hidden, weight, bias and per-row statistics (M, log l, entropy); never [N, V]."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale):
+    def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale, tiles):
         with no_autocast(hidden.device):
-            return _LinearTokenLogprobs._forward(
-                ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale
-            )
-
-    @staticmethod
-    def _forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale):
-        n = hidden.shape[0]
-        cfg = TILES or DEFAULT_TILES[hidden.dtype]  # the backward reuses these (see Tiles)
-        rows = (targets != ignore_index).nonzero().squeeze(1)  # [n_valid]
-        compact = rows.numel() != n
-        logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device) if return_entropy else None
-        tgt = (targets[rows] if compact else targets).to(torch.int32).contiguous()
-        it = (inv_t[rows] if compact else inv_t).contiguous()
-        hidden, weight = _int32_safe_columns(hidden), _int32_safe_columns(weight)
-        lse_parts = ent = None
-        if rows.numel() > 0:
-            h = hidden.index_select(0, rows) if compact else hidden
-            lse_parts, lp, ent = _forward_stats(h, weight, bias, tgt, it, return_entropy, cfg, softcap, logit_scale)
-            logp.index_copy_(0, rows, lp)
-            if return_entropy:
-                entropy.index_copy_(0, rows, ent)
-        ctx.save_for_backward(hidden, weight, bias, rows, tgt, it, lse_parts, ent)
-        ctx.compact = compact
-        ctx.cfg = cfg
-        ctx.softcap, ctx.logit_scale = softcap, logit_scale
+            launch = _Launch.build(hidden, weight, bias, targets, inv_t, ignore_index, softcap, logit_scale, tiles)
+            logp, entropy, lse_parts = _forward(launch, return_entropy)
+        ctx.save_for_backward(
+            launch.hidden, launch.weight, bias, launch.targets, launch.inv_t, launch.order, launch.n_valid,
+            lse_parts, entropy,
+        )
+        ctx.launch_options = (softcap, logit_scale, tiles)
         ctx.set_materialize_grads(False)  # an unused output costs nothing in backward
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        with no_autocast(ctx.saved_tensors[0].device):
-            return _LinearTokenLogprobs._backward(ctx, g_logp, g_entropy)
-
-    @staticmethod
-    def _backward(ctx, g_logp, g_entropy):
-        hidden, weight, bias, rows, tgt, inv_t, lse_parts, ent = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        n_valid = rows.numel()
-        if n_valid == 0 or g_logp is None and g_entropy is None:
-            return (
-                torch.zeros_like(hidden) if need_h else None,
-                torch.zeros_like(weight) if need_w else None,
-                torch.zeros_like(bias) if need_b else None,
-                None, None, None, None, None, None,
-            )
-        d_hidden = d_weight = d_bias = None
-        h = hidden.index_select(0, rows) if ctx.compact else hidden
-        if g_logp is None:
-            g = torch.zeros(n_valid, dtype=torch.float32, device=hidden.device)
-        else:
-            g = (g_logp[rows] if ctx.compact else g_logp).to(torch.float32).contiguous()
-        has_gent = g_entropy is not None and ent is not None
-        if has_gent:
-            g_ent = (g_entropy[rows] if ctx.compact else g_entropy).to(torch.float32).contiguous()
-        else:
-            ent, g_ent = g, g  # placeholders, unread
-        d = h.shape[1]
-        vocab = weight.shape[0]
-        cfg = ctx.cfg
-        b_arg, strides, meta = _launch_args(h, weight, bias, cfg, ctx.softcap)
-        cap_args = _softcap_args(ctx.softcap, ctx.logit_scale)
-        if need_h:
-            # each split holds an fp32 [n_valid, D] partial d_hidden: at most 4 of them
-            splits, per_split = _split_vocab(n_valid, vocab, cfg, h.device, max_splits=4)
-            dh = torch.zeros(splits, n_valid, d, dtype=torch.float32, device=h.device)
-            grid = (_cdiv(n_valid, cfg.block_n) * splits,)
-            _ltl_bwd_dhidden_kernel[grid](
-                h, weight, b_arg, tgt, inv_t, lse_parts[0], lse_parts[1], ent, g, g_ent, dh,
-                n_valid, vocab, d, per_split, *strides, *cap_args,
-                HAS_ENTROPY_GRAD=has_gent, **meta,
-            )
-            dh = dh[0] if splits == 1 else dh.sum(dim=0)
-            if ctx.compact:
-                d_hidden = torch.zeros_like(hidden).index_copy_(0, rows, dh.to(hidden.dtype))
+        hidden, weight, bias, targets, inv_t, order, n_valid, lse_parts, entropy = ctx.saved_tensors
+        need = tuple(ctx.needs_input_grad[:3])
+        with no_autocast(hidden.device):
+            launch = _Launch(hidden, weight, bias, targets, inv_t, order, n_valid, *ctx.launch_options)
+            if g_logp is None and g_entropy is None:
+                d_hidden, d_weight, d_bias = (torch.zeros_like(t) if want else None
+                                              for t, want in zip((hidden, weight, bias), need))  # fmt: skip
             else:
-                d_hidden = dh.to(hidden.dtype)
-        if need_w or need_b:
-            dw = torch.zeros(vocab, d, dtype=torch.float32, device=h.device) if need_w else g
-            db = torch.zeros(vocab, dtype=torch.float32, device=h.device) if need_b else g
-            grid = (_cdiv(vocab, cfg.block_v),)
-            _ltl_bwd_dweight_kernel[grid](
-                h, weight, b_arg, tgt, inv_t, lse_parts[0], lse_parts[1], ent, g, g_ent, dw, db,
-                n_valid, vocab, d, *strides, *cap_args,
-                HAS_ENTROPY_GRAD=has_gent, WANT_DW=need_w, WANT_DB=need_b, **meta,
-            )
-            if need_w:
-                d_weight = dw.to(weight.dtype)
-            if need_b:
-                d_bias = db.to(bias.dtype)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
+                f32 = dict(dtype=torch.float32, device=hidden.device)
+                g_logp = g_logp.to(torch.float32).contiguous() if g_logp is not None else torch.zeros(hidden.shape[0], **f32)
+                if entropy is None:
+                    g_entropy = None
+                elif g_entropy is not None:
+                    g_entropy = g_entropy.to(torch.float32).contiguous()
+                d_hidden, d_weight, d_bias = _backward(launch, lse_parts, entropy, g_logp, g_entropy, need)
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None
 
 
 def _linear_token_logprobs_triton(
@@ -617,9 +681,10 @@ def _linear_token_logprobs_triton(
     return_entropy: bool,
     softcap: Optional[float],
     logit_scale: Optional[float],
+    tiles: Tiles,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     return _LinearTokenLogprobs.apply(
-        hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale
+        hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale, tiles
     )
 
 
@@ -636,6 +701,7 @@ def linear_token_logprobs(
     logit_scale: Optional[float] = None,
     backend: str = "auto",
     validate: bool = True,
+    tiles: Optional[Tiles] = None,
 ):
     """Log-probability of each row's target under softmax(z * inv_T), where
     z = softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) (each step only when given).
@@ -657,9 +723,13 @@ def linear_token_logprobs(
             inv_temperature (positive, finite). These checks read the tensors on the
             host (a device sync); pass False in a hot loop once the batch has been
             validated. Shapes, dtypes and devices are always checked.
+        tiles: the Triton launch configuration (None: DEFAULT_TILES for the dtype).
     Returns:
         logp [N] fp32 (fp64 for fp64 inputs), and entropy [N] when return_entropy.
-        Gradients flow to hidden, weight and bias.
+        Gradients flow to hidden, weight and bias. On the Triton backend, a row's
+        logp, entropy and d_hidden row are bit-identical whatever else is in the batch
+        (N, the other rows, ignored rows, the row's position): they depend on the
+        row, weight, bias, the options, the dtype and the tiles only.
 
     Under autocast (enabled for hidden's device type) the op treats the product
     hidden @ weight.T as autocast treats a linear layer: fp16/bf16/fp32 hidden, weight
@@ -696,6 +766,8 @@ def linear_token_logprobs(
     if logit_scale is not None and softcap is None:
         # a plain scale is a factor on the temperature (one rounding, no extra pass)
         inv_t, logit_scale = inv_t * logit_scale, None
+    if tiles is not None and not isinstance(tiles, Tiles):
+        raise ValueError(f"tiles must be None or a Tiles, got {type(tiles).__name__}")
     if resolve_kernel_backend(backend, {"hidden": hidden}) == "torch":
         return reference.linear_token_logprobs(
             hidden,
@@ -710,6 +782,7 @@ def linear_token_logprobs(
             validate=False,  # inv_t was checked above
         )
     logp, entropy = _linear_token_logprobs_triton(
-        hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale
+        hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale,
+        tiles or DEFAULT_TILES[hidden.dtype],
     )
     return (logp, entropy) if return_entropy else logp

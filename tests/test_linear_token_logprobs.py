@@ -2,8 +2,8 @@
 log_softmax((hidden @ weight.T + bias) * inv_T) written here, forward and backward.
 
 Shapes are not multiples of any block size (N=37, D=24, V=211). Each case runs twice:
-with the GPU-sized default tiles and with tiny tiles plus a forced vocabulary split,
-so every loop (rows, vocabulary tiles, D tiles, splits) takes several masked steps.
+with the GPU-sized default tiles and with tiny tiles (vocabulary chunks of 2 tiles),
+so every loop (rows, vocabulary tiles, D tiles, chunks) takes several masked steps.
 """
 import importlib
 
@@ -19,14 +19,13 @@ ltl_module = importlib.import_module("erpo_kernels.linear_token_logprobs")
 
 N, D, V = 37, 24, 211
 IGNORE = -100
-SMALL_TILES = ltl_module.Tiles(block_n=16, block_v=32, block_d=16, num_warps=4, v_splits=3)
+SMALL_TILES = ltl_module.Tiles(block_n=16, block_v=32, block_d=16, num_warps=4, split_tiles=2)
 
 
 @pytest.fixture(params=["default_tiles", "small_tiles"])
-def tiles(request, monkeypatch):
-    if request.param == "small_tiles":
-        monkeypatch.setattr(ltl_module, "TILES", SMALL_TILES)
-    return request.param
+def tiles(request):
+    """The `tiles=` argument of a test's calls: None (the defaults) or SMALL_TILES."""
+    return SMALL_TILES if request.param == "small_tiles" else None
 
 
 def _inputs(dtype, device, *, bias=True, ignored=(0, 5, 6, 17, 36), scale=1.0):
@@ -111,7 +110,7 @@ def _check_all(ours, truth, same_dtype, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_triton_matches_float64(device, tiles, dtype):
     args = _inputs(dtype, device)
-    ours = _ours(*args, backend="triton")
+    ours = _ours(*args, backend="triton", tiles=tiles)
     truth = _truth(*args)
     same = _torch_same_dtype(*args, dtype=dtype) if dtype != torch.float32 else None
     _check_all(ours, truth, same, dtype)
@@ -132,7 +131,7 @@ def test_triton_peaked_logits_and_masked_vocab(device, tiles):
     targets[torch.isin(targets, masked)] = 2
     bias[masked] = float("-inf")
     args[2] = bias
-    ours = _ours(*args, backend="triton")
+    ours = _ours(*args, backend="triton", tiles=tiles)
     truth = _truth(*args)
     assert torch.isfinite(ours[0]).all() and torch.isfinite(ours[1]).all()
     _check_all(ours, truth, None, torch.float32)
@@ -140,7 +139,7 @@ def test_triton_peaked_logits_and_masked_vocab(device, tiles):
 
 
 def test_triton_no_bias_no_entropy_strided_inputs(device, tiles):
-    # no ignored row, so hidden reaches the kernels as given (no compacting copy)
+    # no ignored row; hidden and weight reach the kernels as given (no copy)
     hidden, weight, _, targets, _, g_logp, _ = _inputs(torch.float32, device, bias=False, ignored=())
     # hidden a column slice of a wider buffer, weight a transposed view: strided loads
     hidden = torch.cat([hidden, torch.randn(N, 5, device=device)], dim=1)[:, :D]
@@ -148,7 +147,7 @@ def test_triton_no_bias_no_entropy_strided_inputs(device, tiles):
     assert not hidden.is_contiguous() and not weight.is_contiguous()
     inv_t = torch.full((N,), 1 / 0.7, device=device)
     h, w = _leaves(hidden, weight)
-    logp = linear_token_logprobs(h, w, targets, inv_temperature=1 / 0.7, backend="triton")
+    logp = linear_token_logprobs(h, w, targets, inv_temperature=1 / 0.7, backend="triton", tiles=tiles)
     assert isinstance(logp, torch.Tensor) and logp.shape == (N,)
     d_h, d_w = torch.autograd.grad((logp * g_logp).sum(), (h, w))
     truth = _truth(hidden, weight, None, targets, inv_t, g_logp, torch.zeros_like(g_logp))
@@ -238,13 +237,13 @@ def test_triton_int32_column_offsets_get_unit_stride(device, monkeypatch):
     # kernels with unit column stride (the limit is lowered so a tiny shape triggers it).
     monkeypatch.setattr(ltl_module, "INT32_OFFSET_LIMIT", V)
     seen = []
-    real = ltl_module._forward_stats
+    real = ltl_module._forward
 
-    def spy(h, weight, *args):
-        seen.append((h.stride(1), weight.stride(1)))
-        return real(h, weight, *args)
+    def spy(launch, *args):
+        seen.append((launch.hidden.stride(1), launch.weight.stride(1)))
+        return real(launch, *args)
 
-    monkeypatch.setattr(ltl_module, "_forward_stats", spy)
+    monkeypatch.setattr(ltl_module, "_forward", spy)
     hidden, weight, bias, targets, inv_t, g_logp, g_ent = _inputs(torch.float32, device)
     weight = weight.T.contiguous().T  # stride(1) = V: (D - 1) * V passes the lowered limit
     ours = _ours(hidden, weight, bias, targets, inv_t, g_logp, g_ent, backend="triton")
@@ -253,18 +252,17 @@ def test_triton_int32_column_offsets_get_unit_stride(device, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(block_n=8), dict(block_v=48), dict(block_d=True), dict(num_warps=3), dict(v_splits=0)]
+    "kwargs", [dict(block_n=8), dict(block_v=48), dict(block_d=True), dict(num_warps=3), dict(split_tiles=0)]
 )
 def test_tiles_reject_what_tl_dot_cannot_take(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         ltl_module.Tiles(**kwargs)
 
 
-def test_triton_backward_is_deterministic(device, monkeypatch):
-    monkeypatch.setattr(ltl_module, "TILES", SMALL_TILES)
+def test_triton_backward_is_deterministic(device):
     args = _inputs(torch.bfloat16, device)
-    first = _ours(*args, backend="triton")
-    second = _ours(*args, backend="triton")
+    first = _ours(*args, backend="triton", tiles=SMALL_TILES)
+    second = _ours(*args, backend="triton", tiles=SMALL_TILES)
     for name, a, b in zip(NAMES, first, second):
         assert torch.equal(a, b), name
 
@@ -312,7 +310,7 @@ def test_softcap_and_logit_scale_match_float64(device, tiles, dtype, backend, op
     # scale first, then the Gemma-2 cap softcap * tanh(z / softcap), then 1/T; with a bias
     # (inside the scaled logits) and logits large enough to reach tanh's saturation
     args = _inputs(dtype, device, scale=3.0)
-    ours = _ours(*args, backend=backend, **options)
+    ours = _ours(*args, backend=backend, tiles=tiles, **options)
     truth = _truth(*args, **options)
     same = _torch_same_dtype(*args, dtype=dtype, **options) if dtype != torch.float32 else None
     _check_all(ours, truth, same, dtype)
@@ -348,8 +346,9 @@ m = importlib.import_module("erpo_kernels.linear_token_logprobs")
 report = {}
 for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
     cfg = m.DEFAULT_TILES[dtype]
-    ptrs = {"h_ptr": "*" + name, "w_ptr": "*" + name, "b_ptr": "*" + name, "tgt_ptr": "*i32",
-            "softcap": "fp32", "softcap_pre": "fp32", "logit_scale": "fp32"}
+    ptrs = {"h_ptr": "*" + name, "w_ptr": "*" + name, "b_ptr": "*" + name, "targets_ptr": "*i64",
+            "order_ptr": "*i64", "n_valid_ptr": "*i64", "softcap": "fp32", "softcap_pre": "fp32",
+            "logit_scale": "fp32"}
     for has_softcap in (False, True):
         base = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
                     IEEE=dtype == torch.float32, UPCAST=False, HAS_BIAS=True, HAS_SOFTCAP=has_softcap)
@@ -359,6 +358,9 @@ for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
             ptx = compile_ptx(fn, ptrs, dict(base, **extra), num_warps=cfg.num_warps)
             key = name + ":" + fn.__name__ + (":softcap" if has_softcap else "")
             report[key] = {"wgmma": "wgmma" in ptx, "tf32": ".tf32" in ptx}
+compile_ptx(m._ltl_merge_kernel, {"order_ptr": "*i64", "n_valid_ptr": "*i64"},
+            dict(WANT_ENTROPY=True, BLOCK=m.MERGE_BLOCK))
+report["merge"] = {"wgmma": False, "tf32": False}
 print(json.dumps(report))
 """
 
@@ -368,7 +370,7 @@ def test_kernels_compile_for_hopper_ahead_of_time():
     # (catches what the interpreter forgives), bf16 dots become wgmma (tensor cores)
     # and fp32 dots stay IEEE (no TF32 anywhere).
     report = run_aot(_AOT_COMPILE)
-    assert len(report) == 12
+    assert len(report) == 13
     for key, info in report.items():
         if key.startswith("bf16"):
             assert info["wgmma"], f"{key}: bf16 dot not on tensor cores"

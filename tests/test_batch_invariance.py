@@ -1,0 +1,93 @@
+"""Batch invariance (issue 13.4): a row's log-prob, entropy and its own gradient row
+(d_logits for token_logprobs, d_hidden for linear_token_logprobs) are bit-identical
+whatever else is in the batch: the number of rows, the other rows, ignored rows
+around it, and its position (inside a row tile and across tiles). Triton backend, in
+the interpreter here and compiled on a GPU (bench/gpu_check.sh runs this file there).
+
+d_weight and d_bias sum over the batch's rows and are outside the guarantee. The
+forward's vocabulary chunks depend on V and the tiles only, so "the number of
+vocabulary splits" cannot change with the batch.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from erpo_kernels import linear_token_logprobs, token_logprobs
+
+ltl = importlib.import_module("erpo_kernels.linear_token_logprobs")
+tlp = importlib.import_module("erpo_kernels.token_logprobs")
+
+IGNORE = -100
+D, V = 24, 211
+# (N, position of the row, rows ignored around it)
+PLACEMENTS = [(1, 0, ()), (5, 3, (2, 4)), (37, 17, (15, 16, 18)), (70, 69, (0, 68)), (70, 40, ())]
+
+
+def _batch(n, pos, ignored, row, make_row, make_target, device):
+    """A batch of n fresh random rows with `row` at `pos`, and targets (ignored where asked)."""
+    rows = torch.stack([make_row() for _ in range(n)])
+    rows[pos] = row
+    targets = torch.tensor([make_target() for _ in range(n)])
+    targets[list(ignored)] = IGNORE
+    return rows.to(device), targets.to(device)
+
+
+def _check_same(results):
+    first = results[0]
+    for other in results[1:]:
+        for name, a, b in zip(("logp", "entropy", "gradient row"), first, other):
+            assert torch.equal(a, b), f"{name} differs: {a} vs {b}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("tiles", ["default", "small"])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_linear_token_logprobs_row_is_batch_invariant(device, dtype, tiles, softcap):
+    cfg = ltl.Tiles(block_n=16, block_v=32, block_d=16, num_warps=4, split_tiles=2) if tiles == "small" else None
+    weight = (torch.randn(V, D) * 0.5).to(dtype).to(device)
+    bias = torch.randn(V).to(dtype).to(device)
+    row = torch.randn(D).to(dtype)
+    target, inv_t_row, g_row, ge_row = 7, 0.8, 0.6, -1.3
+    results = []
+    for n, pos, ignored in PLACEMENTS:
+        hidden, targets = _batch(n, pos, ignored, row, lambda: torch.randn(D).to(dtype),
+                                 lambda: int(torch.randint(0, V, ())), device)  # fmt: skip
+        targets[pos] = target
+        inv_t = (torch.rand(n) + 0.5).to(device)
+        inv_t[pos] = inv_t_row
+        g_logp, g_ent = torch.randn(n, device=device), torch.randn(n, device=device)
+        g_logp[pos], g_ent[pos] = g_row, ge_row
+        h = hidden.clone().requires_grad_()
+        logp, ent = linear_token_logprobs(
+            h, weight, targets, bias=bias, inv_temperature=inv_t, return_entropy=True, softcap=softcap,
+            backend="triton", tiles=cfg,
+        )
+        (d_h,) = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), h)
+        results.append((logp[pos], ent[pos], d_h[pos]))
+    _check_same(results)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_token_logprobs_row_is_batch_invariant(device, dtype):
+    blocks = tlp.RowBlocks(fwd_max_block_v=32, bwd_max_block_v=64)
+    row = (torch.randn(V) * 4).to(dtype)
+    target = 11
+    results = []
+    for n, pos, ignored in PLACEMENTS:
+        logits, targets = _batch(n, pos, ignored, row, lambda: (torch.randn(V) * 4).to(dtype),
+                                 lambda: int(torch.randint(0, V, ())), device)  # fmt: skip
+        targets[pos] = target
+        inv_t = (torch.rand(n) + 0.5).to(device)
+        inv_t[pos] = 1.3
+        g_logp, g_ent = torch.randn(n, device=device), torch.randn(n, device=device)
+        g_logp[pos], g_ent[pos] = -0.4, 2.0
+        z = logits.clone().requires_grad_()
+        logp, ent = token_logprobs(
+            z, targets, inv_temperature=inv_t, return_entropy=True, softcap=20.0, backend="triton", blocks=blocks
+        )
+        (d_z,) = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), z)
+        results.append((logp[pos], ent[pos], d_z[pos]))
+    _check_same(results)
