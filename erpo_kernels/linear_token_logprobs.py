@@ -42,7 +42,7 @@ own backward in that dtype does).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -53,6 +53,7 @@ from ._utils import (
     autocast_dtype,
     check_targets,
     check_tensor,
+    compute_dtype,
     no_autocast,
     optional_positive_float,
     resolve_kernel_backend,
@@ -688,6 +689,104 @@ def _linear_token_logprobs_triton(
     )
 
 
+# ---------------------------------------------------------------------------------
+# The same op for torch.compile: a torch.library custom op (forward and backward each
+# one opaque op with a shape-only fake), so a compiled graph calls it without a break.
+# `use_triton` selects the kernels or the reference behind the one op;
+# linear_token_logprobs takes this path while torch.compile traces it.
+
+
+def _empty(like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    return like.new_empty(0, dtype=dtype)
+
+
+@torch.library.custom_op("erpo_kernels::linear_token_logprobs_fwd", mutates_args=())
+def _fwd_op(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    inv_t: torch.Tensor, ignore_index: int, return_entropy: bool, softcap: Optional[float],
+    logit_scale: Optional[float], use_triton: bool, tiles: List[int],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> logp [N], entropy [N] (or [0]), and what the Triton backward needs: lse_parts
+    [2, N], order [N], n_valid [1] (each [0] on the reference)."""
+    if use_triton:
+        launch = _Launch.build(hidden, weight, bias, targets, inv_t, ignore_index, softcap, logit_scale, Tiles(*tiles))
+        with no_autocast(hidden.device):
+            logp, entropy, lse_parts = _forward(launch, return_entropy)
+        order, n_valid = launch.order, launch.n_valid
+    else:
+        logp, entropy = reference.linear_token_logprobs_forward(
+            hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap=softcap, logit_scale=logit_scale
+        )
+        lse_parts, order, n_valid = _empty(logp), _empty(logp, torch.int64), _empty(logp, torch.int64)
+    return logp, entropy if entropy is not None else _empty(logp), lse_parts, order, n_valid
+
+
+@_fwd_op.register_fake
+def _fwd_fake(hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale, use_triton,
+              tiles):  # fmt: skip
+    n = hidden.shape[0]
+    logp = hidden.new_empty(n, dtype=torch.float32 if use_triton else compute_dtype(hidden.dtype))
+    entropy = logp.new_empty(n if return_entropy else 0)
+    if use_triton:
+        return logp, entropy, logp.new_empty(2, n), logp.new_empty(n, dtype=torch.int64), logp.new_empty(
+            1, dtype=torch.int64
+        )
+    return logp, entropy, logp.new_empty(0), logp.new_empty(0, dtype=torch.int64), logp.new_empty(0, dtype=torch.int64)
+
+
+@torch.library.custom_op("erpo_kernels::linear_token_logprobs_bwd", mutates_args=())
+def _bwd_op(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    inv_t: torch.Tensor, lse_parts: torch.Tensor, order: torch.Tensor, n_valid: torch.Tensor, entropy: torch.Tensor,
+    g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor], ignore_index: int, softcap: Optional[float],
+    logit_scale: Optional[float], use_triton: bool, tiles: List[int],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> d_hidden, d_weight, d_bias ([0] without a bias)."""
+    has_entropy_grad = g_entropy is not None and entropy.numel() > 0
+    if use_triton:
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        launch = _Launch(_int32_safe_columns(hidden), _int32_safe_columns(weight), bias, targets.contiguous(),
+                         inv_t.contiguous(), order, n_valid, softcap, logit_scale, Tiles(*tiles))  # fmt: skip
+        g = g_logp.to(torch.float32).contiguous() if g_logp is not None else torch.zeros(hidden.shape[0], **f32)
+        ge = g_entropy.to(torch.float32).contiguous() if has_entropy_grad else None
+        with no_autocast(hidden.device):
+            d_hidden, d_weight, d_bias = _backward(
+                launch, lse_parts, entropy if has_entropy_grad else None, g, ge, (True, True, bias is not None)
+            )
+    else:
+        d_hidden, d_weight, d_bias = reference.linear_token_logprobs_backward(
+            hidden, weight, bias, targets, inv_t, ignore_index, entropy if has_entropy_grad else None, g_logp,
+            g_entropy if has_entropy_grad else None, softcap=softcap, logit_scale=logit_scale,
+        )
+    return d_hidden, d_weight, d_bias if d_bias is not None else _empty(weight)
+
+
+@_bwd_op.register_fake
+def _bwd_fake(hidden, weight, bias, *args):
+    d_bias = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
+    return torch.empty_like(hidden), torch.empty_like(weight), d_bias
+
+
+def _op_setup(ctx, inputs, output):
+    hidden, weight, bias, targets, inv_t, ignore_index, return_entropy = inputs[:7]
+    _, entropy, lse_parts, order, n_valid = output
+    ctx.save_for_backward(hidden, weight, bias, targets, inv_t, lse_parts, order, n_valid, entropy)
+    ctx.options = (ignore_index, return_entropy, *inputs[7:])
+
+
+def _op_backward(ctx, g_logp, g_entropy, *_unused):
+    hidden, weight, bias, targets, inv_t, lse_parts, order, n_valid, entropy = ctx.saved_tensors
+    ignore_index, return_entropy, softcap, logit_scale, use_triton, tiles = ctx.options
+    d_hidden, d_weight, d_bias = _bwd_op(
+        hidden, weight, bias, targets, inv_t, lse_parts, order, n_valid, entropy, g_logp,
+        g_entropy if return_entropy else None, ignore_index, softcap, logit_scale, use_triton, tiles,
+    )
+    return (d_hidden, d_weight, d_bias if bias is not None else None) + (None,) * 8
+
+
+torch.library.register_autograd("erpo_kernels::linear_token_logprobs_fwd", _op_backward, setup_context=_op_setup)
+
+
 def linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -768,7 +867,15 @@ def linear_token_logprobs(
         inv_t, logit_scale = inv_t * logit_scale, None
     if tiles is not None and not isinstance(tiles, Tiles):
         raise ValueError(f"tiles must be None or a Tiles, got {type(tiles).__name__}")
-    if resolve_kernel_backend(backend, {"hidden": hidden}) == "torch":
+    which = resolve_kernel_backend(backend, {"hidden": hidden})
+    if torch.compiler.is_compiling():
+        cfg = tiles or DEFAULT_TILES.get(hidden.dtype, Tiles())
+        logp, entropy, _, _, _ = _fwd_op(
+            hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale,
+            which == "triton", [cfg.block_n, cfg.block_v, cfg.block_d, cfg.num_warps, cfg.split_tiles],
+        )
+        return (logp, entropy) if return_entropy else logp
+    if which == "torch":
         return reference.linear_token_logprobs(
             hidden,
             weight,

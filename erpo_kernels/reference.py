@@ -113,61 +113,83 @@ def _rows_grad(
     return grad.mul_(inv_t)
 
 
+def token_logprobs_forward(
+    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, ignore_index: int, return_entropy: bool,
+    chunk_rows: Optional[int] = None, softcap: Optional[float] = None, logit_scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """logits [N, V], inv_t [N] -> logp [N], entropy [N] or None (no autograd: the
+    backward is token_logprobs_backward)."""
+    with no_autocast(logits.device):
+        n, vocab = logits.shape
+        work_dtype = compute_dtype(logits.dtype)
+        logp = torch.empty(n, dtype=work_dtype, device=logits.device)
+        entropy = torch.empty(n, dtype=work_dtype, device=logits.device) if return_entropy else None
+        valid = targets != ignore_index
+        tgt = torch.where(valid, targets, torch.zeros_like(targets)).long()
+        step = chunk_rows_for(vocab, chunk_rows)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            z, _ = _soft_cap(logits[a:b].to(work_dtype), softcap, logit_scale)  # [c, V]
+            logp[a:b], h = _rows_forward(z, inv_t[a:b, None].to(work_dtype), tgt[a:b], valid[a:b], return_entropy)
+            if return_entropy:
+                entropy[a:b] = h
+            del z
+    return logp, entropy
+
+
+def token_logprobs_backward(
+    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, ignore_index: int,
+    entropy: Optional[torch.Tensor], g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
+    chunk_rows: Optional[int] = None, softcap: Optional[float] = None, logit_scale: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """d(sum g_logp logp + g_entropy entropy) / d logits [N, V] in the logits' dtype,
+    written into `out` when given (it may be the logits themselves: each chunk is
+    computed in full before it is written). entropy and g_entropy: both or neither."""
+    with no_autocast(logits.device):
+        n, vocab = logits.shape
+        work_dtype = compute_dtype(logits.dtype)
+        valid = targets != ignore_index
+        tgt = torch.where(valid, targets, torch.zeros_like(targets)).long()
+        zeros = torch.zeros(n, dtype=work_dtype, device=logits.device)
+        g_logp = zeros if g_logp is None else torch.where(valid, g_logp.to(work_dtype), zeros)
+        if g_entropy is not None:
+            g_entropy = torch.where(valid, g_entropy.to(work_dtype), zeros)
+        grad = torch.empty_like(logits) if out is None else out
+        step = chunk_rows_for(vocab, chunk_rows)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            inv_t_rows = inv_t[a:b, None].to(work_dtype)
+            ge = g_entropy[a:b] if g_entropy is not None else None
+            h = entropy[a:b] if g_entropy is not None else None
+            z, slope = _soft_cap(logits[a:b].to(work_dtype), softcap, logit_scale)
+            g = _rows_grad(z, inv_t_rows, tgt[a:b], valid[a:b], h, g_logp[a:b], ge)
+            if slope is not None:
+                g.mul_(slope)
+            grad[a:b] = g
+            del z, g, slope
+    return grad
+
+
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows, softcap,
                 logit_scale):  # fmt: skip
-        with no_autocast(logits.device):
-            n, vocab = logits.shape
-            work_dtype = compute_dtype(logits.dtype)
-            logp = torch.empty(n, dtype=work_dtype, device=logits.device)
-            entropy = torch.empty(n, dtype=work_dtype, device=logits.device) if return_entropy else None
-            valid = targets != ignore_index
-            tgt = torch.where(valid, targets, torch.zeros_like(targets)).long()
-            step = chunk_rows_for(vocab, chunk_rows)
-            for a in range(0, n, step):
-                b = min(n, a + step)
-                z, _ = _soft_cap(logits[a:b].to(work_dtype), softcap, logit_scale)  # [c, V]
-                logp[a:b], h = _rows_forward(
-                    z, inv_t[a:b, None].to(work_dtype), tgt[a:b], valid[a:b], return_entropy
-                )
-                if return_entropy:
-                    entropy[a:b] = h
-                del z
-        ctx.save_for_backward(logits, tgt, valid, inv_t, entropy if return_entropy else logp)
-        ctx.return_entropy = return_entropy
-        ctx.inplace_backward = inplace_backward
-        ctx.step = step
-        ctx.softcap, ctx.logit_scale = softcap, logit_scale
-        if return_entropy:
-            return logp, entropy
-        return logp, None
+        logp, entropy = token_logprobs_forward(
+            logits, targets, inv_t, ignore_index, return_entropy, chunk_rows, softcap, logit_scale
+        )
+        ctx.save_for_backward(logits, targets, inv_t, entropy if return_entropy else logp)
+        ctx.options = (ignore_index, return_entropy, inplace_backward, chunk_rows, softcap, logit_scale)
+        return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        logits, tgt, valid, inv_t, entropy = ctx.saved_tensors
-        with no_autocast(logits.device):
-            if not ctx.return_entropy:
-                entropy, g_entropy = None, None
-            n = logits.shape[0]
-            work_dtype = compute_dtype(logits.dtype)
-            zeros = torch.zeros(n, dtype=work_dtype, device=logits.device)
-            g_logp = zeros if g_logp is None else torch.where(valid, g_logp.to(work_dtype), zeros)
-            if g_entropy is not None:
-                g_entropy = torch.where(valid, g_entropy.to(work_dtype), zeros)
-            grad = logits if ctx.inplace_backward else torch.empty_like(logits)
-            for a in range(0, n, ctx.step):
-                b = min(n, a + ctx.step)
-                inv_t_rows = inv_t[a:b, None].to(work_dtype)
-                ge = g_entropy[a:b] if g_entropy is not None else None
-                h = entropy[a:b] if entropy is not None else None
-                z, slope = _soft_cap(logits[a:b].to(work_dtype), ctx.softcap, ctx.logit_scale)
-                g = _rows_grad(z, inv_t_rows, tgt[a:b], valid[a:b], h, g_logp[a:b], ge)
-                if slope is not None:
-                    g.mul_(slope)
-                # computed in full before it is written: logits may be the output buffer
-                grad[a:b] = g
-                del z, g, slope
+        logits, targets, inv_t, entropy = ctx.saved_tensors
+        ignore_index, return_entropy, inplace_backward, chunk_rows, softcap, logit_scale = ctx.options
+        grad = token_logprobs_backward(
+            logits, targets, inv_t, ignore_index, entropy, g_logp, g_entropy if return_entropy else None,
+            chunk_rows, softcap, logit_scale, out=logits if inplace_backward else None,
+        )
         return grad, None, None, None, None, None, None, None, None
 
 
@@ -199,79 +221,102 @@ def token_logprobs(
     return (logp, entropy) if return_entropy else logp
 
 
+def linear_token_logprobs_forward(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    inv_t: torch.Tensor, ignore_index: int, return_entropy: bool, chunk_rows: Optional[int] = None,
+    softcap: Optional[float] = None, logit_scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """hidden [N, D], weight [V, D] -> logp [N], entropy [N] or None (no autograd: the
+    backward is linear_token_logprobs_backward). Ignored rows are skipped and return 0."""
+    with no_autocast(hidden.device):
+        n = hidden.shape[0]
+        vocab = weight.shape[0]
+        work_dtype = compute_dtype(hidden.dtype)
+        logp = torch.zeros(n, dtype=work_dtype, device=hidden.device)
+        entropy = torch.zeros(n, dtype=work_dtype, device=hidden.device) if return_entropy else None
+        # Ignored rows are compacted away: they cost nothing.
+        rows = (targets != ignore_index).nonzero().squeeze(1)
+        tgt = targets[rows].long()
+        step = chunk_rows_for(vocab, chunk_rows, LINEAR_CHUNK_ELEMENTS)  # module globals, read per call
+        w = weight.to(work_dtype)
+        b_ = bias.to(work_dtype) if bias is not None else None
+        for a in range(0, rows.numel(), step):
+            r = rows[a : a + step]
+            raw = hidden[r].to(work_dtype) @ w.T  # [c, V]
+            if b_ is not None:
+                raw += b_
+            z, _ = _soft_cap(raw, softcap, logit_scale)
+            ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
+            logp[r], h = _rows_forward(z, inv_t[r, None].to(work_dtype), tgt[a : a + step], ones, return_entropy)
+            if return_entropy:
+                entropy[r] = h
+            del z, raw
+    return logp, entropy
+
+
+def linear_token_logprobs_backward(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    inv_t: torch.Tensor, ignore_index: int, entropy: Optional[torch.Tensor], g_logp: Optional[torch.Tensor],
+    g_entropy: Optional[torch.Tensor], chunk_rows: Optional[int] = None, softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(d_hidden, d_weight, d_bias or None) of sum g_logp logp + g_entropy entropy, in the
+    inputs' dtypes. entropy and g_entropy: both or neither."""
+    with no_autocast(hidden.device):
+        vocab = weight.shape[0]
+        work_dtype = compute_dtype(hidden.dtype)
+        rows = (targets != ignore_index).nonzero().squeeze(1)
+        tgt = targets[rows].long()
+        step = chunk_rows_for(vocab, chunk_rows, LINEAR_CHUNK_ELEMENTS)
+        w = weight.to(work_dtype)
+        b_ = bias.to(work_dtype) if bias is not None else None
+        d_hidden = torch.zeros_like(hidden)
+        d_weight = torch.zeros_like(w)
+        d_bias = torch.zeros(vocab, dtype=work_dtype, device=weight.device) if bias is not None else None
+        if g_logp is None:
+            g_logp = torch.zeros(hidden.shape[0], dtype=work_dtype, device=hidden.device)
+        for a in range(0, rows.numel(), step):
+            r = rows[a : a + step]
+            x = hidden[r].to(work_dtype)
+            raw = x @ w.T
+            if b_ is not None:
+                raw += b_
+            z, slope = _soft_cap(raw, softcap, logit_scale)
+            inv_t_rows = inv_t[r, None].to(work_dtype)
+            ge = g_entropy[r].to(work_dtype) if g_entropy is not None else None
+            h = entropy[r] if g_entropy is not None else None
+            ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
+            g = _rows_grad(z, inv_t_rows, tgt[a : a + step], ones, h, g_logp[r].to(work_dtype), ge)  # dL/dz
+            if slope is not None:
+                g.mul_(slope)  # dL/draw [c, V]
+            d_hidden[r] = (g @ w).to(hidden.dtype)
+            d_weight.addmm_(g.T, x)
+            if d_bias is not None:
+                d_bias += g.sum(0)
+            del z, raw, g, slope
+    return d_hidden, d_weight.to(weight.dtype), d_bias.to(bias.dtype) if d_bias is not None else None
+
+
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows, softcap,
                 logit_scale):  # fmt: skip
-        with no_autocast(hidden.device):
-            n = hidden.shape[0]
-            vocab = weight.shape[0]
-            work_dtype = compute_dtype(hidden.dtype)
-            logp = torch.zeros(n, dtype=work_dtype, device=hidden.device)
-            entropy = torch.zeros(n, dtype=work_dtype, device=hidden.device) if return_entropy else None
-            # Ignored rows are compacted away: they cost nothing.
-            rows = (targets != ignore_index).nonzero().squeeze(1)
-            tgt = targets[rows].long()
-            step = chunk_rows_for(vocab, chunk_rows, LINEAR_CHUNK_ELEMENTS)  # module globals, read per call
-            w = weight.to(work_dtype)
-            b_ = bias.to(work_dtype) if bias is not None else None
-            for a in range(0, rows.numel(), step):
-                r = rows[a : a + step]
-                raw = hidden[r].to(work_dtype) @ w.T  # [c, V]
-                if b_ is not None:
-                    raw += b_
-                z, _ = _soft_cap(raw, softcap, logit_scale)
-                ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
-                logp[r], h = _rows_forward(z, inv_t[r, None].to(work_dtype), tgt[a : a + step], ones, return_entropy)
-                if return_entropy:
-                    entropy[r] = h
-                del z, raw
-        ctx.save_for_backward(hidden, weight, bias, rows, tgt, inv_t, entropy if return_entropy else logp)
-        ctx.has_bias = bias is not None
-        ctx.return_entropy = return_entropy
-        ctx.step = step
-        ctx.softcap, ctx.logit_scale = softcap, logit_scale
+        logp, entropy = linear_token_logprobs_forward(
+            hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows, softcap, logit_scale
+        )
+        ctx.save_for_backward(hidden, weight, bias, targets, inv_t, entropy if return_entropy else logp)
+        ctx.options = (ignore_index, return_entropy, chunk_rows, softcap, logit_scale)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        hidden, weight, bias, rows, tgt, inv_t, entropy = ctx.saved_tensors
-        with no_autocast(hidden.device):
-            if not ctx.return_entropy:
-                entropy, g_entropy = None, None
-            work_dtype = compute_dtype(hidden.dtype)
-            w = weight.to(work_dtype)
-            b_ = bias.to(work_dtype) if ctx.has_bias else None
-            d_hidden = torch.zeros_like(hidden)
-            d_weight = torch.zeros_like(w)
-            d_bias = torch.zeros(weight.shape[0], dtype=work_dtype, device=weight.device) if ctx.has_bias else None
-            if g_logp is None:
-                g_logp = torch.zeros(hidden.shape[0], dtype=work_dtype, device=hidden.device)
-            for a in range(0, rows.numel(), ctx.step):
-                r = rows[a : a + ctx.step]
-                x = hidden[r].to(work_dtype)
-                raw = x @ w.T
-                if b_ is not None:
-                    raw += b_
-                z, slope = _soft_cap(raw, ctx.softcap, ctx.logit_scale)
-                inv_t_rows = inv_t[r, None].to(work_dtype)
-                ge = g_entropy[r].to(work_dtype) if g_entropy is not None else None
-                h = entropy[r] if entropy is not None else None
-                ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
-                g = _rows_grad(z, inv_t_rows, tgt[a : a + ctx.step], ones, h, g_logp[r].to(work_dtype), ge)  # dL/dz
-                if slope is not None:
-                    g.mul_(slope)  # dL/draw [c, V]
-                d_hidden[r] = (g @ w).to(hidden.dtype)
-                d_weight.addmm_(g.T, x)
-                if d_bias is not None:
-                    d_bias += g.sum(0)
-                del z, raw, g, slope
-        return (
-            d_hidden,
-            d_weight.to(weight.dtype),
-            d_bias.to(bias.dtype) if d_bias is not None else None,
-            None, None, None, None, None, None, None,
-        )  # fmt: skip
+        hidden, weight, bias, targets, inv_t, entropy = ctx.saved_tensors
+        ignore_index, return_entropy, chunk_rows, softcap, logit_scale = ctx.options
+        d_hidden, d_weight, d_bias = linear_token_logprobs_backward(
+            hidden, weight, bias, targets, inv_t, ignore_index, entropy, g_logp,
+            g_entropy if return_entropy else None, chunk_rows, softcap, logit_scale,
+        )
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None
 
 
 def linear_token_logprobs(

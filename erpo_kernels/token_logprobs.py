@@ -34,6 +34,7 @@ from ._utils import (
     check_targets,
     check_tensor,
     no_autocast,
+    compute_dtype,
     optional_positive_float,
     resolve_kernel_backend,
     row_inv_temperature,
@@ -242,28 +243,22 @@ class _LogitTransform:
         )
 
 
-class _TokenLogprobsFunction(torch.autograd.Function):
-    """logits [N, V] -> (logp [N] fp32, entropy [N] fp32 or None); saves M and log_norm per row."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, transform, blocks):
-        with no_autocast(logits.device):
-            return _TokenLogprobsFunction._forward(
-                ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, transform, blocks
-            )
-
-    @staticmethod
-    def _forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, transform, blocks):
-        # The kernels need a unit column stride; any row stride works without a copy.
-        x = logits if logits.stride(1) == 1 else logits.contiguous()
-        n, vocab = x.shape
-        f32 = dict(dtype=torch.float32, device=x.device)
-        logp = torch.empty(n, **f32)
-        entropy = torch.empty(n, **f32) if return_entropy else None
-        row_max = torch.empty(n, **f32)
-        log_norm = torch.empty(n, **f32)
-        block, num_warps = _launch_config(vocab, blocks.fwd_max_block_v, blocks.fwd_values_per_thread)
-        if n > 0:
+def _triton_forward(
+    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, ignore_index: int, return_entropy: bool,
+    transform: _LogitTransform, blocks: RowBlocks,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> logp [N], entropy [N] or None, M [N], log_norm [N] (all fp32), and the logits
+    as the kernels read them (unit column stride; any row stride works without a copy)."""
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    n, vocab = x.shape
+    f32 = dict(dtype=torch.float32, device=x.device)
+    logp = torch.empty(n, **f32)
+    entropy = torch.empty(n, **f32) if return_entropy else None
+    row_max = torch.empty(n, **f32)
+    log_norm = torch.empty(n, **f32)
+    block, num_warps = _launch_config(vocab, blocks.fwd_max_block_v, blocks.fwd_values_per_thread)
+    if n > 0:
+        with no_autocast(x.device):
             _token_logprobs_fwd_kernel[(n,)](
                 logits_ptr=x, targets_ptr=targets, inv_t_ptr=inv_t, logp_ptr=logp,
                 entropy_ptr=entropy if return_entropy else logp,  # an unwritten stand-in without entropy
@@ -272,52 +267,70 @@ class _TokenLogprobsFunction(torch.autograd.Function):
                 **transform.kernel_args(),
                 RETURN_ENTROPY=return_entropy, BLOCK_V=block, num_warps=num_warps,
             )  # fmt: skip
+    return logp, entropy, row_max, log_norm, x
+
+
+def _triton_backward(
+    x: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, row_max: torch.Tensor,
+    log_norm: torch.Tensor, entropy: Optional[torch.Tensor], g_logp: Optional[torch.Tensor],
+    g_entropy: Optional[torch.Tensor], ignore_index: int, transform: _LogitTransform, blocks: RowBlocks,
+) -> torch.Tensor:
+    """Writes d logits into `grad` ([N, V], unit column stride; it may be x itself) and
+    returns it. entropy and g_entropy: both or neither; g_logp may be None."""
+    n, vocab = x.shape
+    if n == 0:
+        return grad
+    g_logp = g_logp.float().contiguous() if g_logp is not None else None
+    g_entropy = g_entropy.float().contiguous() if g_entropy is not None else None
+    block, num_warps = _launch_config(vocab, blocks.bwd_max_block_v, blocks.bwd_values_per_thread)
+    _token_logprobs_bwd_kernel[(n,)](
+        logits_ptr=x, grad_ptr=grad, targets_ptr=targets, inv_t_ptr=inv_t,
+        row_max_ptr=row_max, log_norm_ptr=log_norm, entropy_ptr=entropy if entropy is not None else log_norm,
+        # unread stand-ins where an upstream gradient is None
+        g_logp_ptr=g_logp if g_logp is not None else log_norm,
+        g_entropy_ptr=g_entropy if g_entropy is not None else log_norm,
+        vocab=vocab, stride_row=x.stride(0), stride_grad_row=grad.stride(0), ignore_index=ignore_index,
+        logit_scale=transform.logit_scale or 1.0, **transform.kernel_args(),
+        HAS_LOGP_GRAD=g_logp is not None, HAS_ENTROPY_GRAD=g_entropy is not None,
+        INTERPRET=interpreting(),
+        BLOCK_V=block, num_warps=num_warps,
+    )  # fmt: skip
+    return grad
+
+
+class _TokenLogprobsFunction(torch.autograd.Function):
+    """logits [N, V] -> (logp [N] fp32, entropy [N] fp32 or None); saves M and log_norm per row."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, transform, blocks):
+        logp, entropy, row_max, log_norm, x = _triton_forward(
+            logits, targets, inv_t, ignore_index, return_entropy, transform, blocks
+        )
         ctx.save_for_backward(x, targets, inv_t, row_max, log_norm, entropy if return_entropy else log_norm)
-        ctx.ignore_index = ignore_index
-        ctx.return_entropy = return_entropy
-        ctx.inplace_backward = inplace_backward
-        ctx.transform = transform
-        ctx.blocks = blocks
+        ctx.options = (ignore_index, return_entropy, inplace_backward, transform, blocks)
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logp, g_entropy):
-        with no_autocast(ctx.saved_tensors[0].device):
-            return _TokenLogprobsFunction._backward(ctx, g_logp, g_entropy)
-
-    @staticmethod
-    def _backward(ctx, g_logp, g_entropy):
         x, targets, inv_t, row_max, log_norm, entropy = ctx.saved_tensors
-        if not ctx.return_entropy:
+        ignore_index, return_entropy, inplace_backward, transform, blocks = ctx.options
+        if not return_entropy:
             g_entropy = None
         if g_logp is None and g_entropy is None:
             return (None,) * 8
-        n, vocab = x.shape
-        grad = x if ctx.inplace_backward else torch.empty((n, vocab), dtype=x.dtype, device=x.device)
-        if n > 0:
-            g_logp = g_logp.float().contiguous() if g_logp is not None else None
-            g_entropy = g_entropy.float().contiguous() if g_entropy is not None else None
-            blocks = ctx.blocks
-            block, num_warps = _launch_config(vocab, blocks.bwd_max_block_v, blocks.bwd_values_per_thread)
-            _token_logprobs_bwd_kernel[(n,)](
-                logits_ptr=x, grad_ptr=grad, targets_ptr=targets, inv_t_ptr=inv_t,
-                row_max_ptr=row_max, log_norm_ptr=log_norm, entropy_ptr=entropy,
-                # unread stand-ins where an upstream gradient is None
-                g_logp_ptr=g_logp if g_logp is not None else log_norm,
-                g_entropy_ptr=g_entropy if g_entropy is not None else log_norm,
-                vocab=vocab, stride_row=x.stride(0), stride_grad_row=grad.stride(0), ignore_index=ctx.ignore_index,
-                logit_scale=ctx.transform.logit_scale or 1.0, **ctx.transform.kernel_args(),
-                HAS_LOGP_GRAD=g_logp is not None, HAS_ENTROPY_GRAD=g_entropy is not None,
-                INTERPRET=interpreting(),
-                BLOCK_V=block, num_warps=num_warps,
-            )  # fmt: skip
-            if ctx.inplace_backward:
-                # The kernel overwrote the logits behind autograd's back. Bump their version
-                # as an in-place op would: an op that saved them (a tanh soft-cap, say) then
-                # fails loudly in its backward instead of reading gradients as logits.
-                torch.autograd.graph.increment_version(x)
+        grad = x if inplace_backward else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        with no_autocast(x.device):
+            _triton_backward(
+                x, grad, targets, inv_t, row_max, log_norm, entropy if g_entropy is not None else None,
+                g_logp, g_entropy, ignore_index, transform, blocks,
+            )
+        if inplace_backward and x.shape[0] > 0:
+            # The kernel overwrote the logits behind autograd's back. Bump their version
+            # as an in-place op would: an op that saved them (a tanh soft-cap, say) then
+            # fails loudly in its backward instead of reading gradients as logits.
+            torch.autograd.graph.increment_version(x)
         return grad, None, None, None, None, None, None, None
 
 
@@ -336,6 +349,105 @@ def _token_logprobs_triton(
         logits, targets.contiguous(), inv_t, int(ignore_index), bool(return_entropy), bool(inplace_backward),
         transform, blocks,
     )
+
+
+# ---------------------------------------------------------------------------------
+# The same op for torch.compile: a torch.library custom op (forward and backward each
+# one opaque op with a shape-only fake), so a compiled graph calls it without a break.
+# `use_triton` selects the kernels or the reference behind the one op. token_logprobs
+# takes this path while torch.compile traces it (inplace_backward excepted).
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0)
+
+
+@torch.library.custom_op("erpo_kernels::token_logprobs_fwd", mutates_args=())
+def _fwd_op(
+    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, ignore_index: int, return_entropy: bool,
+    softcap: Optional[float], logit_scale: Optional[float], use_triton: bool, fwd_max_block_v: int,
+    bwd_max_block_v: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> logp [N], entropy [N] (or [0]), M [N] and log_norm [N] (or [0] on the reference)."""
+    if use_triton:
+        blocks = RowBlocks(fwd_max_block_v=fwd_max_block_v, bwd_max_block_v=bwd_max_block_v)
+        logp, entropy, row_max, log_norm, _ = _triton_forward(
+            logits, targets, inv_t, ignore_index, return_entropy, _LogitTransform(softcap, logit_scale), blocks
+        )
+    else:
+        logp, entropy = reference.token_logprobs_forward(
+            logits, targets, inv_t, ignore_index, return_entropy, softcap=softcap, logit_scale=logit_scale
+        )
+        row_max, log_norm = _empty(logp), _empty(logp)
+    return logp, entropy if entropy is not None else _empty(logp), row_max, log_norm
+
+
+@_fwd_op.register_fake
+def _fwd_fake(logits, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale, use_triton,
+              fwd_max_block_v, bwd_max_block_v):  # fmt: skip
+    n = logits.shape[0]
+    out = logits.new_empty(n, dtype=torch.float32 if use_triton else compute_dtype(logits.dtype))
+    stats = n if use_triton else 0
+    return out, out.new_empty(n if return_entropy else 0), out.new_empty(stats), out.new_empty(stats)
+
+
+@torch.library.custom_op("erpo_kernels::token_logprobs_bwd", mutates_args=())
+def _bwd_op(
+    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, row_max: torch.Tensor, log_norm: torch.Tensor,
+    entropy: torch.Tensor, g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor], ignore_index: int,
+    softcap: Optional[float], logit_scale: Optional[float], use_triton: bool, fwd_max_block_v: int,
+    bwd_max_block_v: int,
+) -> torch.Tensor:
+    """-> d logits [N, V] in the logits' dtype."""
+    if use_triton:
+        x = logits if logits.stride(1) == 1 else logits.contiguous()
+        blocks = RowBlocks(fwd_max_block_v=fwd_max_block_v, bwd_max_block_v=bwd_max_block_v)
+        grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        with no_autocast(x.device):
+            return _triton_backward(
+                x, grad, targets, inv_t, row_max, log_norm, entropy if g_entropy is not None else None,
+                g_logp, g_entropy, ignore_index, _LogitTransform(softcap, logit_scale), blocks,
+            )
+    return reference.token_logprobs_backward(
+        logits, targets, inv_t, ignore_index, entropy if g_entropy is not None else None, g_logp, g_entropy,
+        softcap=softcap, logit_scale=logit_scale,
+    )
+
+
+@_bwd_op.register_fake
+def _bwd_fake(logits, *args):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _op_setup(ctx, inputs, output):
+    logits, targets, inv_t, ignore_index, return_entropy = inputs[:5]
+    _, entropy, row_max, log_norm = output
+    ctx.save_for_backward(logits, targets, inv_t, row_max, log_norm, entropy)
+    ctx.options = (ignore_index, return_entropy, *inputs[5:])
+
+
+def _op_backward(ctx, g_logp, g_entropy, _g_max, _g_norm):
+    logits, targets, inv_t, row_max, log_norm, entropy = ctx.saved_tensors
+    ignore_index, return_entropy, softcap, logit_scale, use_triton, fwd_block, bwd_block = ctx.options
+    grad = _bwd_op(
+        logits, targets, inv_t, row_max, log_norm, entropy, g_logp, g_entropy if return_entropy else None,
+        ignore_index, softcap, logit_scale, use_triton, fwd_block, bwd_block,
+    )
+    return grad, None, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("erpo_kernels::token_logprobs_fwd", _op_backward, setup_context=_op_setup)
+
+
+def _token_logprobs_op(
+    logits, targets, inv_t, ignore_index, return_entropy, transform: _LogitTransform, use_triton: bool,
+    blocks: RowBlocks,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    logp, entropy, _, _ = _fwd_op(
+        logits, targets.contiguous(), inv_t, ignore_index, return_entropy, transform.softcap, transform.logit_scale,
+        use_triton, blocks.fwd_max_block_v, blocks.bwd_max_block_v,
+    )
+    return logp, entropy if return_entropy else None
 
 
 def token_logprobs(
@@ -402,7 +514,13 @@ def token_logprobs(
             "inplace_backward=True needs contiguous logits (the gradient is written into their storage); "
             "pass logits.contiguous() or inplace_backward=False"
         )
-    if resolve_kernel_backend(backend, {"logits": logits}) == "torch":
+    which = resolve_kernel_backend(backend, {"logits": logits})
+    if torch.compiler.is_compiling() and not inplace_backward:
+        logp, entropy = _token_logprobs_op(
+            logits, targets, inv_t, ignore_index, return_entropy, transform, which == "triton", blocks or DEFAULT_BLOCKS
+        )
+        return (logp, entropy) if return_entropy else logp
+    if which == "torch":
         return reference.token_logprobs(
             logits,
             targets,
