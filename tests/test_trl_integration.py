@@ -264,7 +264,7 @@ def test_erpo_query_kl_equals_erpo_loss(tmp_path, model_dir, tokenizer, dataset)
     assert ref_metrics["qkl/loss"] > 1e-3
     assert metrics["query_kl"] == pytest.approx(ref_metrics["qkl/loss"], rel=1e-5)
     assert metrics["qkl/value"] == pytest.approx(ref_metrics["qkl/value"], rel=1e-5)
-    assert float(loss) == pytest.approx(alpha * float(r_query), rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(alpha * float(r_query.detach()), rel=1e-5)
     for name, g in grad_trainer.items():
         ref = model.get_parameter(name).grad
         assert (g - ref).abs().max() / ref.abs().max().clamp(min=1e-12) < 1e-4, name
@@ -276,7 +276,7 @@ def test_erpo_query_kl_equals_erpo_loss(tmp_path, model_dir, tokenizer, dataset)
         trainer.args.alpha = 0.0
         without = trainer._compute_loss(model, inputs)
         trainer.args.alpha = alpha
-    assert float(with_qkl - without) == pytest.approx(alpha * float(r_query), rel=1e-5)
+    assert float(with_qkl - without) == pytest.approx(alpha * float(r_query.detach()), rel=1e-5)
 
 
 def test_erpo_query_kl_adds_up_over_micro_batches(tmp_path, model_dir, tokenizer, dataset):
