@@ -1,6 +1,9 @@
 """Checkpoints: <run_dir>/checkpoints/step-NNNNNN/, each a loadable Hugging Face model
 directory (config, safetensors weights, tokenizer) plus optimizer.pt (optimizer and
-scheduler state) and trainer_state.json (step, fingerprints).
+scheduler state) and trainer_state.json (step, fingerprints, world size). A run under
+torchrun (FSDP2) writes the same consolidated weights, the scheduler in optimizer.pt and
+the sharded optimizer state in optimizer/ (torch.distributed.checkpoint, one file per
+rank): it resumes on the same number of ranks.
 
 A checkpoint is written into a temp directory beside the others and renamed into
 place, so an interrupted run never leaves a half-written checkpoint: every
@@ -19,6 +22,7 @@ import torch
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 OPTIM_FILE = "optimizer.pt"
+OPTIM_DIR = "optimizer"  # a sharded (torchrun) run's optimizer state: torch.distributed.checkpoint, one file per rank
 _NAME = re.compile(r"^step-(\d+)$")
 
 
@@ -87,10 +91,17 @@ def save_checkpoint(
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, os.path.join(tmp, OPTIM_FILE))
+    _publish(run_dir, tmp, final, step, state, keep)
+    return final
+
+
+def _publish(run_dir: str, tmp: str, final: str, step: int, state: Dict[str, Any], keep: int) -> None:
+    """Write trainer_state.json into the complete temp directory, rename it to `final`,
+    then drop all but the newest `keep` checkpoints (0 = keep all)."""
     with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
         json.dump(dict(state, step=step), f, indent=1, sort_keys=True)
     if os.path.exists(final):  # a rerun of the same step: move the old one out of the way first
-        old = os.path.join(root, f".old-step-{step:06d}-{os.getpid()}")
+        old = os.path.join(os.path.dirname(final), f".old-step-{step:06d}-{os.getpid()}")
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
@@ -99,6 +110,40 @@ def save_checkpoint(
     if keep > 0:
         for _, path in checkpoint_dirs(run_dir)[:-keep]:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def save_sharded_checkpoint(
+    run_dir: str,
+    step: int,
+    model: Any,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: Dict[str, Any],
+    keep: int = 0,
+) -> str:
+    """save_checkpoint for an FSDP2 model under torchrun; every rank calls it. Rank 0
+    writes the consolidated Hugging Face weights, the tokenizer and the scheduler, every
+    rank its optimizer shard, all into one temp directory renamed into place by rank 0
+    once every rank is done (trainer_state.json last: it marks a checkpoint complete)."""
+    from . import distributed
+
+    root = os.path.join(run_dir, CHECKPOINTS)
+    final = os.path.join(root, f"step-{step:06d}")
+    tmp = os.path.join(root, f".tmp-step-{step:06d}-{distributed.broadcast_object(os.getpid())}")
+    weights = distributed.full_state_dict(model)  # collective; whole on rank 0, {} elsewhere
+    if distributed.is_main():
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        torch.save({"scheduler": scheduler.state_dict()}, os.path.join(tmp, OPTIM_FILE))
+    distributed.barrier()
+    distributed.save_optimizer(model, optimizer, os.path.join(tmp, OPTIM_DIR))  # collective
+    distributed.barrier()
+    if distributed.is_main():
+        _publish(run_dir, tmp, final, step, state, keep)
+    distributed.barrier()
     return final
 
 

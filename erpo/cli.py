@@ -7,6 +7,7 @@
     erpo eval [model=RUN_OR_DIR[,...]] [data=FILE] [temperatures=...] [n=N] [k=...]
                                                    accuracy over temperatures (docs/method.md section 8)
     erpo env                                       device, torch, CUDA, triton, and the backend each op uses
+    torchrun --nproc-per-node N -m erpo train ...  train on N ranks (FSDP2; each rank an equal share of the queries)
 
 Bad input is one line, `erpo: error: ...`, and exit status 2; no traceback.
 """
@@ -262,6 +263,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _print_help(args.command)
         return 0
     trainer = None
+    launched = False  # under torchrun: this process joined a process group
     try:
         if args.command == "env":
             from .env import env_report
@@ -274,11 +276,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"erpo: wrote {plot_runs(args.runs, args.out)}")
             return 0
         cfg = resolve_config(args.args, args.command)
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun --nproc-per-node
+        if world > 1 and args.command != "train":
+            raise ConfigError(f"erpo {args.command} runs in one process: start it without torchrun "
+                              f"(torchrun --nproc-per-node N -m erpo train is the distributed command)")
         if args.command == "train":
-            from .trainer import Trainer
+            from . import distributed
+            from .models import resolve_device
+            from .trainer import Trainer, check_world_size
 
+            if distributed.launched():
+                check_world_size(cfg, world)  # bad input: one line before any process group starts
+                distributed.init(resolve_device(cfg).type)
+                launched = True
             trainer = Trainer(cfg)
             trainer.train()
+            if launched:
+                distributed.shutdown()
         elif args.command == "ref-cache":
             from .trainer import build_cache_command
 
@@ -293,7 +307,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "eval":  # name the keys as `erpo eval` takes them: n=, not eval_n_samples=
             for short, name in EVAL_KEYS.items():
                 message = message.replace(f"{name}=", f"{short}=")
-        print(f"erpo: error: {message}", file=sys.stderr)
+        if launched:  # every rank raised it (the checks read the same files): end together
+            from . import distributed
+
+            distributed.shutdown()
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, one line for all ranks
+            print(f"erpo: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         where = ""

@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import os
 import types
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 # Name of the method installed on an FSDP root that runs its base model (decoder without
-# lm_head) through FSDP's forward hooks; erpo.packing.base_model_of calls it when present.
+# lm_head) through FSDP's forward hooks; erpo.packing.forward_hidden calls it when present.
 BASE_FORWARD = "erpo_base_forward"
 
 
@@ -52,7 +52,7 @@ def env_world_size() -> int:
 
 
 def launched() -> bool:
-    """True in a process started by torchrun (it sets LOCAL_RANK and TORCHELASTIC_RUN_ID)."""
+    """True in a process started by torchrun (it sets LOCAL_RANK and WORLD_SIZE)."""
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
@@ -61,8 +61,8 @@ def is_initialized() -> bool:
 
 
 def rank() -> int:
-    """This process's rank (0 without torch.distributed)."""
-    return dist.get_rank() if is_initialized() else 0
+    """This process's rank: torch.distributed's, or before init torchrun's RANK (0 without torchrun)."""
+    return dist.get_rank() if is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def world_size() -> int:
@@ -76,19 +76,23 @@ def is_main() -> bool:
 
 
 def init(device_type: str) -> torch.device:
-    """Join torchrun's process group (nccl on CUDA, gloo on CPU) and return this rank's
+    """Join torchrun's process group (nccl on CUDA, gloo on CPU tensors) and return this rank's
     device: cuda:LOCAL_RANK on CUDA, cpu otherwise. Idempotent."""
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_type == "cuda":
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
+    device = local_device(torch.device(device_type))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not is_initialized():
-        if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
+        if device.type == "cuda":  # nccl for CUDA tensors, gloo for the few CPU-side collectives (metrics)
+            dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
         else:
             dist.init_process_group("gloo")
+    return device
+
+
+def local_device(device: torch.device) -> torch.device:
+    """cuda:LOCAL_RANK for a CUDA device under torchrun (each rank its own GPU); `device` otherwise."""
+    if device.type == "cuda" and launched():
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     return device
 
 
@@ -124,6 +128,11 @@ def all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
     return t
 
 
+def max_over_ranks(n: int) -> int:
+    """The largest `n` of any rank (`n` in a one-process run)."""
+    return int(all_reduce(torch.tensor(n, dtype=torch.long), "max"))
+
+
 def all_gather_object(obj: Any) -> List[Any]:
     """[obj of rank 0, obj of rank 1, ...] on every rank ([obj] in a one-process run)."""
     if not (is_initialized() and world_size() > 1):
@@ -150,6 +159,108 @@ def rank_share(n: int, rank_: Optional[int] = None, world: Optional[int] = None)
         raise ValueError(f"{n} items do not divide over {w} ranks")
     k = n // w
     return slice(r * k, (r + 1) * k)
+
+
+def rank_items(items: Sequence[Any], parts: int = 1, rank_: Optional[int] = None,
+               world: Optional[int] = None) -> List[Any]:
+    """This rank's share of `items` cut into `parts` equal consecutive parts (a step's
+    queries cut into mini-batches): its contiguous slice of every part, in order. Cut
+    again into `parts` equal parts, the share gives this rank's slice of each part, so N
+    ranks together hold exactly the parts one process would. len(items) must divide by
+    parts * world."""
+    r = rank() if rank_ is None else rank_
+    w = world_size() if world is None else world
+    n = len(items)
+    if n % (parts * w):
+        raise ValueError(f"{n} items do not divide into {parts} parts over {w} ranks")
+    size = n // parts
+    out: List[Any] = []
+    for p in range(parts):
+        part = list(items[p * size:(p + 1) * size])
+        out.extend(part[rank_share(size, r, w)])
+    return out
+
+
+def all_gather_items(t: torch.Tensor, parts: int = 1) -> torch.Tensor:
+    """The inverse of rank_items on rows: every rank's `t` (its rank_items share, rows
+    along dim 0) gathered back into the one-process order of the items."""
+    whole = all_gather_tensor(t)  # [world * n, ...] in rank order
+    w = world_size()
+    if w == 1 or parts == 1:
+        return whole
+    per = t.shape[0] // parts  # rows of one part on one rank
+    return whole.reshape(w, parts, per, *t.shape[1:]).transpose(0, 1).reshape(whole.shape)
+
+
+def all_gather_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's `t` (same shape on each) concatenated along dim 0 in rank order
+    (`t` itself in a one-process run)."""
+    if not (is_initialized() and world_size() > 1):
+        return t
+    parts = [torch.empty_like(t) for _ in range(world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=0)
+
+
+def reduce_metrics(metrics: Dict[str, float]) -> Dict[str, float]:
+    """A metrics dict whose values are this rank's parts of global quantities, combined
+    over ranks: keys ending in "max" by max, "min" by min, every other key by sum (the
+    rule erpo_kernels.objective.combine_metrics applies to micro-batches; with the
+    mini-batch's normalisers summed over ranks every such metric is a sum of parts).
+    Unchanged in a one-process run."""
+    if not (is_initialized() and world_size() > 1):
+        return dict(metrics)
+    keys = list(metrics)
+    out: Dict[str, float] = {}
+    for op, pick in (("max", lambda k: k.endswith("max")), ("min", lambda k: k.endswith("min")),
+                     ("sum", lambda k: not k.endswith(("max", "min")))):
+        chosen = [k for k in keys if pick(k)]
+        if chosen:
+            t = torch.tensor([float(metrics[k]) for k in chosen], dtype=torch.float64)
+            all_reduce(t, op)
+            out.update(zip(chosen, t.tolist()))
+    return {k: out[k] for k in keys}
+
+
+# LossNormalizers fields that are sums over a mini-batch's queries (group_sizes and
+# prompt_copies are per query, and a query's group never spans ranks).
+SUMMED_NORMALIZERS = ("n_tokens", "n_sequences", "n_queries", "weight_mass", "weight_sq_mass")
+
+
+def reduce_normalizers(norm: Any) -> Any:
+    """A rank's erpo_kernels.objective.LossNormalizers (of its share of a mini-batch) made
+    the global mini-batch's, in place: its summed fields all-reduced over the ranks.
+    Every rank then divides by the same global counts and weight mass, so the per-rank
+    losses add up to the one-process loss of the whole mini-batch."""
+    for name in SUMMED_NORMALIZERS:
+        all_reduce_sum(getattr(norm, name))
+    return norm
+
+
+def main_first(fn: Callable[[], Any]) -> Any:
+    """fn() on rank 0 first, then on the other ranks (e.g. build a file cache once, then
+    read it). An exception on rank 0 is raised on every rank (the same type when it is
+    an ErpoError, with its message), so no rank waits for one that failed."""
+    if not (is_initialized() and world_size() > 1):
+        return fn()
+    failure = None
+    result = None
+    if is_main():
+        try:
+            result = fn()
+        except Exception as exc:  # re-raised below, after the other ranks heard of it
+            failure = exc
+    told = broadcast_object(None if failure is None else (type(failure), str(failure)))
+    if failure is not None:
+        raise failure
+    if told is not None:
+        kind, message = told
+        try:
+            error = kind(message)
+        except Exception:  # an exception type that takes other arguments
+            error = RuntimeError(message)
+        raise error
+    return result if is_main() else fn()
 
 
 # ---------------------------------------------------------------------- FSDP2

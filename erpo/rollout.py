@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 import torch
 
 from .config import ConfigError, ErpoError
+from .distributed import is_sharded
 
 ROLLOUT_BACKENDS = ("hf", "vllm")
 
@@ -197,8 +198,9 @@ def _generate(
     saved = model.generation_config
     model.generation_config = GenerationConfig()  # the model's defaults must not fill in what we leave unset
     try:
+        # FSDP2 (erpo.distributed): every rank forwards until all ranks are done (collectives in each forward)
         seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
-                              **extra)
+                              synced_gpus=is_sharded(model), **extra)
     finally:
         model.generation_config = saved
     new = seqs[:, ids.shape[1]:]  # [b, <= max_new_tokens]

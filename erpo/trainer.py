@@ -31,6 +31,7 @@ from erpo_kernels.objective import (LossNormalizers, MicroBatch, PackedLossBatch
                                     metrics_to_floats, plan_micro_batches, split_batch)
 
 from . import checkpoint as ckpt
+from . import distributed
 from .config import ConfigError, ErpoError, TrainConfig, atomic_write, save_config
 from .data import (
     Example,
@@ -55,6 +56,7 @@ from .ref_cache import (
     build_ref_cache,
     check_cache_meta,
     model_fingerprint,
+    query_id,
     read_ref_cache,
     save_ref_cache,
     tokenizer_fingerprint,
@@ -221,9 +223,31 @@ def check_run_dir(cfg: TrainConfig) -> List[str]:
     return earlier
 
 
+def check_world_size(cfg: TrainConfig, world: int) -> None:
+    """ErpoError, before anything runs, when `world` ranks (torchrun --nproc-per-node)
+    cannot run cfg: every rank needs an equal share of whole groups, and a run resumes on
+    the world size it was trained on (data shares, sampler seeds and optimizer shards are per rank)."""
+    last = ckpt.latest_checkpoint(cfg.resume) if cfg.resume else None
+    saved = int(ckpt.read_state(last).get("world_size", 1)) if last else world
+    if saved != world:
+        how = "erpo train (one process)" if saved == 1 else f"torchrun --nproc-per-node {saved} -m erpo train"
+        raise ErpoError(f"resume={cfg.resume}: the run was trained on {saved} rank(s) and this start has {world}; "
+                        f"resume it with {how} resume={cfg.resume}, or start a new run")
+    m = cfg.queries_per_step
+    if world > m:
+        raise ErpoError(f"torchrun started {world} ranks but queries_per_step={m}: every rank needs at least one "
+                        f"query (groups are never split across ranks); use --nproc-per-node <= {m} or raise "
+                        f"queries_per_step")
+    if m % (world * cfg.mini_batches):
+        per = f"{cfg.mini_batches} mini-batches x {world} ranks" if cfg.mini_batches > 1 else f"{world} ranks"
+        raise ErpoError(f"queries_per_step={m} does not divide over {per} (each rank takes an equal share of whole "
+                        f"groups of every mini-batch); use a multiple of {world * cfg.mini_batches} or another "
+                        f"--nproc-per-node")
+
+
 def setup_device(cfg: TrainConfig) -> Tuple[torch.device, torch.dtype]:
     """(device, compute dtype) of the run, after checking the kernel backend and output paths."""
-    device = resolve_device(cfg)
+    device = distributed.local_device(resolve_device(cfg))  # cuda:LOCAL_RANK under torchrun
     dtype = resolve_compute_dtype(cfg, device)
     check_setup(cfg, device)
     return device, dtype
@@ -262,6 +286,21 @@ def score_reference(cfg: TrainConfig, model: Any, prompt_ids: Sequence[Sequence[
     return cache, time.perf_counter() - t0
 
 
+def score_reference_sharded(cfg: TrainConfig, model: Any, prompt_ids: Sequence[Sequence[int]], meta: Dict[str, str],
+                            pad_token_id: int, device: torch.device, dtype: torch.dtype) -> Tuple[RefCache, float]:
+    """score_reference with the distinct prompts split over the ranks (the unsharded
+    starting model on each) and the parts gathered: every rank gets the whole cache."""
+    unique = list({query_id(p): p for p in prompt_ids}.values())  # distinct prompts, first-seen order
+    w, r = distributed.world_size(), distributed.rank()
+    bounds = [len(unique) * k // w for k in range(w + 1)]
+    part, seconds = score_reference(cfg, model, unique[bounds[r]:bounds[r + 1]], meta, pad_token_id, device, dtype)
+    fields = ("query_id", "n_tokens", "ref_query_logp", "score")
+    parts = distributed.all_gather_object({k: getattr(part, k).cpu() for k in fields})
+    whole = {k: torch.cat([p[k] for p in parts]) for k in fields}
+    meta = dict(part.meta, n_queries=len(unique))
+    return RefCache(meta=distributed.broadcast_object(meta), **whole), seconds
+
+
 # ---------------------------------------------------------------------- the trainer
 
 
@@ -272,7 +311,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print, engine: Optional[RolloutEngine] = None):
         cfg.validate()
         self.cfg = cfg
-        self.log = log
+        self.log = log if distributed.is_main() else (lambda _msg: None)  # rank 0 speaks for the run
+        check_world_size(cfg, distributed.world_size())
         self.earlier_run = check_run_dir(cfg)
         self.device, self.compute_dtype = setup_device(cfg)
         check_rollout_backend(cfg.rollout_backend, self.device)
@@ -285,7 +325,10 @@ class Trainer:
         initial = self._setup_reference_cache(initial)
         self._setup_policy(initial, engine)
         self._setup_optimizer()
-        self._prepare_run_dir()
+        distributed.barrier()  # every rank has read the run dir before rank 0 changes it
+        if distributed.is_main():
+            self._prepare_run_dir()
+        distributed.barrier()
 
     # ------------------------------------------------------------------ set-up steps
 
@@ -358,7 +401,8 @@ class Trainer:
     def _setup_model(self, saved: Dict[str, Any]) -> Optional[Any]:
         """Model directory, tokenizer, prompts and the reference meta; returns the starting
         (pre-RL) model when loaded (a fresh run), None when resuming."""
-        self.model_dir = resolve_model_dir(self.cfg, self.examples, self.log)
+        # the demo model's warm start: trained and cached by rank 0, read from the cache by the others
+        self.model_dir = distributed.main_first(lambda: resolve_model_dir(self.cfg, self.examples, self.log))
         self.tokenizer, self.prompt_ids = setup_prompts(
             self.cfg, self.examples, self.resume_from or self.model_dir
         )
@@ -386,8 +430,9 @@ class Trainer:
                         f"resume={cfg.resume}: the reference cache {self.cache_path} is gone and {self.model_dir} no "
                         f"longer holds the run's starting weights, so it cannot be rebuilt; restore either"
                     )
-            self.cache, seconds = score_reference(cfg, initial, self.prompt_ids, self.reference, self.pad_token_id,
-                                                  self.device, self.compute_dtype)
+            score = score_reference_sharded if distributed.world_size() > 1 else score_reference
+            self.cache, seconds = score(cfg, initial, self.prompt_ids, self.reference, self.pad_token_id,
+                                        self.device, self.compute_dtype)
             self.log(f"erpo: reference cache: {len(self.cache)} queries scored in {seconds:.1f}s")
         else:
             self.cache = read_ref_cache(read_from, self.rebuild)
@@ -407,6 +452,8 @@ class Trainer:
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         set_attn_implementation(self.model, cfg.attn_implementation)  # the packed forward's attention
+        if distributed.world_size() > 1:  # FSDP2: each rank keeps a shard of the weights and of AdamW's state
+            distributed.shard_model(self.model, self.compute_dtype)
         self.ref_model = None
         if (cfg.algorithm == "grpo" and cfg.beta > 0) or cfg.monitor_policy_kl:
             self.ref_model = load_model(self.model_dir, self.device, self.compute_dtype).eval()
@@ -426,7 +473,10 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         if self.resume_from:
             state = ckpt.load_optimizer_state(self.resume_from)
-            self.optimizer.load_state_dict(state["optimizer"])
+            if distributed.is_sharded(self.model):
+                distributed.load_optimizer(self.model, self.optimizer, os.path.join(self.resume_from, ckpt.OPTIM_DIR))
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
 
     def _prepare_run_dir(self) -> None:
@@ -474,8 +524,11 @@ class Trainer:
         returns the step's metrics (section 6; loss metrics are means over the updates)."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        torch.manual_seed(derived_seed(cfg.seed, "step", step))  # the sampler's randomness
+        world = distributed.world_size()
+        rank_seed = ("rank", distributed.rank()) if world > 1 else ()  # one process: the seeds of a plain run
+        torch.manual_seed(derived_seed(cfg.seed, "step", step, *rank_seed))  # the sampler's randomness
         idx = step_indices(len(self.examples), cfg.queries_per_step, step, cfg.seed)  # m training queries
+        idx = distributed.rank_items(idx, cfg.mini_batches)  # this rank's share of each mini-batch (all in one process)
         prompts = [self.prompt_ids[i] for i in idx]  # m token lists
 
         # 1. rollout: G responses per query, sampled at tau
@@ -498,6 +551,8 @@ class Trainer:
         self.engine.sync_weights(self.model)
 
         step_s = time.perf_counter() - t0
+        rewards = distributed.all_gather_items(rewards, cfg.mini_batches)  # [m, G] of every rank, in step order
+        num_rows = int(distributed.all_reduce_sum(torch.tensor(num_rows)))
         same = (rewards.max(dim=1).values == rewards.min(dim=1).values).float().mean()
         metrics = mean_metrics(updates)  # the step's value of each loss metric: the mean over its updates
         metrics.update({
@@ -542,8 +597,9 @@ class Trainer:
         packed = pack(prompts, responses, cfg.temperature).to(self.device)  # N rows, B = m G sequences
         rows = self.cache_rows[idx]  # [m] cache rows of this batch's queries
         ref_query_logp = self.cache.ref_query_logp[rows]  # [m] l_0(q), cached (section 7)
-        if cfg.algorithm == "erpo":
-            query_weights = self.weighter.batch_weights(self.cache.score[rows])  # [m] w_B(q) (section 3)
+        if cfg.algorithm == "erpo":  # w_B(q) over the whole batch of every rank (section 3), this rank's share
+            scores = distributed.all_gather_tensor(self.cache.score[rows])  # [m * world]
+            query_weights = self.weighter.batch_weights(scores)[distributed.rank_share(len(scores))]  # [m]
         else:
             query_weights = torch.ones(len(idx))  # [m] grpo weighs every query 1
         rollout_logp = None if rollout_logprobs is None else \
@@ -560,26 +616,34 @@ class Trainer:
         micro-batches (each normalised by the whole mini-batch: the sum is the mini-batch's
         loss); returns the loss's metrics with grad_norm and lr."""
         cfg = self.cfg
-        norm = LossNormalizers.of(mini.batch) if len(mini.plan) > 1 else None  # T, B, m, G_q, sum w
+        norm = None  # one micro-batch on one rank: the batch normalises itself
+        if len(mini.plan) > 1 or distributed.world_size() > 1:
+            norm = LossNormalizers.of(mini.batch)  # T, B, m, G_q, sum w of the mini-batch
+            distributed.reduce_normalizers(norm)  # under torchrun: of every rank's share (summed)
         micros = split_batch(mini.batch, mini.plan) if len(mini.plan) > 1 else [None]
         parts = []
-        for micro in micros:
+        for micro in self._same_count(micros, self.model):
             input_ids, position_ids = mini.rows_of(micro)  # [n_k], [n_k]
             # 5. forward to hidden states (no logits)
             with autocast(self.device, self.compute_dtype):
                 hidden = forward_hidden(self.model, input_ids, position_ids)  # [n_k, D]
-            weight, bias = lm_head_of(self.model)  # [V, D], [V] or None
+            weight, bias = distributed.lm_head_for_call(self.model)  # [V, D] whole (FSDP: gathered), [V] or None
             hidden, weight, bias = self._to_compute(hidden, weight, bias)
             # 6. the objective: fused log-probs of every row -> segment sums to query_logp
             #    -> Query-KL against ref_query_logp, clipped policy loss weighted by query_weights
             batch = mini.batch if micro is None else micro.batch
             loss, metrics = erpo_loss(hidden, weight, batch, self.loss_config, bias=bias, backend=cfg.kernel_backend,
                                       normalizers=norm)
+            if len(parts) == len(micros):  # a pass that only keeps this rank in step with the others
+                loss = loss * 0.0
+            else:
+                parts.append(metrics)
             loss.backward()  # 7. gradients accumulate over the micro-batches
-            parts.append(metrics)
         metrics = parts[0] if len(parts) == 1 else metrics_to_floats(combine_metrics(parts))
+        metrics = distributed.reduce_metrics(metrics)  # under torchrun: each rank's parts of the mini-batch's
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
         metrics.update({"grad_norm": float(grad_norm), "lr": float(self.optimizer.param_groups[0]["lr"])})
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -590,19 +654,29 @@ class Trainer:
         """Per-row log-probs [N] of `model` as it is now (the policy before an update, or
         the frozen reference), micro-batch by micro-batch, without a graph; computed as
         the update computes them (same dtype, kernel and per-row temperatures)."""
+        micros = split_batch(mini.batch, mini.plan) if len(mini.plan) > 1 else [None]
         out = []
-        for micro in (split_batch(mini.batch, mini.plan) if len(mini.plan) > 1 else [None]):
+        for micro in self._same_count(micros, model):
             input_ids, position_ids = mini.rows_of(micro)  # [n_k], [n_k]
             batch = mini.batch if micro is None else micro.batch
             with autocast(self.device, self.compute_dtype):
                 hidden = forward_hidden(model, input_ids, position_ids)  # [n_k, D]
-            weight, bias = lm_head_of(model)  # [V, D], [V] or None
+            weight, bias = distributed.lm_head_for_call(model)  # [V, D] whole (FSDP: gathered), [V] or None
             hidden, weight, bias = self._to_compute(hidden, weight, bias)
             out.append(linear_token_logprobs(
                 hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,
                 ignore_index=batch.ignore_index, backend=self.cfg.kernel_backend,
             ).float())
-        return torch.cat(out)
+        return torch.cat(out[:len(micros)])
+
+    @staticmethod
+    def _same_count(micros: List[Any], model: Any) -> List[Any]:
+        """`micros`, and under FSDP2 its last one repeated until every rank has as many
+        passes as the rank with the most (each forward and backward holds collectives:
+        a rank with fewer would leave the others waiting). The caller discards the repeats."""
+        if not distributed.is_sharded(model):
+            return micros
+        return micros + micros[-1:] * (distributed.max_over_ranks(len(micros)) - len(micros))
 
     def _to_compute(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
@@ -623,8 +697,10 @@ class Trainer:
             "data_fingerprint": self.data_fingerprint,
             "seed": self.cfg.seed,
             "algorithm": self.cfg.algorithm,
+            "world_size": distributed.world_size(),
         }
-        return ckpt.save_checkpoint(
+        save = ckpt.save_sharded_checkpoint if distributed.is_sharded(self.model) else ckpt.save_checkpoint
+        return save(
             self.cfg.run_dir, step, self.model, self.tokenizer, self.optimizer, self.scheduler, state,
             keep=self.cfg.keep_checkpoints,
         )
@@ -637,7 +713,8 @@ class Trainer:
         history: List[Dict[str, float]] = []
         t_start = time.perf_counter()
         bar = None
-        if cfg.progress and last > self.start_step:
+        main = distributed.is_main()  # rank 0 writes metrics, the plot and the progress bar
+        if cfg.progress and last > self.start_step and main:
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.steps, initial=self.start_step, desc="erpo", unit="step", dynamic_ncols=True,
@@ -648,10 +725,11 @@ class Trainer:
             for step in range(self.start_step + 1, last + 1):
                 metrics = self.step(step)
                 history.append(metrics)
-                with open(metrics_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(metrics) + "\n")
+                if main:
+                    with open(metrics_path, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(metrics) + "\n")
                 warnings, fatal = monitor.check(metrics)  # divergence: one line each, with what to try
-                if fatal:  # non-finite: stop before this step's checkpoint
+                if fatal:  # non-finite: stop before this step's checkpoint (every rank sees the same metrics)
                     raise ErpoError(warnings[0])
                 for line in warnings:
                     self._warn(f"erpo: warning: {line}", bar)
@@ -664,7 +742,7 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
-        plot = plot_runs([cfg.run_dir]) if os.path.isfile(metrics_path) else None
+        plot = plot_runs([cfg.run_dir]) if main and os.path.isfile(metrics_path) else None
         summary = self._summary(history, time.perf_counter() - t_start, checkpoint, plot)
         self.log(summary["line"])
         return summary

@@ -114,12 +114,58 @@ def units(out_dir: str) -> dict:
     return res
 
 
+class Recorder:
+    """A rollout engine wrapper that remembers what was sampled for each prompt, in order."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = []
+
+    def generate(self, prompt_ids, n, temperature, max_new_tokens):
+        out = self.inner.generate(prompt_ids, n, temperature, max_new_tokens)
+        self.calls.append([[list(p), g] for p, g in zip(prompt_ids, out)])
+        return out
+
+    def sync_weights(self, model):
+        self.inner.sync_weights(model)
+
+
+def train(out_dir: str, *overrides: str) -> dict:
+    """`erpo train OVERRIDES` as the CLI runs it under torchrun, with the rollouts recorded
+    (so a one-process run can replay the same global batch)."""
+    from erpo import distributed as D
+    from erpo.cli import resolve_config
+    from erpo.trainer import Trainer, check_world_size
+
+    cfg = resolve_config(list(overrides), "train")
+    check_world_size(cfg, D.env_world_size())
+    D.init("cpu")
+    trainer = Trainer(cfg, log=lambda _msg: None)
+    trainer.engine = Recorder(trainer.engine)
+    plans = []  # micro-batches of each mini-batch on this rank
+    updates = trainer._updates
+
+    def recording_updates(*args):
+        out = updates(*args)
+        plans.append([len(mini.plan) for mini in trainer.last_mini_batches])
+        return out
+
+    trainer._updates = recording_updates
+    trainer.train()
+    return {"rank": D.rank(), "rollouts": trainer.engine.calls, "micro_batches": plans}
+
+
 def main() -> None:
-    what, out_dir = sys.argv[1], sys.argv[2]
+    """python tests/_dist_worker.py units OUT_DIR | train OUT_DIR key=value ... | both OUT_DIR key=value ..."""
+    what, out_dir, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
     from erpo import distributed as D
 
     try:
-        res = {"units": units}[what](out_dir)
+        res = {}
+        if what in ("units", "both"):
+            res.update(units(out_dir))
+        if what in ("train", "both"):
+            res.update(train(out_dir, *overrides))
         with open(os.path.join(out_dir, f"rank{res['rank']}.json"), "w") as f:
             json.dump(res, f)
     finally:
