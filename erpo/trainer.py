@@ -46,7 +46,7 @@ from .data import (
 )
 from .models import (autocast, enable_gradient_checkpointing, load_model, load_tokenizer, resolve_compute_dtype,
                      resolve_device)
-from .packing import PackedSequences, forward_hidden, lm_head_of, pack, resolve_attn_implementation, set_attn_implementation
+from .packing import PackedSequences, forward_hidden, pack, resolve_attn_implementation, set_attn_implementation
 from .divergence import DivergenceMonitor
 from .plot import CURVES_FILE, METRICS_FILE, plot_runs, read_metrics
 from .query_weights import QueryWeighter
@@ -227,7 +227,7 @@ def check_world_size(cfg: TrainConfig, world: int) -> None:
     """ErpoError, before anything runs, when `world` ranks (torchrun --nproc-per-node)
     cannot run cfg: every rank needs an equal share of whole groups, and a run resumes on
     the world size it was trained on (data shares, sampler seeds and optimizer shards are per rank)."""
-    last = ckpt.latest_checkpoint(cfg.resume) if cfg.resume else None
+    last = ckpt.resume_point(cfg.resume)[1] if cfg.resume else None
     saved = int(ckpt.read_state(last).get("world_size", 1)) if last else world
     if saved != world:
         how = "erpo train (one process)" if saved == 1 else f"torchrun --nproc-per-node {saved} -m erpo train"
