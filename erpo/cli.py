@@ -253,6 +253,33 @@ def _print_help(command: str) -> None:
     print(f"usage: erpo {command} [config.yaml] [key=value ...]\n\nkeys, by section:\n\n{help_text()}")
 
 
+def _join_ranks(cfg: TrainConfig, command: str) -> bool:
+    """Under torchrun (erpo train only): check the world size, one line of bad input
+    before any process group starts, then join torchrun's process group. False (nothing
+    done) in one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun --nproc-per-node
+    if world > 1 and command != "train":
+        raise ConfigError(f"erpo {command} runs in one process: start it without torchrun "
+                          f"(torchrun --nproc-per-node N -m erpo train is the distributed command)")
+    if command != "train" or "LOCAL_RANK" not in os.environ:
+        return False
+    from . import distributed
+    from .models import resolve_device
+    from .trainer import check_world_size
+
+    check_world_size(cfg, world)
+    distributed.init(resolve_device(cfg).type)
+    return True
+
+
+def _leave_ranks(launched: bool) -> None:
+    """Barrier, then destroy the process group _join_ranks joined (no-op when it joined none)."""
+    if launched:
+        from . import distributed
+
+        distributed.shutdown()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -276,23 +303,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"erpo: wrote {plot_runs(args.runs, args.out)}")
             return 0
         cfg = resolve_config(args.args, args.command)
-        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun --nproc-per-node
-        if world > 1 and args.command != "train":
-            raise ConfigError(f"erpo {args.command} runs in one process: start it without torchrun "
-                              f"(torchrun --nproc-per-node N -m erpo train is the distributed command)")
+        launched = _join_ranks(cfg, args.command)
         if args.command == "train":
-            from . import distributed
-            from .models import resolve_device
-            from .trainer import Trainer, check_world_size
+            from .trainer import Trainer
 
-            if distributed.launched():
-                check_world_size(cfg, world)  # bad input: one line before any process group starts
-                distributed.init(resolve_device(cfg).type)
-                launched = True
             trainer = Trainer(cfg)
             trainer.train()
-            if launched:
-                distributed.shutdown()
+            _leave_ranks(launched)
         elif args.command == "ref-cache":
             from .trainer import build_cache_command
 
@@ -307,10 +324,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "eval":  # name the keys as `erpo eval` takes them: n=, not eval_n_samples=
             for short, name in EVAL_KEYS.items():
                 message = message.replace(f"{name}=", f"{short}=")
-        if launched:  # every rank raised it (the checks read the same files): end together
-            from . import distributed
-
-            distributed.shutdown()
+        _leave_ranks(launched)  # every rank raised it (the checks read the same files): end together
         if os.environ.get("RANK", "0") == "0":  # under torchrun, one line for all ranks
             print(f"erpo: error: {message}", file=sys.stderr)
         return 2
