@@ -122,8 +122,9 @@ class Recorder:
         self.calls = []
 
     def generate(self, prompt_ids, n, temperature, max_new_tokens):
-        out = self.inner.generate(prompt_ids, n, temperature, max_new_tokens)
-        self.calls.append([[list(p), g] for p, g in zip(prompt_ids, out)])
+        out = self.inner.generate(prompt_ids, n, temperature, max_new_tokens)  # a Rollout
+        logprobs = out.logprobs or [None] * len(prompt_ids)
+        self.calls.append([[list(p), g, lp] for p, g, lp in zip(prompt_ids, out.responses, logprobs)])
         return out
 
     def sync_weights(self, model):

@@ -98,14 +98,17 @@ class Replay:
         self.groups = {}
         for res in ranks:
             for k, call in enumerate(res["rollouts"]):
-                for prompt, group in call:
-                    self.groups[(k, tuple(prompt))] = group
+                for prompt, group, logprobs in call:
+                    self.groups[(k, tuple(prompt))] = (group, logprobs)
         self.calls = 0
 
     def generate(self, prompt_ids, n, temperature, max_new_tokens):
+        from erpo.rollout import Rollout
+
         out = [self.groups.pop((self.calls, tuple(p))) for p in prompt_ids]
         self.calls += 1
-        return out
+        logprobs = [lp for _, lp in out]
+        return Rollout([g for g, _ in out], None if any(lp is None for lp in logprobs) else logprobs)
 
     def sync_weights(self, model):
         pass
