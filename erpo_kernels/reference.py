@@ -130,9 +130,9 @@ def token_logprobs_forward(
         for a in range(0, n, step):
             b = min(n, a + step)
             z, _ = _soft_cap(logits[a:b].to(work_dtype), softcap, logit_scale)  # [c, V]
-            logp[a:b], h = _rows_forward(z, inv_t[a:b, None].to(work_dtype), tgt[a:b], valid[a:b], return_entropy)
+            logp[a:b], entropy_rows = _rows_forward(z, inv_t[a:b, None].to(work_dtype), tgt[a:b], valid[a:b], return_entropy)
             if return_entropy:
-                entropy[a:b] = h
+                entropy[a:b] = entropy_rows
             del z
     return logp, entropy
 
@@ -160,10 +160,10 @@ def token_logprobs_backward(
         for a in range(0, n, step):
             b = min(n, a + step)
             inv_t_rows = inv_t[a:b, None].to(work_dtype)
-            ge = g_entropy[a:b] if g_entropy is not None else None
-            h = entropy[a:b] if g_entropy is not None else None
+            g_entropy_rows = g_entropy[a:b] if g_entropy is not None else None
+            entropy_rows = entropy[a:b] if g_entropy is not None else None
             z, slope = _soft_cap(logits[a:b].to(work_dtype), softcap, logit_scale)
-            g = _rows_grad(z, inv_t_rows, tgt[a:b], valid[a:b], h, g_logp[a:b], ge)
+            g = _rows_grad(z, inv_t_rows, tgt[a:b], valid[a:b], entropy_rows, g_logp[a:b], g_entropy_rows)
             if slope is not None:
                 g.mul_(slope)
             grad[a:b] = g
@@ -239,17 +239,17 @@ def linear_token_logprobs_forward(
         tgt = targets[rows].long()
         step = chunk_rows_for(vocab, chunk_rows, LINEAR_CHUNK_ELEMENTS)  # module globals, read per call
         w = weight.to(work_dtype)
-        b_ = bias.to(work_dtype) if bias is not None else None
+        bias_work = bias.to(work_dtype) if bias is not None else None
         for a in range(0, rows.numel(), step):
             r = rows[a : a + step]
             raw = hidden[r].to(work_dtype) @ w.T  # [c, V]
-            if b_ is not None:
-                raw += b_
+            if bias_work is not None:
+                raw += bias_work
             z, _ = _soft_cap(raw, softcap, logit_scale)
             ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
-            logp[r], h = _rows_forward(z, inv_t[r, None].to(work_dtype), tgt[a : a + step], ones, return_entropy)
+            logp[r], entropy_rows = _rows_forward(z, inv_t[r, None].to(work_dtype), tgt[a : a + step], ones, return_entropy)
             if return_entropy:
-                entropy[r] = h
+                entropy[r] = entropy_rows
             del z, raw
     return logp, entropy
 
@@ -269,7 +269,7 @@ def linear_token_logprobs_backward(
         tgt = targets[rows].long()
         step = chunk_rows_for(vocab, chunk_rows, LINEAR_CHUNK_ELEMENTS)
         w = weight.to(work_dtype)
-        b_ = bias.to(work_dtype) if bias is not None else None
+        bias_work = bias.to(work_dtype) if bias is not None else None
         d_hidden = torch.zeros_like(hidden)
         d_weight = torch.zeros_like(w)
         d_bias = torch.zeros(vocab, dtype=work_dtype, device=weight.device) if bias is not None else None
@@ -279,14 +279,14 @@ def linear_token_logprobs_backward(
             r = rows[a : a + step]
             x = hidden[r].to(work_dtype)
             raw = x @ w.T
-            if b_ is not None:
-                raw += b_
+            if bias_work is not None:
+                raw += bias_work
             z, slope = _soft_cap(raw, softcap, logit_scale)
             inv_t_rows = inv_t[r, None].to(work_dtype)
-            ge = g_entropy[r].to(work_dtype) if g_entropy is not None else None
-            h = entropy[r] if g_entropy is not None else None
+            g_entropy_rows = g_entropy[r].to(work_dtype) if g_entropy is not None else None
+            entropy_rows = entropy[r] if g_entropy is not None else None
             ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
-            g = _rows_grad(z, inv_t_rows, tgt[a : a + step], ones, h, g_logp[r].to(work_dtype), ge)  # dL/dz
+            g = _rows_grad(z, inv_t_rows, tgt[a : a + step], ones, entropy_rows, g_logp[r].to(work_dtype), g_entropy_rows)
             if slope is not None:
                 g.mul_(slope)  # dL/draw [c, V]
             d_hidden[r] = (g @ w).to(hidden.dtype)

@@ -192,11 +192,11 @@ def _token_logprobs_bwd_kernel(
         g_logp = 0.0
         if HAS_LOGP_GRAD:
             g_logp = tl.load(g_logp_ptr + row)
-        g_h = 0.0
-        h = 0.0
+        g_entropy = 0.0
+        entropy = 0.0
         if HAS_ENTROPY_GRAD:
-            g_h = tl.load(g_entropy_ptr + row)
-            h = tl.load(entropy_ptr + row)
+            g_entropy = tl.load(g_entropy_ptr + row)
+            entropy = tl.load(entropy_ptr + row)
         for start in range(0, vocab, BLOCK_V):
             offs = start + cols
             mask = offs < vocab
@@ -211,7 +211,7 @@ def _token_logprobs_bwd_kernel(
             if HAS_LOGP_GRAD:
                 grad = tl.where(offs == target, g_logp, 0.0) - g_logp * p
             if HAS_ENTROPY_GRAD:
-                grad = grad - g_h * p * (log_p + h)
+                grad = grad - g_entropy * p * (log_p + entropy)
             grad = grad * inv_t
             if HAS_SOFTCAP:
                 grad = grad * (cap_slope * logit_scale)
