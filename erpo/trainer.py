@@ -606,6 +606,7 @@ class Trainer:
             packed.rows_from_response_tokens(Rollout(responses, rollout_logprobs).flat_logprobs())  # [N]
         batch = packed.loss_batch(advantages.reshape(-1), ref_query_logp, query_weights, rollout_logp=rollout_logp)
         # whole sequences per micro-batch, at most micro_batch_tokens rows each (0: one micro-batch)
+        batch.validate(vocab_size=self.model.get_output_embeddings().weight.shape[0])  # values, once, here
         mini = MiniBatch(packed, batch, plan_micro_batches(batch, cfg.micro_batch_tokens))
         if self.ref_model is not None:
             mini.batch.ref_logp = self._row_logp(self.ref_model, mini)  # [N] frozen reference, no grad
@@ -633,13 +634,13 @@ class Trainer:
             #    -> Query-KL against ref_query_logp, clipped policy loss weighted by query_weights
             batch = mini.batch if micro is None else micro.batch
             loss, metrics = erpo_loss(hidden, weight, batch, self.loss_config, bias=bias, backend=cfg.kernel_backend,
-                                      normalizers=norm)
+                                      normalizers=norm, validate=False, sync_metrics=False)  # no host sync
             if len(parts) == len(micros):  # a pass that only keeps this rank in step with the others
                 loss = loss * 0.0
             else:
                 parts.append(metrics)
             loss.backward()  # 7. gradients accumulate over the micro-batches
-        metrics = parts[0] if len(parts) == 1 else metrics_to_floats(combine_metrics(parts))
+        metrics = metrics_to_floats(combine_metrics(parts))  # the update's one device-to-host transfer
         metrics = distributed.reduce_metrics(metrics)  # under torchrun: each rank's parts of the mini-batch's
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -665,7 +666,7 @@ class Trainer:
             hidden, weight, bias = self._to_compute(hidden, weight, bias)
             out.append(linear_token_logprobs(
                 hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,
-                ignore_index=batch.ignore_index, backend=self.cfg.kernel_backend,
+                ignore_index=batch.ignore_index, backend=self.cfg.kernel_backend, validate=False,
             ).float())
         return torch.cat(out[:len(micros)])
 
