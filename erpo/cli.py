@@ -280,6 +280,15 @@ def _leave_ranks(launched: bool) -> None:
         distributed.shutdown()
 
 
+def _print_piped(text: str) -> int:
+    """Print a report; a reader that stops early (`erpo env | head`) ends it quietly."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -295,8 +304,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "env":
             from .env import env_report
 
-            print(env_report())
-            return 0
+            return _print_piped(env_report())
         if args.command == "plot":
             from .plot import plot_runs
 

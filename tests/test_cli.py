@@ -641,3 +641,12 @@ def test_stale_cache_fails_before_the_warm_start_and_ref_cache_keeps_other_runs_
     assert main([a if not a.startswith("ref_cache=") else f"ref_cache={mine}" for a in command[1:]]) == 0
     assert read_ref_cache(mine, "").meta["template"] == "Q: {prompt}"
     assert main(["train", *args, f"ref_cache={mine}"]) == 0
+
+
+def test_env_piped_into_a_reader_that_stops_early_prints_no_traceback():
+    # `erpo env | head -c 10`: the reader closes the pipe before the report is written
+    proc = subprocess.run(
+        ["sh", "-c", f"'{sys.executable}' -m erpo env | head -c 10 >/dev/null"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr

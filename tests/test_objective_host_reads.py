@@ -157,3 +157,26 @@ def test_policy_loss_reads_the_host_once_per_check_and_metrics():
                                   sync_metrics=sync_metrics)
             loss.backward()
         assert sum(counts.values()) == expect, (validate, sync_metrics, dict(counts))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.set_sync_debug_mode)")
+@pytest.mark.parametrize("algorithm", ["erpo", "grpo"])
+def test_erpo_loss_on_cuda_never_syncs(algorithm):
+    """On a GPU (bench/gpu_check.sh runs this file with the compiled kernels): a validated
+    batch's loss, forward and backward, with device metrics, raises under the CUDA
+    sync-debug mode "error" if anything in the path waits for the device."""
+    batch, hidden, weight = _inputs(torch.float32)
+    batch.validate(vocab_size=VOCAB)  # on the CPU, where the batch is built
+    batch = batch.to("cuda")
+    h = hidden.cuda().requires_grad_(True)
+    w = weight.cuda().requires_grad_(True)
+    cfg = LossConfig(algorithm=algorithm, alpha=0.2, beta=0.1, rollout_is="token")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, metrics = erpo_loss(h, w, batch, cfg, backend="triton", validate=False, sync_metrics=False)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item() and h.grad is not None and w.grad is not None
+    assert all(isinstance(v, torch.Tensor) and v.is_cuda for v in metrics.values())
