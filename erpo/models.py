@@ -87,12 +87,8 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype = torch.float
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **{key: dtype})
     except (OSError, ValueError, KeyError) as exc:
         raise ErpoError(f"model {path!r} could not be loaded as a causal LM: {_first_line(exc)}") from None
-    # The fused loss reads hidden @ lm_head.weight.T as the logits: a model that transforms
-    # them further would be scored under a different distribution than it samples from.
-    for key, off in (("final_logit_softcapping", (None, 0.0)), ("logit_scale", (None, 1.0)), ("logits_scaling", (None, 1.0))):
-        value = getattr(model.config, key, None)
-        if value not in off:
-            raise ErpoError(f"model {path!r} transforms its logits ({key}={value}), which the fused loss does not model yet")
+    # A model that scales or soft-caps its logits is scored with the same transform
+    # (erpo.packing.lm_head_options -> the kernels' logit_scale / softcap).
     return model.to(device)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -172,6 +172,23 @@ def lm_head_of(model: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(weight [V, D], bias [V] or None) of the output projection."""
     head = model.get_output_embeddings()
     return head.weight, getattr(head, "bias", None)
+
+
+def lm_head_options(model: Any) -> Dict[str, Optional[float]]:
+    """How the model transforms hidden @ lm_head.weight.T into the logits it samples from,
+    as the keywords of linear_token_logprobs / erpo_loss: `logit_scale` (a multiplier:
+    Cohere's logit_scale, 1 / Granite's logits_scaling) and `softcap` (Gemma 2's
+    final_logit_softcapping). None where the model does not transform its logits."""
+    config = getattr(model, "config", None)
+    scale = getattr(config, "logit_scale", None)  # logits * scale
+    divisor = getattr(config, "logits_scaling", None)  # logits / divisor
+    if divisor not in (None, 1, 1.0):
+        scale = (1.0 if scale is None else float(scale)) / float(divisor)
+    cap = getattr(config, "final_logit_softcapping", None)
+    return {
+        "logit_scale": None if scale in (None, 1, 1.0) else float(scale),
+        "softcap": None if cap in (None, 0, 0.0) else float(cap),
+    }
 
 
 def row_layout(seq_cu_seqlens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, int]:

@@ -21,7 +21,7 @@ import torch
 from erpo_kernels import linear_token_logprobs, segment_sum
 
 from .config import ErpoError, atomic_write
-from .packing import forward_hidden, lm_head_of, pack
+from .packing import forward_hidden, lm_head_of, lm_head_options, pack
 from .query_weights import query_scores
 
 CACHE_FORMAT = "erpo-ref-cache/1"
@@ -88,6 +88,7 @@ def compute_ref_query_logp(
     hidden states -> linear_token_logprobs -> segment_sum over each prompt span."""
     device = next(model.parameters()).device
     weight, bias = lm_head_of(model)
+    head_options = lm_head_options(model)  # the model's logit scale / soft cap, if any
     out = []
     for start in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[start:start + batch_size]
@@ -100,7 +101,8 @@ def compute_ref_query_logp(
         elif hidden.dtype != w.dtype:
             hidden = hidden.to(w.dtype)
         logp = linear_token_logprobs(
-            hidden, w, packed.targets, bias=b, inv_temperature=packed.inv_temperature, backend=backend
+            hidden, w, packed.targets, bias=b, inv_temperature=packed.inv_temperature, backend=backend,
+            **head_options,
         )  # [N]
         spans = segment_sum(logp, packed.span_cu_seqlens, backend=backend)  # [2B]
         out.append(spans[0::2].float().cpu())  # prompt spans

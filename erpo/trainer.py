@@ -46,7 +46,8 @@ from .data import (
 )
 from .models import (autocast, enable_gradient_checkpointing, load_model, load_tokenizer, resolve_compute_dtype,
                      resolve_device)
-from .packing import PackedSequences, forward_hidden, pack, resolve_attn_implementation, set_attn_implementation
+from .packing import (PackedSequences, forward_hidden, lm_head_options, pack, resolve_attn_implementation,
+                      set_attn_implementation)
 from .divergence import DivergenceMonitor
 from .plot import CURVES_FILE, METRICS_FILE, plot_runs, read_metrics
 from .query_weights import QueryWeighter
@@ -634,7 +635,8 @@ class Trainer:
             #    -> Query-KL against ref_query_logp, clipped policy loss weighted by query_weights
             batch = mini.batch if micro is None else micro.batch
             loss, metrics = erpo_loss(hidden, weight, batch, self.loss_config, bias=bias, backend=cfg.kernel_backend,
-                                      normalizers=norm, validate=False, sync_metrics=False)  # no host sync
+                                      normalizers=norm, validate=False, sync_metrics=False,  # no host sync
+                                      **lm_head_options(self.model))
             if len(parts) == len(micros):  # a pass that only keeps this rank in step with the others
                 loss = loss * 0.0
             else:
@@ -667,6 +669,7 @@ class Trainer:
             out.append(linear_token_logprobs(
                 hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,
                 ignore_index=batch.ignore_index, backend=self.cfg.kernel_backend, validate=False,
+                **lm_head_options(model),
             ).float())
         return torch.cat(out[:len(micros)])
 

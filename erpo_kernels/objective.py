@@ -633,6 +633,8 @@ def erpo_loss(
     normalizers: Optional[LossNormalizers] = None,
     validate: bool = True,
     sync_metrics: bool = True,
+    logit_scale: Optional[float] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[torch.Tensor, Dict[str, Union[float, torch.Tensor]]]:
     """The ERPO (or GRPO) loss straight from final hidden states and the lm_head weight.
 
@@ -656,6 +658,7 @@ def erpo_loss(
         hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,
         ignore_index=batch.ignore_index, return_entropy=with_entropy, backend=backend,
         validate=False,  # targets (< V) and inv_temperature: checked once by _check_inputs / batch.validate
+        logit_scale=logit_scale, softcap=softcap,  # the model's own logit transform, if any
     )
     logp, entropy = out if with_entropy else (out, None)
     return _loss_from_logp(logp, batch, config, entropy, backend, normalizers, sync_metrics)
