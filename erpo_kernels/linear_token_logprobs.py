@@ -860,6 +860,7 @@ def linear_token_logprobs(
             )
     check_targets(targets, n, vocab, ignore_index, hidden.device, validate=validate)
     inv_t = row_inv_temperature(inv_temperature, n, hidden.device, validate=validate)
+    unit = reference.unit_scale(inv_temperature, logit_scale)  # temperature 1, no scale: known without reading a tensor
     softcap = optional_positive_float("softcap", softcap)
     logit_scale = optional_positive_float("logit_scale", logit_scale)
     if logit_scale is not None and softcap is None:
@@ -881,7 +882,7 @@ def linear_token_logprobs(
             weight,
             targets,
             bias=bias,
-            inv_temperature=inv_t,
+            inv_temperature=None if unit else inv_t,  # None: the reference skips the shift and scale
             ignore_index=ignore_index,
             return_entropy=return_entropy,
             softcap=softcap,

@@ -42,13 +42,29 @@ def chunk_rows_for(vocab: int, chunk_rows: Optional[int] = None, elements: Optio
     return max(1, (elements or CHUNK_ELEMENTS) // max(1, vocab))
 
 
-def _scaled(z: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:
+def _scaled(z: torch.Tensor, inv_t: Optional[torch.Tensor]) -> torch.Tensor:
     """The scaled logits of a chunk, (z - M) * inv_T with M the row max, subtracted
-    before scaling so logits of magnitude 1e4 keep full accuracy. (No data-dependent
-    shortcut for inv_T = 1: reading the tensor's values would sync the device.)"""
+    before scaling so logits of magnitude 1e4 keep full accuracy; z itself when inv_t is
+    None (temperature 1, known on the host from the caller's argument: log_softmax
+    shifts by the max exactly, and three passes over [c, V] are saved). A tensor
+    inv_t is never inspected for ones: reading its values would sync the device."""
+    if inv_t is None:
+        return z
     row_max = z.max(dim=-1, keepdim=True).values
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # a row of -inf stays nan-free
     return (z - row_max).mul_(inv_t)
+
+
+def _rows_of(inv_t: Optional[torch.Tensor], rows, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """inv_t [N] -> the chunk's [c, 1] in `dtype`; None (temperature 1) stays None."""
+    return None if inv_t is None else inv_t[rows, None].to(dtype)
+
+
+def unit_scale(inv_temperature: Union[None, float, torch.Tensor], logit_scale: Optional[float]) -> bool:
+    """Whether the logits are used unscaled, decided from the arguments alone (no tensor
+    is read): no temperature (or the number 1) and no logit scale."""
+    plain = inv_temperature is None or (not isinstance(inv_temperature, torch.Tensor) and float(inv_temperature) == 1.0)
+    return plain and logit_scale is None
 
 
 def _soft_cap(raw: torch.Tensor, softcap: Optional[float], logit_scale: Optional[float]):
@@ -110,7 +126,7 @@ def _rows_grad(
         del p
     grad.scatter_add_(1, tgt[:, None], g_logp[:, None])
     grad.masked_fill_(~valid[:, None], 0.0)
-    return grad.mul_(inv_t)
+    return grad if inv_t is None else grad.mul_(inv_t)
 
 
 def token_logprobs_forward(
@@ -130,7 +146,8 @@ def token_logprobs_forward(
         for a in range(0, n, step):
             b = min(n, a + step)
             z, _ = _soft_cap(logits[a:b].to(work_dtype), softcap, logit_scale)  # [c, V]
-            logp[a:b], entropy_rows = _rows_forward(z, inv_t[a:b, None].to(work_dtype), tgt[a:b], valid[a:b], return_entropy)
+            logp[a:b], entropy_rows = _rows_forward(z, _rows_of(inv_t, slice(a, b), work_dtype), tgt[a:b], valid[a:b],
+                                                    return_entropy)
             if return_entropy:
                 entropy[a:b] = entropy_rows
             del z
@@ -159,7 +176,7 @@ def token_logprobs_backward(
         step = chunk_rows_for(vocab, chunk_rows)
         for a in range(0, n, step):
             b = min(n, a + step)
-            inv_t_rows = inv_t[a:b, None].to(work_dtype)
+            inv_t_rows = _rows_of(inv_t, slice(a, b), work_dtype)
             g_entropy_rows = g_entropy[a:b] if g_entropy is not None else None
             entropy_rows = entropy[a:b] if g_entropy is not None else None
             z, slope = _soft_cap(logits[a:b].to(work_dtype), softcap, logit_scale)
@@ -215,6 +232,8 @@ def token_logprobs(
     inv_t = row_inv_temperature(inv_temperature, logits.shape[0], logits.device, validate=validate)
     if logit_scale is not None and softcap is None:
         inv_t, logit_scale = inv_t * logit_scale, None  # a plain scale is a factor on the temperature
+    elif unit_scale(inv_temperature, logit_scale):
+        inv_t = None  # temperature 1: the chunks skip the shift and scale
     logp, entropy = _TokenLogprobs.apply(
         logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows, softcap, logit_scale
     )
@@ -247,7 +266,8 @@ def linear_token_logprobs_forward(
                 raw += bias_work
             z, _ = _soft_cap(raw, softcap, logit_scale)
             ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
-            logp[r], entropy_rows = _rows_forward(z, inv_t[r, None].to(work_dtype), tgt[a : a + step], ones, return_entropy)
+            logp[r], entropy_rows = _rows_forward(z, _rows_of(inv_t, r, work_dtype), tgt[a : a + step], ones,
+                                                  return_entropy)
             if return_entropy:
                 entropy[r] = entropy_rows
             del z, raw
@@ -282,7 +302,7 @@ def linear_token_logprobs_backward(
             if bias_work is not None:
                 raw += bias_work
             z, slope = _soft_cap(raw, softcap, logit_scale)
-            inv_t_rows = inv_t[r, None].to(work_dtype)
+            inv_t_rows = _rows_of(inv_t, r, work_dtype)
             g_entropy_rows = g_entropy[r].to(work_dtype) if g_entropy is not None else None
             entropy_rows = entropy[r] if g_entropy is not None else None
             ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
@@ -343,6 +363,8 @@ def linear_token_logprobs(
     inv_t = row_inv_temperature(inv_temperature, hidden.shape[0], hidden.device, validate=validate)
     if logit_scale is not None and softcap is None:
         inv_t, logit_scale = inv_t * logit_scale, None  # a plain scale is a factor on the temperature
+    elif unit_scale(inv_temperature, logit_scale):
+        inv_t = None  # temperature 1: the chunks skip the shift and scale
     logp, entropy = _LinearTokenLogprobs.apply(
         hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows, softcap, logit_scale
     )

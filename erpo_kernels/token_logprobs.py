@@ -500,6 +500,7 @@ def token_logprobs(
         raise ValueError("logits must have at least one column (V >= 1)")
     check_targets(targets, n, vocab, ignore_index, logits.device, validate=validate)
     inv_t = row_inv_temperature(inv_temperature, n, logits.device, validate=validate)
+    unit = reference.unit_scale(inv_temperature, logit_scale)  # temperature 1, no scale: known without reading a tensor
     transform = _LogitTransform(
         optional_positive_float("softcap", softcap), optional_positive_float("logit_scale", logit_scale)
     )
@@ -524,7 +525,7 @@ def token_logprobs(
         return reference.token_logprobs(
             logits,
             targets,
-            inv_temperature=inv_t,
+            inv_temperature=None if unit else inv_t,  # None: the reference skips the shift and scale
             ignore_index=ignore_index,
             return_entropy=return_entropy,
             inplace_backward=inplace_backward,
