@@ -101,9 +101,9 @@ def _rows_forward(
 
 def _rows_grad(
     z: torch.Tensor,
-    inv_t: torch.Tensor,
+    inv_t: Optional[torch.Tensor],
     tgt: torch.Tensor,
-    valid: torch.Tensor,
+    valid: Optional[torch.Tensor],
     entropy: Optional[torch.Tensor],
     g_logp: torch.Tensor,
     g_entropy: Optional[torch.Tensor],
@@ -112,7 +112,8 @@ def _rows_grad(
     forward did.
 
     g_logp and g_entropy are already zero on ignored rows, whose gradient is 0 (also
-    when all their logits are -inf).
+    when all their logits are -inf). valid None: every row scores and has finite
+    logits (the linear path), so no row needs masking. inv_t None: temperature 1.
     """
     s = _scaled(z, inv_t)
     if g_entropy is None:
@@ -125,7 +126,8 @@ def _rows_grad(
         grad.masked_fill_(p == 0, 0.0)
         del p
     grad.scatter_add_(1, tgt[:, None], g_logp[:, None])
-    grad.masked_fill_(~valid[:, None], 0.0)
+    if valid is not None:  # None: every row scores (the linear path compacts ignored rows away)
+        grad.masked_fill_(~valid[:, None], 0.0)
     return grad if inv_t is None else grad.mul_(inv_t)
 
 
@@ -305,8 +307,7 @@ def linear_token_logprobs_backward(
             inv_t_rows = _rows_of(inv_t, r, work_dtype)
             g_entropy_rows = g_entropy[r].to(work_dtype) if g_entropy is not None else None
             entropy_rows = entropy[r] if g_entropy is not None else None
-            ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
-            g = _rows_grad(z, inv_t_rows, tgt[a : a + step], ones, entropy_rows, g_logp[r].to(work_dtype), g_entropy_rows)
+            g = _rows_grad(z, inv_t_rows, tgt[a : a + step], None, entropy_rows, g_logp[r].to(work_dtype), g_entropy_rows)
             if slope is not None:
                 g.mul_(slope)  # dL/draw [c, V]
             d_hidden[r] = (g @ w).to(hidden.dtype)
