@@ -2,7 +2,8 @@
 statement, also those inside functions): erpo_kernels imports neither erpo nor bench;
 erpo imports neither bench nor tests; the modules of erpo/ import each other without a
 cycle. No file cites a document the repository lacks; no function in erpo/ reaches 60
-lines."""
+lines. The README stays short (under 200 lines) and links every page of docs/; every
+local link of the README and of docs/ leads to a file, and to a heading of it."""
 import ast
 import os
 import re
@@ -132,3 +133,63 @@ def test_every_function_in_erpo_is_under_60_lines():
                 if lines >= 60:
                     long.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+README_MAX_LINES = 200
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: str) -> set:
+    with open(path, encoding="utf-8") as f:
+        text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+    return {_anchor(m) for m in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def _markdown_files():
+    docs = os.path.join(ROOT, "docs")
+    return [os.path.join(ROOT, "README.md")] + sorted(
+        os.path.join(docs, n) for n in os.listdir(docs) if n.endswith(".md"))
+
+
+def broken_links(path: str):
+    """The local links of a markdown file whose file or heading does not exist."""
+    with open(path, encoding="utf-8") as f:
+        text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+    bad = []
+    for target in _LINK.findall(text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+        if not os.path.exists(dest):
+            bad.append(f"{os.path.relpath(path, ROOT)} links {target}: no such file")
+        elif anchor and dest.endswith(".md") and anchor not in _anchors(dest):
+            bad.append(f"{os.path.relpath(path, ROOT)} links {target}: no such heading")
+    return bad
+
+
+def test_readme_is_short_and_links_every_page():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    lines = readme.count("\n")
+    assert lines < README_MAX_LINES, f"README.md has {lines} lines: move text to a docs/ page"
+    linked = {os.path.normpath(t.partition("#")[0]) for t in _LINK.findall(readme)}
+    pages = {os.path.relpath(p, ROOT) for p in _markdown_files()[1:]}
+    assert not pages - linked, f"docs pages the README does not link: {sorted(pages - linked)}"
+
+
+def test_every_local_link_leads_somewhere():
+    bad = [b for path in _markdown_files() for b in broken_links(path)]
+    assert not bad, bad
+
+
+def test_the_link_check_sees_a_broken_link(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# A title: here\n\n[ok](#a-title-here) [gone](missing.md) [no heading](#nowhere)\n")
+    bad = broken_links(str(page))
+    assert len(bad) == 2 and "missing.md" in bad[0] and "#nowhere" in bad[1]

@@ -1,6 +1,6 @@
 """The trainer (erpo/trainer.py): advantages, exact resume (2 + resume + 2 == 4, bit for
 bit), an interrupted save, a short end-to-end run of the embedded default, the GRPO
-path, and the README's hand-written-loop example."""
+path, and docs/objective.md's hand-written-loop example."""
 import copy
 import dataclasses
 import json
@@ -15,6 +15,8 @@ from erpo.cli import resolve_config
 from erpo.config import ConfigError, ErpoError, TrainConfig
 from erpo.rollout import Rollout
 from erpo.trainer import METRIC_KEYS, Trainer, group_advantages, rebuild_command
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TIMING = ("time/", "throughput/")
 
@@ -386,10 +388,10 @@ def test_grpo_with_reference_model_and_local_files(tmp_path, cache_dir):
     assert all(r["weights/ess"] == 1.0 for r in rows)  # GRPO weights every query 1
 
 
-# ---------------------------------------------------------------------- the README example
+# ------------------------------------------------------------ docs/objective.md's example
 
 
-def test_readme_hand_written_loop(tmp_path, cache_dir):
+def test_hand_written_loop(tmp_path, cache_dir):
     warm = Trainer(tiny(tmp_path, cache_dir, "warm2", steps=1), log=quiet)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -397,41 +399,12 @@ def test_readme_hand_written_loop(tmp_path, cache_dir):
     tokenizer = AutoTokenizer.from_pretrained(warm.model_dir)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
 
-    # ---- README: swapping the ERPO objective into a hand-written loop ----
-    import torch
-    from erpo.packing import forward_hidden, pack
-    from erpo.rewards import get_reward_fn
-    from erpo_kernels.objective import LossConfig, erpo_loss
-
-    questions, answers = ["3+4=", "12+9="], ["7", "21"]
-    G, tau = 4, 1.0
-    reward_fn = get_reward_fn("exact_match")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    prompts = [tokenizer(q)["input_ids"] for q in questions]  # m prompts
-    responses = []  # responses[q] = G sampled token lists
-    for p in prompts:
-        out = model.generate(torch.tensor([p] * G), do_sample=True, temperature=tau, top_k=0, top_p=1.0,
-                             max_new_tokens=8, pad_token_id=tokenizer.pad_token_id)
-        responses.append([row[len(p):].tolist() for row in out])
-    responses = [[r[: r.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in r else r for r in group]
-                 for group in responses]  # cut at EOS
-    rewards = torch.tensor([[reward_fn(tokenizer.decode(r, skip_special_tokens=True), a) for r in group]
-                            for group, a in zip(responses, answers)])  # [m, G]
-    advantages = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)  # [m, G]
-
-    packed = pack(prompts, responses, temperature=tau)  # one row space; prompt rows scored once per group
-    batch = packed.loss_batch(
-        advantages=advantages.reshape(-1),  # [B = m * G]
-        ref_query_logp=torch.tensor([-9.0, -12.0]),  # [m] l_0(q), from `erpo ref-cache` in a real run
-        query_weights=torch.ones(2),  # [m] w_B(q); erpo.query_weights.QueryWeighter computes them
-    )
-    hidden = forward_hidden(model, packed.input_ids, packed.position_ids)  # [N, D]; no logits
-    loss, metrics = erpo_loss(hidden, model.lm_head.weight, batch, LossConfig(algorithm="erpo", alpha=0.01))
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    # ---- end of the README example ----
+    # docs/objective.md's example, run as it is written there
+    text = open(os.path.join(ROOT, "docs", "objective.md"), encoding="utf-8").read()
+    (code,) = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    scope = {"model": model, "tokenizer": tokenizer}
+    exec(compile(code, "docs/objective.md", "exec"), scope)
+    loss, metrics = scope["loss"], scope["metrics"]
 
     assert torch.isfinite(loss)
     for key in ("loss", "pg/loss", "qkl/value", "weights/ess", "entropy/mean", "response_length/mean"):

@@ -368,24 +368,23 @@ def test_import_without_trl():
     assert "\n" not in message and "pip install erpo[trl]" in message
 
 
-# ----------------------------------------------------------------------------- the README
+# ----------------------------------------------------------------------------- docs/trl.md
 
 
-def test_readme_snippets(tmp_path, model_dir, monkeypatch, capsys):
-    """The README's "Using erpo from TRL" code blocks, run as a new user would (on the
-    tiny model instead of the hub id, from a fresh directory)."""
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = text.split("## Using erpo from TRL", 1)[1].split("\n## ", 1)[0]
-    blocks = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
+def test_docs_snippets(tmp_path, model_dir, monkeypatch, capsys):
+    """The code blocks of docs/trl.md ("Using erpo from TRL"), run as a new user would (on
+    the tiny model instead of the hub id, from a fresh directory)."""
+    text = open(os.path.join(ROOT, "docs", "trl.md"), encoding="utf-8").read()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
     assert len(blocks) == 3
     code = "\n".join(blocks)
     assert 'MODEL = "Qwen/Qwen2.5-0.5B-Instruct"' in code
     code = code.replace('MODEL = "Qwen/Qwen2.5-0.5B-Instruct"', f"MODEL = {model_dir!r}")
     assert code.count("report_to=[]") == 2
-    code = code.replace("report_to=[]", "report_to=[], use_cpu=True, bf16=False")  # as the README says for CPU
+    code = code.replace("report_to=[]", "report_to=[], use_cpu=True, bf16=False")  # as docs/trl.md says for CPU
     monkeypatch.chdir(tmp_path)
     scope = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/trl.md", "exec"), scope)
     err = capsys.readouterr().err
     assert "runs erpo_kernels.linear_token_logprobs" in err
     grpo_head = scope["use_erpo_kernels"]  # the snippet's trainers: GRPO with our kernel, then ERPO
