@@ -1,0 +1,559 @@
+"""Counted GPU cost without a GPU: what each Triton launch and each PyTorch op does, exactly.
+
+Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported) executes every
+tl.load, tl.store and tl.dot of a real kernel on CPU tensors. `count_launches` hooks those
+three operations (and the atomics) for the duration of one call and returns one record per
+kernel launch, plus one per PyTorch op that runs outside a kernel:
+
+    from bench.cost import count_launches, table
+    launches = count_launches(lambda: linear_token_logprobs(h, w, t).sum().backward())
+    print(table(launches))
+    launches[0].name, launches[0].programs, launches[0].loaded, launches[0].flops  # ...
+
+A Triton record (`kind="triton"`) holds, with every mask respected (only active lanes count):
+    programs         the grid's size
+    loaded, stored   bytes moved by tl.load / tl.store (an atomic counts as both)
+    distinct_loaded, distinct_stored, distinct
+                     bytes at distinct addresses: the launch's compulsory traffic
+    flops            {operand dtype: 2 M N K summed over its tl.dot calls}; "bf16>fp32" are fp32
+                     dots whose operands were widened from bf16 just before (the interpreter's bf16
+                     workaround of our kernels: on the GPU a bf16 tensor-core dot)
+    args             the same per kernel argument, plus `program_distinct`: distinct bytes per
+                     program summed over the programs (equal to `distinct` when no two programs
+                     touch the same bytes: the argument is private to its programs)
+A torch record (`kind="torch"`) holds one ATen op: loaded = the bytes of its tensor inputs,
+stored = the bytes of its outputs (0 for views), flops from torch.utils.flop_counter by input
+dtype; distinct = loaded + stored (an op is taken to read its inputs and write its outputs once).
+
+Counting changes no result, except that a bf16 tl.dot (wrong in triton 3.9's interpreter,
+which multiplies the raw bit patterns) is computed from the bf16 values, as a GPU does.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+
+# ----------------------------------------------------------------------------- records
+
+
+@dataclass
+class ArgCounts:
+    """Bytes one kernel argument (or a group of arguments sharing a tensor) saw in a launch."""
+
+    loaded: int = 0
+    stored: int = 0
+    distinct_loaded: int = 0
+    distinct_stored: int = 0
+    distinct: int = 0
+    program_distinct: int = 0  # sum over programs of the distinct bytes each touched
+
+    @property
+    def private(self) -> bool:
+        """No two programs touched the same bytes of it."""
+        return self.program_distinct == self.distinct
+
+
+@dataclass
+class Launch:
+    """One Triton kernel launch or one PyTorch op (see the module docstring)."""
+
+    name: str
+    kind: str  # "triton" or "torch"
+    grid: Tuple[int, ...] = ()
+    programs: int = 0
+    loaded: int = 0
+    stored: int = 0
+    distinct_loaded: int = 0
+    distinct_stored: int = 0
+    distinct: int = 0
+    flops: Dict[str, int] = field(default_factory=dict)
+    atomics: int = 0  # atomic operations (lanes), a sign of a non-deterministic reduction
+    args: Dict[str, ArgCounts] = field(default_factory=dict)
+    phase: str = ""  # set by the caller (e.g. "forward" / "backward") with `counting(phase=...)`
+
+    @property
+    def total_flops(self) -> int:
+        return sum(self.flops.values())
+
+    def as_dict(self) -> Dict[str, Any]:
+        d = {k: getattr(self, k) for k in ("name", "kind", "phase", "programs", "loaded", "stored",
+                                           "distinct_loaded", "distinct_stored", "distinct", "atomics")}
+        d["grid"] = list(self.grid)
+        d["flops"] = dict(self.flops)
+        d["args"] = {k: vars(a).copy() for k, a in self.args.items()}
+        return d
+
+
+# ----------------------------------------------------------------------------- the Triton side
+
+
+class _Marks:
+    """Which elements of one (argument, element size) were loaded / stored in the launch, and
+    touched in the current program: boolean maps over the argument's span (addresses outside
+    every argument's span, not expected, are kept as sorted unique arrays instead)."""
+
+    def __init__(self, start: int, end: int, elem: int):
+        self.start, self.elem = start, elem
+        n = (end - start + elem - 1) // elem if end > start else 0
+        self.mapped = n > 0
+        size = n if self.mapped else 0
+        self.ld = np.zeros(size, dtype=bool)
+        self.st = np.zeros(size, dtype=bool)
+        self.prog = np.zeros(size, dtype=bool)
+        self.prog_idx: List[np.ndarray] = []
+        self.extra = {"ld": np.empty(0, np.uint64), "st": np.empty(0, np.uint64), "prog": np.empty(0, np.uint64)}
+
+    def add(self, addrs: np.ndarray, store: bool) -> None:
+        if not self.mapped:
+            for k in ("st" if store else "ld", "prog"):
+                self.extra[k] = np.union1d(self.extra[k], addrs)
+            return
+        idx = ((addrs - np.uint64(self.start)) // np.uint64(self.elem)).astype(np.int64)
+        (self.st if store else self.ld)[idx] = True
+        self.prog[idx] = True
+        self.prog_idx.append(idx)
+
+    def end_program(self) -> int:
+        """Distinct bytes the program touched; resets the program's map."""
+        if not self.mapped:
+            n = self.extra["prog"].size
+            self.extra["prog"] = np.empty(0, np.uint64)
+            return n * self.elem
+        if not self.prog_idx:
+            return 0
+        idx = np.concatenate(self.prog_idx)
+        # the map's count costs its size, a sort of the indices their number: the cheaper one
+        n = int(np.count_nonzero(self.prog)) if idx.size >= self.prog.size // 8 else int(np.unique(idx).size)
+        self.prog[idx] = False
+        self.prog_idx.clear()
+        return n * self.elem
+
+    def distinct(self) -> Tuple[int, int, int]:
+        """(distinct loaded, distinct stored, distinct touched) bytes of the launch."""
+        if not self.mapped:
+            ld, st = self.extra["ld"], self.extra["st"]
+            return ld.size * self.elem, st.size * self.elem, np.union1d(ld, st).size * self.elem
+        return (int(np.count_nonzero(self.ld)) * self.elem, int(np.count_nonzero(self.st)) * self.elem,
+                int(np.count_nonzero(self.ld | self.st)) * self.elem)
+
+
+class _LaunchState:
+    """What the hooks gather during one launch: spans of the arguments, per-(argument, element
+    size) marks of the touched elements, byte and FLOP totals."""
+
+    def __init__(self, name: str):
+        self.rec = Launch(name=name, kind="triton")
+        self.starts = np.empty(0, dtype=np.uint64)
+        self.ends = np.empty(0, dtype=np.uint64)
+        self.names: List[str] = []
+        self.marks: Dict[Tuple[int, int], _Marks] = {}
+        self.program_distinct: Dict[int, int] = {}
+        self.started = False  # a program is running
+        self.patched: set = set()  # triton.language modules patched for this launch (see _triton_hooks)
+
+    def set_args(self, named: List[Tuple[str, torch.Tensor]]) -> None:
+        """The byte span of each tensor argument; arguments with the same span share a name."""
+        spans: Dict[Tuple[int, int], List[str]] = {}
+        for name, t in named:
+            if t.numel() == 0:
+                continue
+            extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+            start = t.data_ptr()
+            spans.setdefault((start, start + extent * t.element_size()), []).append(name)
+        order = sorted(spans)
+        self.starts = np.array([s for s, _ in order], dtype=np.uint64)
+        self.ends = np.array([e for _, e in order], dtype=np.uint64)
+        self.names = ["|".join(spans[k]) for k in order] + ["<unknown>"]
+
+    def _arg_of(self, addrs: np.ndarray) -> np.ndarray:
+        if not self.starts.size:
+            return np.zeros(addrs.shape, dtype=np.int64)
+        idx = np.searchsorted(self.starts, addrs, side="right").astype(np.int64) - 1
+        ok = (idx >= 0) & (addrs < self.ends[np.maximum(idx, 0)])
+        return np.where(ok, idx, len(self.names) - 1)
+
+    def access(self, ptrs: np.ndarray, mask: Optional[np.ndarray], elem: int, store: bool) -> None:
+        addrs = ptrs[mask] if mask is not None else ptrs.reshape(-1)
+        if addrs.size == 0:
+            return
+        addrs = addrs.reshape(-1).astype(np.uint64, copy=False)
+        nbytes = int(addrs.size) * elem
+        if store:
+            self.rec.stored += nbytes
+        else:
+            self.rec.loaded += nbytes
+        lo, hi = addrs.min(), addrs.max()
+        ends = self._arg_of(np.array([lo, hi], dtype=np.uint64))
+        if ends[0] == ends[1]:
+            groups = [(int(ends[0]), addrs)]  # one load/store touches one tensor (the usual case)
+        else:
+            which = self._arg_of(addrs)
+            groups = [(int(i), addrs[which == i]) for i in np.unique(which)]
+        for i, a in groups:
+            counts = self.rec.args.setdefault(self.names[i], ArgCounts())
+            if store:
+                counts.stored += int(a.size) * elem
+            else:
+                counts.loaded += int(a.size) * elem
+            marks = self.marks.get((i, elem))
+            if marks is None:
+                known = i < len(self.starts)
+                marks = self.marks[(i, elem)] = _Marks(int(self.starts[i]) if known else 0,
+                                                       int(self.ends[i]) if known else 0, elem)
+            marks.add(a, store)
+
+    def end_program(self) -> None:
+        for (i, _), marks in self.marks.items():
+            self.program_distinct[i] = self.program_distinct.get(i, 0) + marks.end_program()
+
+    def finish(self) -> Launch:
+        self.end_program()
+        rec = self.rec
+        for (i, _), marks in self.marks.items():
+            counts = rec.args[self.names[i]]
+            ld, st, both = marks.distinct()
+            counts.distinct_loaded += ld
+            counts.distinct_stored += st
+            counts.distinct += both
+        for i, b in self.program_distinct.items():
+            rec.args[self.names[i]].program_distinct += b
+        rec.distinct_loaded = sum(a.distinct_loaded for a in rec.args.values())
+        rec.distinct_stored = sum(a.distinct_stored for a in rec.args.values())
+        rec.distinct = sum(a.distinct for a in rec.args.values())
+        return rec
+
+
+def _elem_bytes(handle) -> int:
+    return max(1, handle.get_element_ty().primitive_bitwidth // 8)
+
+
+def _dtype_name(dt) -> str:
+    return str(dt)  # "fp32", "bf16", "fp16", ...
+
+
+class _Sink:
+    """Where the hooks write: the records of the current `counting` block."""
+
+    def __init__(self, phase: str = ""):
+        self.records: List[Launch] = []
+        self.launch: Optional[_LaunchState] = None
+        self.phase = phase
+
+    def add(self, rec: Launch) -> None:
+        rec.phase = self.phase
+        self.records.append(rec)
+
+
+_WIDENED = "erpo_cost_widened_from"  # TensorHandle attribute: the fp16/bf16 dtype an fp32 value came from
+
+
+@contextlib.contextmanager
+def _triton_hooks(sink: _Sink) -> Iterator[None]:
+    """Patch the interpreter's builder (load, store, dot, atomics, casts, grid) and its launcher
+    for the duration of the block; everything is restored on exit."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("bench.cost counts Triton kernels in the interpreter: set TRITON_INTERPRET=1 "
+                           "before triton (or erpo_kernels) is imported")
+    from triton.runtime import interpreter as interp
+    import triton.language as tl
+
+    b = interp.interpreter_builder
+    names = ("create_masked_load", "create_masked_store", "create_dot", "create_atomic_rmw", "create_atomic_cas",
+             "cast_impl", "create_fp_to_fp", "set_grid_idx", "set_grid_dim")
+    saved = {n: b.__dict__.get(n, _MISSING) for n in names}
+    orig = {n: getattr(b, n) for n in names}
+    orig_call = interp.GridExecutor.__call__
+    orig_patch_lang = interp._patch_lang
+    langs_of: Dict[Any, frozenset] = {}
+    orig_init = interp.GridExecutor._init_args_hst
+
+    def masked_load(ptrs, mask, other, cache_policy, is_volatile):
+        if sink.launch is not None:
+            sink.launch.access(ptrs.data, np.asarray(mask.data, dtype=bool), _elem_bytes(ptrs), store=False)
+        return orig["create_masked_load"](ptrs, mask, other, cache_policy, is_volatile)
+
+    def masked_store(ptrs, value, mask, cache_policy):
+        if sink.launch is not None:
+            sink.launch.access(ptrs.data, np.asarray(mask.data, dtype=bool), _elem_bytes(ptrs), store=True)
+        return orig["create_masked_store"](ptrs, value, mask, cache_policy)
+
+    def atomic(name):
+        def hook(*args):
+            ptr = args[1] if name == "create_atomic_rmw" else args[0]
+            mask = np.asarray(args[3].data, dtype=bool) if name == "create_atomic_rmw" else None
+            if sink.launch is not None:
+                for store in (False, True):
+                    sink.launch.access(ptr.data, mask, _elem_bytes(ptr), store=store)
+                sink.launch.rec.atomics += int(mask.sum()) if mask is not None else int(ptr.data.size)
+            return orig[name](*args)
+        return hook
+
+    def widen(result, src, dst_type):
+        s = src.dtype.scalar
+        if s in (tl.bfloat16, tl.float16) and dst_type.scalar == tl.float32:
+            result.attr[_WIDENED] = _dtype_name(s)
+        return result
+
+    def cast_impl(src, dst_type):
+        return widen(orig["cast_impl"](src, dst_type), src, dst_type)
+
+    def fp_to_fp(src, dst_type, rounding_mode):
+        return widen(orig["create_fp_to_fp"](src, dst_type, rounding_mode), src, dst_type)
+
+    def dot(a, b_, d, input_precision, max_num_imprecise_acc):
+        m, k = a.data.shape[-2:]
+        n = b_.data.shape[-1]
+        batch = int(np.prod(a.data.shape[:-2])) if a.data.ndim > 2 else 1
+        da, db = a.dtype.scalar, b_.dtype.scalar
+        key = _dtype_name(da)
+        wa, wb = a.attr.get(_WIDENED), b_.attr.get(_WIDENED)
+        if da == tl.float32 and wa is not None and wa == wb:
+            key = f"{wa}>fp32"
+        if sink.launch is not None:
+            sink.launch.rec.flops[key] = sink.launch.rec.flops.get(key, 0) + 2 * batch * m * n * k
+        if da == tl.bfloat16 or db == tl.bfloat16:  # the interpreter multiplies raw bf16 bits: use the values
+            a, b_ = (interp.TensorHandle(_bf16_to_f32(x.data), tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+                     for x in (a, b_))
+        return orig["create_dot"](a, b_, d, input_precision, max_num_imprecise_acc)
+
+    def set_grid_idx(x, y, z):
+        if sink.launch is not None:
+            if sink.launch.started:
+                sink.launch.end_program()
+            sink.launch.started = True
+        return orig["set_grid_idx"](x, y, z)
+
+    def set_grid_dim(nx, ny, nz):
+        if sink.launch is not None:
+            sink.launch.rec.grid = tuple(g for g in (nx, ny, nz))
+            sink.launch.rec.programs = nx * ny * nz
+        return orig["set_grid_dim"](nx, ny, nz)
+
+    def init_args(self, args_dev, kwargs):
+        args_hst, kwargs_hst = orig_init(self, args_dev, kwargs)
+        if sink.launch is not None:
+            named = [(n, a) for n, a in zip(self.arg_names, args_hst)] + list(kwargs_hst.items())
+            sink.launch.set_args([(n, a) for n, a in named if isinstance(a, torch.Tensor)])
+        return args_hst, kwargs_hst
+
+    def patch_lang(fn):
+        # Every jit function called inside a kernel re-patches triton.language (the interpreter's
+        # InterpretedFunction.__call__ discards the scope): skip it when this launch did it already.
+        # Speed only; the launch's own patch is made and restored as usual.
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        if sink.launch is not None and langs <= sink.launch.patched:
+            return _NoScope()
+        scope = orig_patch_lang(fn)
+        if sink.launch is not None:
+            sink.launch.patched |= langs
+        return scope
+
+    def call(self, *args, **kwargs):
+        if sink.launch is not None:  # a launch inside a launch: not expected, count it in the outer one
+            return orig_call(self, *args, **kwargs)
+        sink.launch = _LaunchState(self.fn.__name__)
+        try:
+            orig_call(self, *args, **kwargs)
+            sink.add(sink.launch.finish())
+        finally:
+            sink.launch = None
+
+    hooks = {"create_masked_load": masked_load, "create_masked_store": masked_store, "create_dot": dot,
+             "create_atomic_rmw": atomic("create_atomic_rmw"), "create_atomic_cas": atomic("create_atomic_cas"),
+             "cast_impl": cast_impl, "create_fp_to_fp": fp_to_fp, "set_grid_idx": set_grid_idx,
+             "set_grid_dim": set_grid_dim}
+    try:
+        for n, h in hooks.items():
+            setattr(b, n, h)
+        interp.GridExecutor.__call__ = call
+        interp.GridExecutor._init_args_hst = init_args
+        interp._patch_lang = patch_lang
+        yield
+    finally:
+        interp._patch_lang = orig_patch_lang
+        interp.GridExecutor.__call__ = orig_call
+        interp.GridExecutor._init_args_hst = orig_init
+        for n, v in saved.items():
+            if v is _MISSING:
+                b.__dict__.pop(n, None)
+            else:
+                setattr(b, n, v)
+
+
+_MISSING = object()
+
+
+class _NoScope:
+    def restore(self) -> None:
+        pass
+
+
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+# ----------------------------------------------------------------------------- the PyTorch side
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of the distinct elements of t (an expanded dimension, stride 0, counts once)."""
+    n = 1
+    for s, st in zip(t.shape, t.stride()):
+        if st != 0:
+            n *= s
+    return n * t.element_size() if t.numel() else 0
+
+
+def _tensors(tree) -> List[torch.Tensor]:
+    out: List[torch.Tensor] = []
+    for x in torch.utils._pytree.tree_leaves(tree):
+        if isinstance(x, torch.Tensor) and not any(x is y for y in out):
+            out.append(x)
+    return out
+
+
+class _TorchOps(TorchDispatchMode):
+    """One record per ATen op run outside a Triton launch."""
+
+    def __init__(self, sink: _Sink):
+        super().__init__()
+        self.sink = sink
+        from torch.utils.flop_counter import flop_registry
+
+        self.flop_registry = flop_registry
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.sink.launch is None:
+            self.sink.add(self._record(func, args, kwargs, out))
+        return out
+
+    def _record(self, func, args, kwargs, out) -> Launch:
+        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        mutable = func._schema.is_mutable
+        in_storages = {_storage_key(t) for t in ins}
+        # a view (an output sharing an input's storage from an op that mutates nothing) moves no bytes
+        view = not mutable and bool(outs) and all(_storage_key(t) in in_storages for t in outs)
+        rec = Launch(name=str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func),
+                     kind="torch")
+        rec.name = f"aten.{func.overloadpacket.__name__}" if hasattr(func, "overloadpacket") else str(func)
+        name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+        if not view:
+            # an in-place op reads its mutated input too, except those that only overwrite it (copy_,
+            # fill_, zero_, out=); the *_like / new_* / empty factories read no input, empty writes nothing
+            reads = [] if name in _NO_READ else [t for t in ins if not _overwritten(name, t, args, kwargs)]
+            rec.loaded = sum(_tensor_bytes(t) for t in reads)
+            rec.stored = 0 if name in _NO_WRITE else sum(_tensor_bytes(t) for t in outs)
+            rec.distinct_loaded, rec.distinct_stored = rec.loaded, rec.stored
+            rec.distinct = rec.loaded + rec.stored
+        count = self.flop_registry.get(func.overloadpacket) if hasattr(func, "overloadpacket") else None
+        if count is not None:
+            flops = int(count(*args, **kwargs, out_val=out))
+            if flops:
+                dt = next((t.dtype for t in ins if t.is_floating_point()), None)
+                rec.flops[_torch_dtype_name(dt)] = flops
+        return rec
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return (t.device.type, t.untyped_storage().data_ptr()) if t.device.type != "meta" else ("meta", id(t))
+    except (RuntimeError, NotImplementedError):
+        return ("?", id(t))
+
+
+# ops that read none of their tensor inputs (shape/dtype only) and ops that write nothing
+_NO_READ = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "new_empty",
+            "new_empty_strided", "new_zeros", "new_ones", "new_full", "empty_strided", "empty", "zeros", "ones",
+            "full", "scalar_tensor", "arange"}
+_NO_WRITE = {"empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty"}
+_OVERWRITE = {"copy_", "fill_", "zero_", "normal_", "uniform_", "random_"}  # their first argument is written only
+
+
+def _overwritten(name: str, t: torch.Tensor, args, kwargs) -> bool:
+    """t is only written by the op: passed as out=, or the destination of copy_ / fill_ / zero_."""
+    if any(t is v for k, v in kwargs.items() if k.startswith("out")):
+        return True
+    return name in _OVERWRITE and bool(args) and t is args[0]
+
+
+_TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def _torch_dtype_name(dt: Optional[torch.dtype]) -> str:
+    return _TORCH_DTYPES.get(dt, str(dt).replace("torch.", ""))
+
+
+# ----------------------------------------------------------------------------- the API
+
+
+@contextlib.contextmanager
+def counting(phase: str = "", torch_ops: bool = True) -> Iterator[List[Launch]]:
+    """Count every Triton launch (and, with torch_ops, every ATen op outside a launch) run in
+    the block; yields the list the records are appended to, in launch order."""
+    sink = _Sink(phase)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_triton_hooks(sink))
+        if torch_ops:
+            stack.enter_context(_TorchOps(sink))
+        yield sink.records
+
+
+def count_launches(fn: Callable[..., Any], *args, phase: str = "", torch_ops: bool = True, **kwargs) -> List[Launch]:
+    """Run fn(*args, **kwargs) once and return its launches (see the module docstring)."""
+    with counting(phase=phase, torch_ops=torch_ops) as records:
+        fn(*args, **kwargs)
+    return records
+
+
+def merge_by_name(records: List[Launch]) -> List[Launch]:
+    """Launches of the same (name, kind, phase) summed into one record (first-seen order)."""
+    out: Dict[Tuple[str, str, str], Launch] = {}
+    for r in records:
+        key = (r.name, r.kind, r.phase)
+        m = out.get(key)
+        if m is None:
+            m = out[key] = Launch(name=r.name, kind=r.kind, phase=r.phase, grid=r.grid)
+            m.launches = 0  # type: ignore[attr-defined]
+        m.launches += 1  # type: ignore[attr-defined]
+        for k in ("programs", "loaded", "stored", "distinct_loaded", "distinct_stored", "distinct", "atomics"):
+            setattr(m, k, getattr(m, k) + getattr(r, k))
+        for k, v in r.flops.items():
+            m.flops[k] = m.flops.get(k, 0) + v
+        for k, a in r.args.items():
+            ma = m.args.setdefault(k, ArgCounts())
+            for f in vars(a):
+                setattr(ma, f, getattr(ma, f) + getattr(a, f))
+    return list(out.values())
+
+
+def _si(x: float, unit: str = "B") -> str:
+    if x == 0:
+        return "0"
+    p = min(int(math.log10(abs(x)) // 3), 4) if abs(x) >= 1 else 0
+    return f"{x / 10 ** (3 * p):.3g} {' kMGT'[p].strip()}{unit}"
+
+
+def table(records: List[Launch], merge: bool = True) -> str:
+    """A plain-text table of launches (merged by name when `merge`)."""
+    rows = merge_by_name(records) if merge else records
+    lines = [f"{'launch':<36} {'kind':<6} {'n':>4} {'programs':>9} {'loaded':>10} {'stored':>10} "
+             f"{'distinct':>10} flops"]
+    for r in rows:
+        n = getattr(r, "launches", 1)
+        fl = ", ".join(f"{k} {_si(v, 'FLOP')}" for k, v in r.flops.items())
+        lines.append(f"{r.name[:36]:<36} {r.kind:<6} {n:>4} {r.programs:>9} {_si(r.loaded):>10} "
+                     f"{_si(r.stored):>10} {_si(r.distinct):>10} {fl}")
+    return "\n".join(lines)
