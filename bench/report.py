@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from erpo.config import atomic_write
+from erpo.atomic import atomic_write
 
 from .measure import REPO, RESULTS_DIR, RunOptions
 

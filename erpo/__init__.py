@@ -6,7 +6,8 @@
 or from the shell: `erpo train [config.yaml] key=value ...` (see `erpo train --help`).
 Importing erpo is cheap; the trainer's heavy dependencies load on first use.
 """
-from .config import ConfigError, ErpoError, TrainConfig, load_config
+from .config import ConfigError, TrainConfig, load_config
+from .errors import ErpoError
 
 __version__ = "0.1.0"
 __all__ = ["ConfigError", "ErpoError", "TrainConfig", "Trainer", "load_config"]

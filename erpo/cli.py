@@ -20,8 +20,8 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .config import (EVAL_KEYS, FIELDS, ConfigError, ErpoError, TrainConfig, help_text, load_config, merge_for_resume,
-                     read_yaml)
+from .config import EVAL_KEYS, FIELDS, ConfigError, TrainConfig, help_text, load_config, merge_for_resume, read_yaml
+from .errors import ErpoError
 
 USAGE = __doc__.split("\n\n")[1]
 

@@ -16,14 +16,12 @@ import os
 import re
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
-
-class ErpoError(Exception):
-    """A problem with the user's input (config, paths, data, cache): the CLI prints
-    `erpo: error: <message>` and exits 2, without a traceback."""
+from .atomic import atomic_write
+from .errors import ErpoError
 
 
 class ConfigError(ErpoError):
@@ -594,23 +592,6 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Tu
         given.update(read_yaml(path))
     given.update(parse_overrides(overrides))
     return TrainConfig(**given), given
-
-
-def atomic_write(path: str, data: Union[bytes, Callable[[str], None]]) -> None:
-    """Write `path` through a temp file beside it and a rename: a reader, or a run
-    interrupted mid-write, sees the old file or the new one, never part of one.
-    `data`: the bytes, or a function that writes the file at the path it is given."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        if callable(data):
-            data(tmp)
-        else:
-            with open(tmp, "wb") as f:
-                f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def save_config(cfg: TrainConfig, path: str) -> None:

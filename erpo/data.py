@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from .config import ConfigError, ErpoError, TrainConfig
+from .config import ConfigError, TrainConfig
+from .errors import ErpoError
 from .rewards import extract_boxed
 
 

@@ -25,7 +25,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .config import EVAL_TEMPERATURES, ErpoError, TrainConfig, atomic_write
+from .atomic import atomic_write
+from .config import EVAL_TEMPERATURES, TrainConfig
+from .errors import ErpoError
 from .data import derived_seed
 from .rewards import CORRECT_THRESHOLD
 from .rollout import eos_ids_of, generate_ids

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, ErpoError, TrainConfig
+from .config import ConfigError, TrainConfig
+from .errors import ErpoError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -10,7 +10,8 @@ import math
 import os
 from typing import Dict, List, Optional, Sequence
 
-from .config import ErpoError, atomic_write
+from .atomic import atomic_write
+from .errors import ErpoError
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"

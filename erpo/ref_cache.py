@@ -20,7 +20,8 @@ import torch
 
 from erpo_kernels import linear_token_logprobs, segment_sum
 
-from .config import ErpoError, atomic_write
+from .atomic import atomic_write
+from .errors import ErpoError
 from .packing import forward_hidden, lm_head_of, lm_head_options, pack
 from .query_weights import query_scores
 

@@ -18,7 +18,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 
 import torch
 
-from .config import ConfigError, ErpoError
+from .config import ConfigError
+from .errors import ErpoError
 from .distributed import is_sharded
 
 ROLLOUT_BACKENDS = ("hf", "vllm")

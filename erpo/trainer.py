@@ -32,7 +32,9 @@ from erpo_kernels.objective import (LossNormalizers, MicroBatch, PackedLossBatch
 
 from . import checkpoint as ckpt
 from . import distributed
-from .config import ConfigError, ErpoError, TrainConfig, atomic_write, save_config
+from .atomic import atomic_write
+from .config import ConfigError, TrainConfig, save_config
+from .errors import ErpoError
 from .data import (
     Example,
     batches_per_epoch,

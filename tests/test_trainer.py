@@ -12,7 +12,8 @@ import torch
 
 from erpo import checkpoint as ckpt
 from erpo.cli import resolve_config
-from erpo.config import ConfigError, ErpoError, TrainConfig
+from erpo.config import ConfigError, TrainConfig
+from erpo.errors import ErpoError
 from erpo.rollout import Rollout
 from erpo.trainer import METRIC_KEYS, Trainer, group_advantages, rebuild_command
 
