@@ -323,7 +323,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             build_cache_command(cfg)
         elif args.command == "eval":
-            from .evaluate import eval_command
+            from .eval_command import eval_command
 
             eval_command(cfg)
         return 0

@@ -6,7 +6,7 @@ trainer, the evaluation and the demo model share.
     model = load_model(path, device)                  # a local causal LM, never the network
     with autocast(device, dtype): ...                 # mixed precision over fp32 parameters
 
-Imports only erpo.config (and transformers, lazily): tiny, trainer and evaluate import
+Imports only erpo.config (and transformers, lazily): tiny, trainer and eval_command import
 this module, never the other way round.
 """
 from __future__ import annotations

@@ -9,16 +9,8 @@ import re
 import pytest
 import torch
 
-from erpo.evaluate import (
-    TEMPERATURES,
-    EvalResult,
-    compare_report,
-    evaluate,
-    evaluate_sampler,
-    format_table,
-    pass_at_k,
-    write_report,
-)
+from erpo.eval_report import compare_report, format_table, write_report
+from erpo.evaluate import TEMPERATURES, EvalResult, evaluate, evaluate_sampler, pass_at_k
 
 # ----------------------------------------------------------------------------- pass@k
 

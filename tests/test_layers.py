@@ -96,10 +96,13 @@ def find_cycle(graph):
 def test_no_cycle_within_erpo():
     cycle = find_cycle(_graph("erpo"))
     assert cycle is None, " -> ".join(cycle)
-    # models is the bottom of the model stack: tiny, trainer and evaluate import it, not the reverse
+    # models is the bottom of the model stack: tiny, trainer and `erpo eval` import it, not the reverse
     graph = _graph("erpo")
     assert "erpo.models" in graph["erpo.tiny"] and "erpo.models" in graph["erpo.trainer"]
-    assert not graph["erpo.models"] & {"erpo.tiny", "erpo.trainer", "erpo.evaluate"}
+    assert not graph["erpo.models"] & {"erpo.tiny", "erpo.trainer", "erpo.evaluate", "erpo.eval_command"}
+    # scoring, reports, command: each imports only the ones before it
+    assert not graph["erpo.evaluate"] & {"erpo.eval_report", "erpo.eval_command"}
+    assert "erpo.eval_command" not in graph["erpo.eval_report"]
 
 
 def test_the_checks_see_what_they_look_for(tmp_path):
