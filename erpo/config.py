@@ -335,30 +335,37 @@ class TrainConfig:
         for name, f in FIELDS.items():
             if f.metadata.get("choices") is not None:
                 choice(name, getattr(self, name), field_choices(name))
+        self._validate_by_their_objects()
         self._validate_ranges()
         self._validate_combinations()
         self._validate_eval()
         if not self.run_dir:
             raise ConfigError("run_dir is empty; give the run a directory, e.g. run_dir=runs/my-run")
 
+    def _validate_by_their_objects(self) -> None:
+        """The keys of the objective (alpha, beta, eps_low, eps_high, dual_clip, kl_guard,
+        rollout_is_cap, ...) and of the query weights (bins, gamma, weight_temperature,
+        w_min, w_max) are checked by LossConfig and QueryWeighter themselves."""
+        from .query_weights import QueryWeighter
+
+        try:
+            self.loss_config()
+            QueryWeighter.check_config(self)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
     def _validate_ranges(self) -> None:
         """Each numeric key within its own range."""
         if not (self.device == "auto" or self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ConfigError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
-        for name in ("alpha", "beta", "gamma", "weight_decay", "max_grad_norm", "eps_low", "eps_high"):
+        for name in ("weight_decay", "max_grad_norm"):
             at_least(name, getattr(self, name), 0.0)
-        for name in ("temperature", "weight_temperature", "kl_guard", "lr", "warmstart_lr", "rollout_is_cap"):
+        for name in ("temperature", "lr", "warmstart_lr"):
             positive(name, getattr(self, name))
-        if not self.eps_low < 1:
-            raise ConfigError(f"eps_low={self.eps_low} must be < 1 (the lower clip 1 - eps_low must stay positive)")
-        if not self.dual_clip > 1:
-            raise ConfigError(f"dual_clip={self.dual_clip} must be > 1")
-        if not (0.0 <= self.w_min <= 1.0 <= self.w_max):
-            raise ConfigError(f"w_min={self.w_min}, w_max={self.w_max}: need 0 <= w_min <= 1 <= w_max (weights have mean 1)")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)} must lie in [0, 1)")
-        for name in ("bins", "queries_per_step", "max_new_tokens", "steps", "mini_batches", "ppo_epochs",
+        for name in ("queries_per_step", "max_new_tokens", "steps", "mini_batches", "ppo_epochs",
                      "task_train_size", "task_eval_size", "tiny_hidden_size", "tiny_layers", "warmstart_batch_size", "eval_n_samples", "eval_batch_size"):
             at_least(name, getattr(self, name), 1)
         for name in ("cpu_threads", "rollout_batch_size", "warmup_steps", "save_every", "keep_checkpoints", "max_prompt_tokens",

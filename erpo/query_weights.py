@@ -64,6 +64,27 @@ def effective_sample_size(w: torch.Tensor) -> float:
     return float(w.sum() ** 2 / (w.numel() * (w * w).sum()))
 
 
+# The config key (TrainConfig, ERPOConfig) of each QueryWeighter argument that is named otherwise.
+CONFIG_KEYS = {"scheme": "query_weighting", "temperature": "weight_temperature"}
+
+
+def check_weighting(scheme: str, bins: int, gamma: float, temperature: float, w_min: float, w_max: float, *,
+                    keys: dict[str, str] | None = None) -> None:
+    """ValueError naming the argument (its name in ``keys`` when given) unless scheme is
+    one of SCHEMES, bins an int >= 1, gamma finite >= 0, temperature finite > 0 and
+    0 <= w_min <= 1 <= w_max < inf (weights of mean 1 must fit between the bounds)."""
+    name = (keys or {}).get
+    if scheme not in SCHEMES:
+        raise ValueError(f"{name('scheme', 'scheme')} must be one of {SCHEMES}, got {scheme!r}")
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"bins must be an int >= 1, got {bins!r}")
+    if not (0.0 <= float(gamma) < math.inf):
+        raise ValueError(f"gamma must be finite and >= 0, got {gamma}")
+    if not (0.0 < float(temperature) < math.inf):
+        raise ValueError(f"{name('temperature', 'temperature')} must be positive and finite, got {temperature}")
+    _check_bounds(w_min, w_max)
+
+
 def _check_bounds(w_min: float, w_max: float) -> None:
     if not (0.0 <= float(w_min) <= 1.0):
         raise ValueError(f"w_min must lie in [0, 1] (mean-1 weights need w_min <= 1), got {w_min}")
@@ -148,16 +169,8 @@ class QueryWeighter:
         w_min: float = 0.1,
         w_max: float = 10.0,
     ) -> None:
-        if scheme not in SCHEMES:
-            raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+        check_weighting(scheme, bins, gamma, temperature, w_min, w_max)
         _check_vector("train_scores", train_scores, allow_empty=False)
-        if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-            raise ValueError(f"bins must be an int >= 1, got {bins!r}")
-        if not (0.0 <= float(gamma) < math.inf):
-            raise ValueError(f"gamma must be finite and >= 0, got {gamma}")
-        if not (0.0 < float(temperature) < math.inf):
-            raise ValueError(f"temperature must be positive and finite, got {temperature}")
-        _check_bounds(w_min, w_max)
         self.scheme = scheme
         self.bins = bins
         self.gamma = float(gamma)
@@ -171,10 +184,19 @@ class QueryWeighter:
         counts = torch.bincount(self.bin_of(train), minlength=bins).to(torch.float64)  # [K]
         self.bin_fraction = counts / train.numel()  # [K] p of each bin
 
+    @staticmethod
+    def check_config(cfg: Any) -> None:
+        """ValueError naming the key, for the weighting keys of a TrainConfig or an
+        ERPOConfig (query_weighting, bins, gamma, weight_temperature, w_min, w_max): the
+        checks of the weighter's own arguments, so both configs refuse what it refuses."""
+        check_weighting(cfg.query_weighting, cfg.bins, cfg.gamma, cfg.weight_temperature, cfg.w_min, cfg.w_max,
+                        keys=CONFIG_KEYS)
+
     @classmethod
     def from_config(cls, cfg: Any, train_scores: torch.Tensor) -> "QueryWeighter":
-        """The weighter of a run: scheme, bins, gamma, temperature and bounds from the
-        TrainConfig `cfg` (query_weighting, bins, gamma, weight_temperature, w_min, w_max)."""
+        """The weighter of a run: scheme, bins, gamma, temperature and bounds from a
+        TrainConfig or ERPOConfig `cfg` (query_weighting, bins, gamma, weight_temperature,
+        w_min, w_max)."""
         return cls(train_scores, scheme=cfg.query_weighting, bins=cfg.bins, gamma=cfg.gamma,
                    temperature=cfg.weight_temperature, w_min=cfg.w_min, w_max=cfg.w_max)
 

@@ -650,3 +650,25 @@ def test_env_piped_into_a_reader_that_stops_early_prints_no_traceback():
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+BAD_OBJECTIVE_AND_WEIGHT_KEYS = [("eps_low", 1.0), ("eps_high", -0.1), ("dual_clip", 1.0), ("kl_guard", 100.0),
+                                 ("alpha", -1.0), ("w_min", 2.0), ("w_max", 0.5), ("weight_temperature", 0.0),
+                                 ("gamma", -1.0), ("bins", 0)]
+
+
+@pytest.mark.parametrize("key,bad", BAD_OBJECTIVE_AND_WEIGHT_KEYS)
+def test_objective_and_weight_keys_are_checked_by_their_objects(capsys, key, bad):
+    """One check per key: the CLI's message is the one LossConfig or QueryWeighter gives for
+    the same value, naming the key."""
+    from erpo_kernels import LossConfig
+    from erpo.query_weights import QueryWeighter
+
+    cfg = TrainConfig(**{key: bad})
+    with pytest.raises(ValueError) as own:
+        if key in LossConfig.__dataclass_fields__:
+            LossConfig(**{key: bad})
+        else:
+            QueryWeighter.check_config(cfg)
+    assert key in str(own.value)
+    one_line_error(capsys, ["train", f"{key}={bad}"], str(own.value))

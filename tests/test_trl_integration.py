@@ -340,6 +340,25 @@ def test_erpo_config_names_bad_fields(tmp_path):
         ERPOConfig(output_dir=str(tmp_path), use_cpu=True, query_weighting="uniform")
     with pytest.raises(ValueError, match="w_min"):
         ERPOConfig(output_dir=str(tmp_path), use_cpu=True, w_min=2.0)
+    with pytest.raises(ValueError, match="erpo_backend must be one of auto, triton, torch"):
+        ERPOConfig(output_dir=str(tmp_path), use_cpu=True, erpo_backend="cuda")
+
+
+@pytest.mark.parametrize("key,bad", [("alpha", -1.0), ("kl_guard", 100.0), ("w_min", 2.0), ("w_max", 0.5),
+                                     ("weight_temperature", 0.0), ("gamma", -1.0), ("bins", 0),
+                                     ("query_weighting", "rank")])
+def test_erpo_config_checks_are_the_objects_own(tmp_path, key, bad):
+    """ERPOConfig refuses what erpo's TrainConfig refuses, with the message of the object the
+    key configures (LossConfig, QueryWeighter): one implementation of each check."""
+    from erpo.config import ConfigError, TrainConfig
+
+    with pytest.raises(ConfigError) as ours:
+        TrainConfig(**{key: bad}).validate()
+    with pytest.raises(ValueError) as trl_side:
+        ERPOConfig(output_dir=str(tmp_path), use_cpu=True, **{key: bad})
+    assert key in str(trl_side.value)
+    if key != "query_weighting":  # erpo train names the choices its own way (one line per key, all keys)
+        assert str(trl_side.value) == str(ours.value)
 
 
 # ----------------------------------------------------------------------------- without trl

@@ -43,10 +43,9 @@ except ImportError:
 
 import torch
 
-from erpo_kernels import linear_token_logprobs, segment_sum, weighted_k3
-from erpo_kernels.weighted_k3 import MAX_GUARD
+from erpo_kernels import BACKENDS, LossConfig, linear_token_logprobs, segment_sum, weighted_k3
 
-from ..query_weights import SCHEMES, QueryWeighter, effective_sample_size
+from ..query_weights import QueryWeighter, effective_sample_size
 from ..ref_cache import (
     RefCache,
     RefCacheError,
@@ -264,6 +263,11 @@ def _hook(model: torch.nn.Module, backend: str, verbose: bool) -> ErpoKernelsHea
     return head
 
 
+def _check_backend(name: str, backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"{name} must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
 def use_erpo_kernels(model_or_trainer: Any, *, backend: str = "auto", verbose: bool = True) -> ErpoKernelsHead:
     """Make TRL's fused LM head run erpo_kernels.linear_token_logprobs (log-probs and entropy).
 
@@ -282,8 +286,7 @@ def use_erpo_kernels(model_or_trainer: Any, *, backend: str = "auto", verbose: b
         optional outputs (log_sum_sq_probs, mean_logits, is_top1) are refused with a
         ValueError at the first such call.
     """
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    _check_backend("backend", backend)
     _install_switch()
     if isinstance(model_or_trainer, torch.nn.Module):
         return _hook(model_or_trainer, backend, verbose)
@@ -325,22 +328,9 @@ class ERPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.query_weighting not in SCHEMES:
-            raise ValueError(f"query_weighting must be one of {SCHEMES}, got {self.query_weighting!r}")
-        if not 0.0 <= float(self.alpha) < float("inf"):
-            raise ValueError(f"alpha must be finite and >= 0, got {self.alpha}")
-        if isinstance(self.bins, bool) or not isinstance(self.bins, int) or self.bins < 1:
-            raise ValueError(f"bins must be an int >= 1, got {self.bins!r}")
-        if not 0.0 <= float(self.gamma) < float("inf"):
-            raise ValueError(f"gamma must be finite and >= 0, got {self.gamma}")
-        if not 0.0 < float(self.weight_temperature) < float("inf"):
-            raise ValueError(f"weight_temperature must be positive and finite, got {self.weight_temperature}")
-        if not 0.0 <= float(self.w_min) <= 1.0 <= float(self.w_max) < float("inf"):
-            raise ValueError(f"w_min={self.w_min}, w_max={self.w_max}: need 0 <= w_min <= 1 <= w_max (weights have mean 1)")
-        if not 0.0 < float(self.kl_guard) <= MAX_GUARD:
-            raise ValueError(f"kl_guard must lie in (0, {MAX_GUARD:g}], got {self.kl_guard}")
-        if self.erpo_backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"erpo_backend must be 'auto', 'triton' or 'torch', got {self.erpo_backend!r}")
+        QueryWeighter.check_config(self)  # each key checked by the object it configures
+        LossConfig(alpha=self.alpha, kl_guard=self.kl_guard)
+        _check_backend("erpo_backend", self.erpo_backend)
         if self.ref_cache is not None and os.path.isdir(self.ref_cache):
             raise ValueError(f"ref_cache={self.ref_cache} is a directory; give a file path (e.g. DIR/ref_cache.safetensors)")
 
@@ -368,10 +358,7 @@ class ERPOTrainer(GRPOTrainer):
             raise ValueError("ERPOTrainer needs a map-style train_dataset: the reference cache covers every training prompt")
         self.erpo_head = use_erpo_kernels(self, backend=self.args.erpo_backend)
         self.ref_cache = self._reference_cache()
-        self.query_weighter = QueryWeighter(
-            self.ref_cache.score[self._train_rows], scheme=self.args.query_weighting, bins=self.args.bins,
-            gamma=self.args.gamma, temperature=self.args.weight_temperature, w_min=self.args.w_min, w_max=self.args.w_max,
-        )
+        self.query_weighter = QueryWeighter.from_config(self.args, self.ref_cache.score[self._train_rows])
 
     # -- reference cache (docs/method.md section 7) ---------------------------------------------
 
