@@ -1,8 +1,9 @@
 """The import layers of the README's module map, read from the source (ast, every import
 statement, also those inside functions): erpo_kernels imports neither erpo nor bench;
 erpo imports neither bench nor tests; the modules of erpo/ import each other without a
-cycle. No file cites a document the repository lacks; no function in erpo/ reaches 60
-lines. The README stays short (under 200 lines) and links every page of docs/; every
+cycle. No file cites a document the repository lacks; no host function of erpo/ or
+erpo_kernels/ reaches 60 lines of code; no package imports another's private modules or
+names. The README stays short (under 200 lines) and links every page of docs/; every
 local link of the README and of docs/ leads to a file, and to a heading of it."""
 import ast
 import os
@@ -125,17 +126,103 @@ def test_every_cited_document_exists():
     assert not missing, missing
 
 
-def test_every_function_in_erpo_is_under_60_lines():
-    long = []
-    for path in _python_files("erpo"):
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), path)
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
-                if lines >= 60:
-                    long.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name} ({lines} lines)")
-    assert not long, long
+MAX_FUNCTION_LINES = 60
+# Functions of erpo_kernels' host code still at or over the limit, each to be split (issue 22,
+# the ops and kernel lanes). The test fails when one of them is short enough: take it off then.
+KNOWN_LONG = {"erpo_kernels/objective.py _loss_from_logp", "erpo_kernels/linear_token_logprobs.py linear_token_logprobs"}
+
+
+def _is_triton_kernel(node) -> bool:
+    return any("jit" in ast.unparse(d) for d in node.decorator_list)
+
+
+def code_lines(node) -> int:
+    """A function's lines from `def` to its end, its docstring not counted (the Args
+    block with shapes that a public op's docstring holds is documentation, not length)."""
+    lines = node.end_lineno - node.lineno + 1
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        lines -= first.end_lineno - first.lineno + 1
+    return lines
+
+
+def long_functions(packages=("erpo", "erpo_kernels")):
+    """{"path name": lines} of every host function (not a @triton.jit kernel) of
+    MAX_FUNCTION_LINES code lines or more."""
+    long = {}
+    for package in packages:
+        for path in _python_files(package):
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_triton_kernel(node):
+                    if code_lines(node) >= MAX_FUNCTION_LINES:
+                        long[f"{os.path.relpath(path, ROOT)} {node.name}"] = code_lines(node)
+    return long
+
+
+def test_every_host_function_is_under_60_lines():
+    long = long_functions()
+    assert not set(long) - KNOWN_LONG, {k: v for k, v in long.items() if k not in KNOWN_LONG}
+    assert not KNOWN_LONG - set(long), f"now under {MAX_FUNCTION_LINES} lines: remove from KNOWN_LONG: {KNOWN_LONG - set(long)}"
+
+
+def test_the_length_rule_counts_code_not_docstrings():
+    tree = ast.parse('def f():\n    """doc\n    more doc"""\n    return 1\n\n'
+                     "@triton.jit\ndef k():\n" + "    x = 1\n" * 70)
+    f, k = tree.body
+    assert code_lines(f) == 2 and _is_triton_kernel(k) and not _is_triton_kernel(f)
+
+
+# Imports of another package's private parts (a module or name starting with "_") still to go,
+# once erpo_kernels gives what they use a public name (issue 22, the ops lane). The test fails
+# when one is gone: take it off then.
+KNOWN_PRIVATE_IMPORTS = {
+    "erpo/trainer.py imports erpo_kernels._utils",
+    "erpo/env.py imports erpo_kernels._triton",
+    "erpo/env.py imports erpo_kernels._utils",
+}
+
+
+def _private(dotted: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in dotted.split("."))
+
+
+def private_imports_of(path: str, own: str = ""):
+    """What `path` imports from the private parts of a package other than its own:
+    "erpo_kernels._utils" for `from erpo_kernels._utils import x` or `import
+    erpo_kernels._utils`, "erpo_kernels.ops._x" for `from erpo_kernels.ops import _x`."""
+    own = own or _module_name(path).split(".")[0]
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in PACKAGES and name.split(".")[0] != own and _private(name):
+                found.add(name if not _private(name.rpartition(".")[0]) else name.rpartition(".")[0])
+    return found
+
+
+def test_no_private_import_across_packages():
+    found = {f"{os.path.relpath(path, ROOT)} imports {name}"
+             for package in ("erpo", "erpo_kernels", "bench") for path in _python_files(package)
+             for name in private_imports_of(path)}
+    assert not found - KNOWN_PRIVATE_IMPORTS, sorted(found - KNOWN_PRIVATE_IMPORTS)
+    assert not KNOWN_PRIVATE_IMPORTS - found, f"gone: remove from KNOWN_PRIVATE_IMPORTS: {KNOWN_PRIVATE_IMPORTS - found}"
+
+
+def test_the_private_import_check_sees_one(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from erpo_kernels._utils import x\nfrom erpo_kernels.ops import _hidden, public\n"
+                     "import erpo_kernels._triton\nfrom erpo.config import _own_package_is_fine\n")
+    assert private_imports_of(str(probe), own="erpo") == {"erpo_kernels._utils", "erpo_kernels.ops._hidden",
+                                                          "erpo_kernels._triton"}
 
 
 README_MAX_LINES = 200
