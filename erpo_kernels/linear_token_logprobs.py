@@ -59,6 +59,7 @@ from ._utils import (
     resolve_kernel_backend,
     row_inv_temperature,
 )
+from .logit_transform import LogitTransform, is_unit_scale
 
 
 @triton.jit
@@ -715,7 +716,7 @@ def _fwd_op(
         order, n_valid = launch.order, launch.n_valid
     else:
         logp, entropy = reference.linear_token_logprobs_forward(
-            hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap=softcap, logit_scale=logit_scale
+            hidden, weight, bias, targets, LogitTransform(inv_t, softcap, logit_scale), ignore_index, return_entropy
         )
         lse_parts, order, n_valid = _empty(logp), _empty(logp, torch.int64), _empty(logp, torch.int64)
     return logp, entropy if entropy is not None else _empty(logp), lse_parts, order, n_valid
@@ -755,8 +756,8 @@ def _bwd_op(
             )
     else:
         d_hidden, d_weight, d_bias = reference.linear_token_logprobs_backward(
-            hidden, weight, bias, targets, inv_t, ignore_index, entropy if has_entropy_grad else None, g_logp,
-            g_entropy if has_entropy_grad else None, softcap=softcap, logit_scale=logit_scale,
+            hidden, weight, bias, targets, LogitTransform(inv_t, softcap, logit_scale), ignore_index,
+            entropy if has_entropy_grad else None, g_logp, g_entropy if has_entropy_grad else None,
         )
     return d_hidden, d_weight, d_bias if d_bias is not None else _empty(weight)
 
@@ -860,7 +861,7 @@ def linear_token_logprobs(
             )
     check_targets(targets, n, vocab, ignore_index, hidden.device, validate=validate)
     inv_t = row_inv_temperature(inv_temperature, n, hidden.device, validate=validate)
-    unit = reference.unit_scale(inv_temperature, logit_scale)  # temperature 1, no scale: known without reading a tensor
+    unit = is_unit_scale(inv_temperature, logit_scale)  # temperature 1, no scale: known without reading a tensor
     softcap = optional_positive_float("softcap", softcap)
     logit_scale = optional_positive_float("logit_scale", logit_scale)
     if logit_scale is not None and softcap is None:

@@ -1,9 +1,11 @@
 """Plain-PyTorch versions of every op: the spec the tests compare against (run in
 float64) and the path `backend="auto"` takes where Triton cannot compile.
 
-They are memory-bounded: work is done in row chunks, and the autograd Functions save
-only the inputs and the per-row entropy, recomputing each chunk's softmax in backward
-with the same fused PyTorch op as the forward. Peak extra memory is a few chunk x V
+Each op's forward and backward are separate functions without autograd: the op's
+custom op (token_logprobs.py) runs them behind the same autograd registration as its
+kernels. They are memory-bounded: work is done in row chunks, only the inputs and the
+per-row entropy are saved, and each chunk's softmax is recomputed in backward with the
+same fused PyTorch op as the forward. Peak extra memory is a few chunk x V
 buffers plus the gradient itself, never a second [N, V] fp32 copy.
 
 Math shared with the kernels, per row with s = inv_T * z (z the logits):
@@ -23,7 +25,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ._utils import compute_dtype, no_autocast, row_inv_temperature
+from ._utils import compute_dtype, no_autocast
+from .logit_transform import LogitTransform
 
 # Elements of one chunk's [rows, V] fp32 work buffer (~16 MB). The reference keeps
 # about four such buffers alive at once.
@@ -34,11 +37,9 @@ CHUNK_ELEMENTS = 1 << 22
 LINEAR_CHUNK_ELEMENTS = 1 << 24
 
 
-def chunk_rows_for(vocab: int, chunk_rows: Optional[int] = None, elements: Optional[int] = None) -> int:
+def chunk_rows_for(vocab: int, elements: Optional[int] = None) -> int:
     """Rows per chunk so that a [rows, vocab] buffer holds about `elements` values
     (CHUNK_ELEMENTS when None)."""
-    if chunk_rows is not None:
-        return max(1, int(chunk_rows))
     return max(1, (elements or CHUNK_ELEMENTS) // max(1, vocab))
 
 
@@ -58,23 +59,6 @@ def _scaled(z: torch.Tensor, inv_t: Optional[torch.Tensor]) -> torch.Tensor:
 def _rows_of(inv_t: Optional[torch.Tensor], rows, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """inv_t [N] -> the chunk's [c, 1] in `dtype`; None (temperature 1) stays None."""
     return None if inv_t is None else inv_t[rows, None].to(dtype)
-
-
-def unit_scale(inv_temperature: Union[None, float, torch.Tensor], logit_scale: Optional[float]) -> bool:
-    """Whether the logits are used unscaled, decided from the arguments alone (no tensor
-    is read): no temperature (or the number 1) and no logit scale."""
-    plain = inv_temperature is None or (not isinstance(inv_temperature, torch.Tensor) and float(inv_temperature) == 1.0)
-    return plain and logit_scale is None
-
-
-def _soft_cap(raw: torch.Tensor, softcap: Optional[float], logit_scale: Optional[float]):
-    """(z, dz/draw) for a chunk of raw logits: z = softcap tanh(logit_scale raw / softcap)
-    and its slope logit_scale (1 - tanh^2); (raw, None) without a soft cap (a plain
-    logit scale is folded into inv_T by the callers)."""
-    if softcap is None:
-        return raw, None
-    t = torch.tanh(raw * ((logit_scale or 1.0) / softcap))
-    return t * softcap, (1 - t * t).mul_(logit_scale or 1.0)
 
 
 def _rows_forward(
@@ -132,11 +116,10 @@ def _rows_grad(
 
 
 def token_logprobs_forward(
-    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, ignore_index: int, return_entropy: bool,
-    chunk_rows: Optional[int] = None, softcap: Optional[float] = None, logit_scale: Optional[float] = None,
+    logits: torch.Tensor, targets: torch.Tensor, transform: LogitTransform, ignore_index: int, return_entropy: bool,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """logits [N, V], inv_t [N] -> logp [N], entropy [N] or None (no autograd: the
-    backward is token_logprobs_backward)."""
+    """logits [N, V] -> logp [N], entropy [N] or None (no autograd: the backward is
+    token_logprobs_backward)."""
     with no_autocast(logits.device):
         n, vocab = logits.shape
         work_dtype = compute_dtype(logits.dtype)
@@ -144,10 +127,11 @@ def token_logprobs_forward(
         entropy = torch.empty(n, dtype=work_dtype, device=logits.device) if return_entropy else None
         valid = targets != ignore_index
         tgt = torch.where(valid, targets, torch.zeros_like(targets)).long()
-        step = chunk_rows_for(vocab, chunk_rows)
+        inv_t = transform.reference_inv_t()
+        step = chunk_rows_for(vocab)
         for a in range(0, n, step):
             b = min(n, a + step)
-            z, _ = _soft_cap(logits[a:b].to(work_dtype), softcap, logit_scale)  # [c, V]
+            z, _ = transform.cap(logits[a:b].to(work_dtype))  # [c, V]
             logp[a:b], entropy_rows = _rows_forward(z, _rows_of(inv_t, slice(a, b), work_dtype), tgt[a:b], valid[a:b],
                                                     return_entropy)
             if return_entropy:
@@ -157,9 +141,8 @@ def token_logprobs_forward(
 
 
 def token_logprobs_backward(
-    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, ignore_index: int,
+    logits: torch.Tensor, targets: torch.Tensor, transform: LogitTransform, ignore_index: int,
     entropy: Optional[torch.Tensor], g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
-    chunk_rows: Optional[int] = None, softcap: Optional[float] = None, logit_scale: Optional[float] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """d(sum g_logp logp + g_entropy entropy) / d logits [N, V] in the logits' dtype,
@@ -175,13 +158,14 @@ def token_logprobs_backward(
         if g_entropy is not None:
             g_entropy = torch.where(valid, g_entropy.to(work_dtype), zeros)
         grad = torch.empty_like(logits) if out is None else out
-        step = chunk_rows_for(vocab, chunk_rows)
+        inv_t = transform.reference_inv_t()
+        step = chunk_rows_for(vocab)
         for a in range(0, n, step):
             b = min(n, a + step)
             inv_t_rows = _rows_of(inv_t, slice(a, b), work_dtype)
             g_entropy_rows = g_entropy[a:b] if g_entropy is not None else None
             entropy_rows = entropy[a:b] if g_entropy is not None else None
-            z, slope = _soft_cap(logits[a:b].to(work_dtype), softcap, logit_scale)
+            z, slope = transform.cap(logits[a:b].to(work_dtype))
             g = _rows_grad(z, inv_t_rows, tgt[a:b], valid[a:b], entropy_rows, g_logp[a:b], g_entropy_rows)
             if slope is not None:
                 g.mul_(slope)
@@ -190,62 +174,9 @@ def token_logprobs_backward(
     return grad
 
 
-class _TokenLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows, softcap,
-                logit_scale):  # fmt: skip
-        logp, entropy = token_logprobs_forward(
-            logits, targets, inv_t, ignore_index, return_entropy, chunk_rows, softcap, logit_scale
-        )
-        ctx.save_for_backward(logits, targets, inv_t, entropy if return_entropy else logp)
-        ctx.options = (ignore_index, return_entropy, inplace_backward, chunk_rows, softcap, logit_scale)
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, g_logp, g_entropy):
-        logits, targets, inv_t, entropy = ctx.saved_tensors
-        ignore_index, return_entropy, inplace_backward, chunk_rows, softcap, logit_scale = ctx.options
-        grad = token_logprobs_backward(
-            logits, targets, inv_t, ignore_index, entropy, g_logp, g_entropy if return_entropy else None,
-            chunk_rows, softcap, logit_scale, out=logits if inplace_backward else None,
-        )
-        return grad, None, None, None, None, None, None, None, None
-
-
-def token_logprobs(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    inv_temperature: Union[None, float, torch.Tensor] = None,
-    ignore_index: int = -100,
-    return_entropy: bool = False,
-    inplace_backward: bool = False,
-    softcap: Optional[float] = None,
-    logit_scale: Optional[float] = None,
-    chunk_rows: Optional[int] = None,
-    validate: bool = True,
-):
-    """Reference of `erpo_kernels.token_logprobs`: logits [N, V] -> logp [N] (and entropy [N]).
-
-    Outputs are fp32 (fp64 for fp64 logits). Differentiable with respect to logits.
-    `validate` checks a tensor inv_temperature's values (a sync); the public op checks
-    everything else.
-    """
-    inv_t = row_inv_temperature(inv_temperature, logits.shape[0], logits.device, validate=validate)
-    if logit_scale is not None and softcap is None:
-        inv_t, logit_scale = inv_t * logit_scale, None  # a plain scale is a factor on the temperature
-    elif unit_scale(inv_temperature, logit_scale):
-        inv_t = None  # temperature 1: the chunks skip the shift and scale
-    logp, entropy = _TokenLogprobs.apply(
-        logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, chunk_rows, softcap, logit_scale
-    )
-    return (logp, entropy) if return_entropy else logp
-
-
 def linear_token_logprobs_forward(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    inv_t: torch.Tensor, ignore_index: int, return_entropy: bool, chunk_rows: Optional[int] = None,
-    softcap: Optional[float] = None, logit_scale: Optional[float] = None,
+    transform: LogitTransform, ignore_index: int, return_entropy: bool,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """hidden [N, D], weight [V, D] -> logp [N], entropy [N] or None (no autograd: the
     backward is linear_token_logprobs_backward). Ignored rows are skipped and return 0."""
@@ -258,7 +189,8 @@ def linear_token_logprobs_forward(
         # Ignored rows are compacted away: they cost nothing.
         rows = (targets != ignore_index).nonzero().squeeze(1)
         tgt = targets[rows].long()
-        step = chunk_rows_for(vocab, chunk_rows, LINEAR_CHUNK_ELEMENTS)  # module globals, read per call
+        inv_t = transform.reference_inv_t()
+        step = chunk_rows_for(vocab, LINEAR_CHUNK_ELEMENTS)  # module globals, read per call
         w = weight.to(work_dtype)
         bias_work = bias.to(work_dtype) if bias is not None else None
         for a in range(0, rows.numel(), step):
@@ -266,7 +198,7 @@ def linear_token_logprobs_forward(
             raw = hidden[r].to(work_dtype) @ w.T  # [c, V]
             if bias_work is not None:
                 raw += bias_work
-            z, _ = _soft_cap(raw, softcap, logit_scale)
+            z, _ = transform.cap(raw)
             ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
             logp[r], entropy_rows = _rows_forward(z, _rows_of(inv_t, r, work_dtype), tgt[a : a + step], ones,
                                                   return_entropy)
@@ -278,9 +210,8 @@ def linear_token_logprobs_forward(
 
 def linear_token_logprobs_backward(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    inv_t: torch.Tensor, ignore_index: int, entropy: Optional[torch.Tensor], g_logp: Optional[torch.Tensor],
-    g_entropy: Optional[torch.Tensor], chunk_rows: Optional[int] = None, softcap: Optional[float] = None,
-    logit_scale: Optional[float] = None,
+    transform: LogitTransform, ignore_index: int, entropy: Optional[torch.Tensor], g_logp: Optional[torch.Tensor],
+    g_entropy: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(d_hidden, d_weight, d_bias or None) of sum g_logp logp + g_entropy entropy, in the
     inputs' dtypes. entropy and g_entropy: both or neither."""
@@ -289,7 +220,8 @@ def linear_token_logprobs_backward(
         work_dtype = compute_dtype(hidden.dtype)
         rows = (targets != ignore_index).nonzero().squeeze(1)
         tgt = targets[rows].long()
-        step = chunk_rows_for(vocab, chunk_rows, LINEAR_CHUNK_ELEMENTS)
+        inv_t = transform.reference_inv_t()
+        step = chunk_rows_for(vocab, LINEAR_CHUNK_ELEMENTS)
         w = weight.to(work_dtype)
         bias_work = bias.to(work_dtype) if bias is not None else None
         d_hidden = torch.zeros_like(hidden)
@@ -303,7 +235,7 @@ def linear_token_logprobs_backward(
             raw = x @ w.T
             if bias_work is not None:
                 raw += bias_work
-            z, slope = _soft_cap(raw, softcap, logit_scale)
+            z, slope = transform.cap(raw)
             inv_t_rows = _rows_of(inv_t, r, work_dtype)
             g_entropy_rows = g_entropy[r].to(work_dtype) if g_entropy is not None else None
             entropy_rows = entropy[r] if g_entropy is not None else None
@@ -318,26 +250,27 @@ def linear_token_logprobs_backward(
     return d_hidden, d_weight.to(weight.dtype), d_bias.to(bias.dtype) if d_bias is not None else None
 
 
+# The linear op's eager autograd path, until linear_token_logprobs moves onto its one
+# custom op (issue 18.2; the kernel lane removes this Function and the function below then).
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows, softcap,
-                logit_scale):  # fmt: skip
+    def forward(ctx, hidden, weight, bias, targets, transform, ignore_index, return_entropy):
         logp, entropy = linear_token_logprobs_forward(
-            hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows, softcap, logit_scale
+            hidden, weight, bias, targets, transform, ignore_index, return_entropy
         )
-        ctx.save_for_backward(hidden, weight, bias, targets, inv_t, entropy if return_entropy else logp)
-        ctx.options = (ignore_index, return_entropy, chunk_rows, softcap, logit_scale)
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy if return_entropy else logp)
+        ctx.options = (transform, ignore_index, return_entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        hidden, weight, bias, targets, inv_t, entropy = ctx.saved_tensors
-        ignore_index, return_entropy, chunk_rows, softcap, logit_scale = ctx.options
+        hidden, weight, bias, targets, entropy = ctx.saved_tensors
+        transform, ignore_index, return_entropy = ctx.options
         d_hidden, d_weight, d_bias = linear_token_logprobs_backward(
-            hidden, weight, bias, targets, inv_t, ignore_index, entropy, g_logp,
-            g_entropy if return_entropy else None, chunk_rows, softcap, logit_scale,
+            hidden, weight, bias, targets, transform, ignore_index, entropy, g_logp,
+            g_entropy if return_entropy else None,
         )
-        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None
 
 
 def linear_token_logprobs(
@@ -351,7 +284,6 @@ def linear_token_logprobs(
     return_entropy: bool = False,
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
-    chunk_rows: Optional[int] = None,
     validate: bool = True,
 ):
     """Reference of `erpo_kernels.linear_token_logprobs`: hidden [N, D], weight [V, D] ->
@@ -361,14 +293,10 @@ def linear_token_logprobs(
     Row chunks through a matmul: peak extra memory is bounded by chunk x V, not N x V.
     Rows whose target is ignore_index are skipped and return 0.
     """
-    inv_t = row_inv_temperature(inv_temperature, hidden.shape[0], hidden.device, validate=validate)
-    if logit_scale is not None and softcap is None:
-        inv_t, logit_scale = inv_t * logit_scale, None  # a plain scale is a factor on the temperature
-    elif unit_scale(inv_temperature, logit_scale):
-        inv_t = None  # temperature 1: the chunks skip the shift and scale
-    logp, entropy = _LinearTokenLogprobs.apply(
-        hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, chunk_rows, softcap, logit_scale
+    transform = LogitTransform.build(
+        inv_temperature, hidden.shape[0], hidden.device, softcap=softcap, logit_scale=logit_scale, validate=validate
     )
+    logp, entropy = _LinearTokenLogprobs.apply(hidden, weight, bias, targets, transform, ignore_index, return_entropy)
     return (logp, entropy) if return_entropy else logp
 
 

@@ -1,6 +1,7 @@
 """token_logprobs: fused log-softmax + gather (+ entropy) over logits [N, V].
 
-Kernels, then the autograd Function, then the public function.
+The launch configuration (RowTiles), the kernels, the custom op (one torch.library op for
+eager and torch.compile, either backend behind it), then the public function.
 
 Per row, with z the logits (after the optional logit scale and soft cap, below),
 inv_T the row's inverse temperature and M = max_j z_j:
@@ -21,28 +22,19 @@ Logit scale and soft cap, applied to the raw logits r in this order:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+import warnings
+from dataclasses import astuple, dataclass
+from typing import List, Optional, Tuple, Union
 
 import torch
-from torch.autograd.function import once_differentiable
-
 from . import reference
 from ._triton import interpreting, round_to, soft_cap, tl, triton
-from ._utils import (
-    FLOAT_DTYPES,
-    check_targets,
-    check_tensor,
-    no_autocast,
-    compute_dtype,
-    optional_positive_float,
-    resolve_kernel_backend,
-    row_inv_temperature,
-)
+from ._utils import FLOAT_DTYPES, check_targets, check_tensor, compute_dtype, no_autocast, resolve_kernel_backend
+from .logit_transform import LogitTransform
 
 @dataclass(frozen=True)
-class RowBlocks:
-    """Launch shape of the row kernels: one program per row, streaming the row in blocks
+class RowTiles:
+    """Launch configuration of the row kernels (the `tiles=` argument): one program per row, streaming the row in blocks
     of at most `fwd_max_block_v` (forward) and `bwd_max_block_v` (backward) columns;
     small vocabularies use one block of next_power_of_2(V). A row's results depend on
     this choice (the order of its sums), never on the other rows.
@@ -64,10 +56,18 @@ class RowBlocks:
         for name in ("fwd_max_block_v", "bwd_max_block_v", "fwd_values_per_thread", "bwd_values_per_thread"):
             b = getattr(self, name)
             if isinstance(b, bool) or not isinstance(b, int) or b < 1 or b & (b - 1):
-                raise ValueError(f"RowBlocks.{name} must be a power of two, got {b!r}")
+                raise ValueError(f"RowTiles.{name} must be a power of two, got {b!r}")
 
 
-DEFAULT_BLOCKS = RowBlocks()
+    def as_list(self) -> List[int]:
+        """The four sizes, as a custom op takes them (RowTiles(*sizes) rebuilds it)."""
+        return list(astuple(self))
+
+
+DEFAULT_TILES = RowTiles()
+# The names before the launch configuration was called `tiles=` on both ops.
+RowBlocks = RowTiles
+DEFAULT_BLOCKS = DEFAULT_TILES
 
 
 @triton.jit
@@ -84,6 +84,7 @@ def _token_logprobs_fwd_kernel(
     ignore_index,
     softcap,  # fp32 cap (read when HAS_SOFTCAP)
     softcap_pre,  # fp32 logit_scale / softcap (read when HAS_SOFTCAP)
+    logit_scale,  # fp32 (the backward's; unread here: LogitTransform.kernel_args serves both kernels)
     RETURN_ENTROPY: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -225,229 +226,196 @@ def _launch_config(vocab: int, max_block: int, values_per_thread: int) -> Tuple[
     return block, num_warps
 
 
-@dataclass(frozen=True)
-class _LogitTransform:
-    """What happens to the raw logits before the temperature (validated floats or None)."""
-
-    softcap: Optional[float] = None
-    logit_scale: Optional[float] = None
-
-    def kernel_args(self) -> dict:
-        """The transform's runtime kernel arguments and its one flag (placeholders when off)."""
-        cap = self.softcap
-        scale = self.logit_scale or 1.0
-        return dict(
-            softcap=cap or 1.0,
-            softcap_pre=scale / cap if cap else 1.0,
-            HAS_SOFTCAP=cap is not None,
-        )
+def _column_major_safe(logits: torch.Tensor) -> torch.Tensor:
+    """The logits as the kernels read them: unit column stride (any row stride works
+    without a copy)."""
+    return logits if logits.stride(1) == 1 else logits.contiguous()
 
 
 def _triton_forward(
-    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, ignore_index: int, return_entropy: bool,
-    transform: _LogitTransform, blocks: RowBlocks,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> logp [N], entropy [N] or None, M [N], log_norm [N] (all fp32), and the logits
-    as the kernels read them (unit column stride; any row stride works without a copy)."""
-    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    logits: torch.Tensor, targets: torch.Tensor, transform: LogitTransform, ignore_index: int, return_entropy: bool,
+    tiles: RowTiles,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """-> logp [N], entropy [N] or None, M [N] and log_norm [N], all fp32."""
+    x = _column_major_safe(logits)
     n, vocab = x.shape
     f32 = dict(dtype=torch.float32, device=x.device)
     logp = torch.empty(n, **f32)
     entropy = torch.empty(n, **f32) if return_entropy else None
     row_max = torch.empty(n, **f32)
     log_norm = torch.empty(n, **f32)
-    block, num_warps = _launch_config(vocab, blocks.fwd_max_block_v, blocks.fwd_values_per_thread)
+    block, num_warps = _launch_config(vocab, tiles.fwd_max_block_v, tiles.fwd_values_per_thread)
     if n > 0:
-        with no_autocast(x.device):
-            _token_logprobs_fwd_kernel[(n,)](
-                logits_ptr=x, targets_ptr=targets, inv_t_ptr=inv_t, logp_ptr=logp,
-                entropy_ptr=entropy if return_entropy else logp,  # an unwritten stand-in without entropy
-                row_max_ptr=row_max, log_norm_ptr=log_norm,
-                vocab=vocab, stride_row=x.stride(0), ignore_index=ignore_index,
-                **transform.kernel_args(),
-                RETURN_ENTROPY=return_entropy, BLOCK_V=block, num_warps=num_warps,
-            )  # fmt: skip
-    return logp, entropy, row_max, log_norm, x
+        _token_logprobs_fwd_kernel[(n,)](
+            logits_ptr=x, targets_ptr=targets, inv_t_ptr=transform.inv_t, logp_ptr=logp,
+            entropy_ptr=entropy if return_entropy else logp,  # an unwritten stand-in without entropy
+            row_max_ptr=row_max, log_norm_ptr=log_norm,
+            vocab=vocab, stride_row=x.stride(0), ignore_index=ignore_index,
+            **transform.kernel_args(),
+            RETURN_ENTROPY=return_entropy, BLOCK_V=block, num_warps=num_warps,
+        )  # fmt: skip
+    return logp, entropy, row_max, log_norm
 
 
 def _triton_backward(
-    x: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, row_max: torch.Tensor,
+    x: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor, transform: LogitTransform, row_max: torch.Tensor,
     log_norm: torch.Tensor, entropy: Optional[torch.Tensor], g_logp: Optional[torch.Tensor],
-    g_entropy: Optional[torch.Tensor], ignore_index: int, transform: _LogitTransform, blocks: RowBlocks,
-) -> torch.Tensor:
-    """Writes d logits into `grad` ([N, V], unit column stride; it may be x itself) and
-    returns it. entropy and g_entropy: both or neither; g_logp may be None."""
+    g_entropy: Optional[torch.Tensor], ignore_index: int, tiles: RowTiles,
+) -> None:
+    """Writes d logits into `grad` ([N, V], unit column stride; it may be x itself).
+    entropy and g_entropy: both or neither; g_logp may be None."""
     n, vocab = x.shape
     if n == 0:
-        return grad
+        return
     g_logp = g_logp.float().contiguous() if g_logp is not None else None
     g_entropy = g_entropy.float().contiguous() if g_entropy is not None else None
-    block, num_warps = _launch_config(vocab, blocks.bwd_max_block_v, blocks.bwd_values_per_thread)
+    block, num_warps = _launch_config(vocab, tiles.bwd_max_block_v, tiles.bwd_values_per_thread)
     _token_logprobs_bwd_kernel[(n,)](
-        logits_ptr=x, grad_ptr=grad, targets_ptr=targets, inv_t_ptr=inv_t,
+        logits_ptr=x, grad_ptr=grad, targets_ptr=targets, inv_t_ptr=transform.inv_t,
         row_max_ptr=row_max, log_norm_ptr=log_norm, entropy_ptr=entropy if entropy is not None else log_norm,
         # unread stand-ins where an upstream gradient is None
         g_logp_ptr=g_logp if g_logp is not None else log_norm,
         g_entropy_ptr=g_entropy if g_entropy is not None else log_norm,
         vocab=vocab, stride_row=x.stride(0), stride_grad_row=grad.stride(0), ignore_index=ignore_index,
-        logit_scale=transform.logit_scale or 1.0, **transform.kernel_args(),
+        **transform.kernel_args(),
         HAS_LOGP_GRAD=g_logp is not None, HAS_ENTROPY_GRAD=g_entropy is not None,
         INTERPRET=interpreting(),
         BLOCK_V=block, num_warps=num_warps,
     )  # fmt: skip
-    return grad
-
-
-class _TokenLogprobsFunction(torch.autograd.Function):
-    """logits [N, V] -> (logp [N] fp32, entropy [N] fp32 or None); saves M and log_norm per row."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, transform, blocks):
-        logp, entropy, row_max, log_norm, x = _triton_forward(
-            logits, targets, inv_t, ignore_index, return_entropy, transform, blocks
-        )
-        ctx.save_for_backward(x, targets, inv_t, row_max, log_norm, entropy if return_entropy else log_norm)
-        ctx.options = (ignore_index, return_entropy, inplace_backward, transform, blocks)
-        ctx.set_materialize_grads(False)
-        return logp, entropy
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g_logp, g_entropy):
-        x, targets, inv_t, row_max, log_norm, entropy = ctx.saved_tensors
-        ignore_index, return_entropy, inplace_backward, transform, blocks = ctx.options
-        if not return_entropy:
-            g_entropy = None
-        if g_logp is None and g_entropy is None:
-            return (None,) * 8
-        grad = x if inplace_backward else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        with no_autocast(x.device):
-            _triton_backward(
-                x, grad, targets, inv_t, row_max, log_norm, entropy if g_entropy is not None else None,
-                g_logp, g_entropy, ignore_index, transform, blocks,
-            )
-        if inplace_backward and x.shape[0] > 0:
-            # The kernel overwrote the logits behind autograd's back. Bump their version
-            # as an in-place op would: an op that saved them (a tanh soft-cap, say) then
-            # fails loudly in its backward instead of reading gradients as logits.
-            torch.autograd.graph.increment_version(x)
-        return grad, None, None, None, None, None, None, None
-
-
-def _token_logprobs_triton(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    inv_t: torch.Tensor,
-    ignore_index: int,
-    return_entropy: bool,
-    inplace_backward: bool,
-    transform: _LogitTransform,
-    blocks: RowBlocks,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Validated inputs -> (logp [N] fp32, entropy [N] fp32 or None), differentiable in logits."""
-    return _TokenLogprobsFunction.apply(
-        logits, targets.contiguous(), inv_t, int(ignore_index), bool(return_entropy), bool(inplace_backward),
-        transform, blocks,
-    )
 
 
 # ---------------------------------------------------------------------------------
-# The same op for torch.compile: a torch.library custom op (forward and backward each
-# one opaque op with a shape-only fake), so a compiled graph calls it without a break.
-# `use_triton` selects the kernels or the reference behind the one op. token_logprobs
-# takes this path while torch.compile traces it (inplace_backward excepted).
+# The op: one torch.library custom op serves eager and torch.compile alike (a
+# shape-only fake for compile, autograd registered), with the kernels or the reference
+# behind it (`use_triton`). Tensors are positional, options keyword-only: the backward
+# returns one gradient per tensor input. The backward is a second custom op, out of
+# place or (inplace_backward) writing into the logits; a mutating custom op bumps the
+# logits' version counter, so an op that saved them fails loudly in its own backward.
 
 
-def _empty(like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty(0)
-
-
-@torch.library.custom_op("erpo_kernels::token_logprobs_fwd", mutates_args=())
-def _fwd_op(
-    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, ignore_index: int, return_entropy: bool,
-    softcap: Optional[float], logit_scale: Optional[float], use_triton: bool, fwd_max_block_v: int,
-    bwd_max_block_v: int,
+@torch.library.custom_op("erpo_kernels::token_logprobs", mutates_args=())
+def _token_logprobs_op(
+    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, *, softcap: Optional[float],
+    logit_scale: Optional[float], unit: bool, ignore_index: int, return_entropy: bool, inplace_backward: bool,
+    use_triton: bool, tiles: List[int],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> logp [N], entropy [N] (or [0]), M [N] and log_norm [N] (or [0] on the reference)."""
-    if use_triton:
-        blocks = RowBlocks(fwd_max_block_v=fwd_max_block_v, bwd_max_block_v=bwd_max_block_v)
-        logp, entropy, row_max, log_norm, _ = _triton_forward(
-            logits, targets, inv_t, ignore_index, return_entropy, _LogitTransform(softcap, logit_scale), blocks
-        )
-    else:
-        logp, entropy = reference.token_logprobs_forward(
-            logits, targets, inv_t, ignore_index, return_entropy, softcap=softcap, logit_scale=logit_scale
-        )
-        row_max, log_norm = _empty(logp), _empty(logp)
-    return logp, entropy if entropy is not None else _empty(logp), row_max, log_norm
-
-
-@_fwd_op.register_fake
-def _fwd_fake(logits, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale, use_triton,
-              fwd_max_block_v, bwd_max_block_v):  # fmt: skip
-    n = logits.shape[0]
-    out = logits.new_empty(n, dtype=torch.float32 if use_triton else compute_dtype(logits.dtype))
-    stats = n if use_triton else 0
-    return out, out.new_empty(n if return_entropy else 0), out.new_empty(stats), out.new_empty(stats)
-
-
-@torch.library.custom_op("erpo_kernels::token_logprobs_bwd", mutates_args=())
-def _bwd_op(
-    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, row_max: torch.Tensor, log_norm: torch.Tensor,
-    entropy: torch.Tensor, g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor], ignore_index: int,
-    softcap: Optional[float], logit_scale: Optional[float], use_triton: bool, fwd_max_block_v: int,
-    bwd_max_block_v: int,
-) -> torch.Tensor:
-    """-> d logits [N, V] in the logits' dtype."""
-    if use_triton:
-        x = logits if logits.stride(1) == 1 else logits.contiguous()
-        blocks = RowBlocks(fwd_max_block_v=fwd_max_block_v, bwd_max_block_v=bwd_max_block_v)
-        grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        with no_autocast(x.device):
-            return _triton_backward(
-                x, grad, targets, inv_t, row_max, log_norm, entropy if g_entropy is not None else None,
-                g_logp, g_entropy, ignore_index, _LogitTransform(softcap, logit_scale), blocks,
+    """-> logp [N], entropy [N] (or [0]), and what the Triton backward needs: M [N] and
+    log_norm [N] (each [0] on the reference)."""
+    transform = LogitTransform(inv_t, softcap, logit_scale, unit)
+    with no_autocast(logits.device):
+        if use_triton:
+            logp, entropy, row_max, log_norm = _triton_forward(
+                logits, targets, transform, ignore_index, return_entropy, RowTiles(*tiles)
             )
-    return reference.token_logprobs_backward(
-        logits, targets, inv_t, ignore_index, entropy if g_entropy is not None else None, g_logp, g_entropy,
-        softcap=softcap, logit_scale=logit_scale,
-    )
+        else:
+            logp, entropy = reference.token_logprobs_forward(logits, targets, transform, ignore_index, return_entropy)
+            row_max, log_norm = logp.new_empty(0), logp.new_empty(0)
+    return logp, entropy if entropy is not None else logp.new_empty(0), row_max, log_norm
 
 
-@_bwd_op.register_fake
-def _bwd_fake(logits, *args):
+@_token_logprobs_op.register_fake
+def _token_logprobs_fake(logits, targets, inv_t, *, use_triton, return_entropy, **options):
+    n = logits.shape[0]
+    logp = logits.new_empty(n, dtype=torch.float32 if use_triton else compute_dtype(logits.dtype))
+    stats = n if use_triton else 0
+    return logp, logp.new_empty(n if return_entropy else 0), logp.new_empty(stats), logp.new_empty(stats)
+
+
+def _backward_into(
+    grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, transform: LogitTransform, row_max: torch.Tensor,
+    log_norm: torch.Tensor, entropy: torch.Tensor, g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
+    ignore_index: int, use_triton: bool, tiles: List[int],
+) -> None:
+    """Writes d(sum g_logp logp + g_entropy entropy) / d logits into `grad` (it may be the
+    logits themselves). g_entropy None: the entropy's gradient is not wanted."""
+    entropy = entropy if g_entropy is not None else None
+    with no_autocast(logits.device):
+        if use_triton:
+            _triton_backward(
+                logits, grad, targets, transform, row_max, log_norm, entropy, g_logp, g_entropy, ignore_index,
+                RowTiles(*tiles),
+            )
+        else:
+            reference.token_logprobs_backward(
+                logits, targets, transform, ignore_index, entropy, g_logp, g_entropy, out=grad
+            )
+
+
+@torch.library.custom_op("erpo_kernels::token_logprobs_backward", mutates_args=())
+def _backward_op(
+    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, row_max: torch.Tensor, log_norm: torch.Tensor,
+    entropy: torch.Tensor, g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor], *,
+    softcap: Optional[float], logit_scale: Optional[float], unit: bool, ignore_index: int, use_triton: bool,
+    tiles: List[int],
+) -> torch.Tensor:
+    """-> d logits [N, V] in the logits' dtype (unit column stride)."""
+    x = _column_major_safe(logits) if use_triton else logits
+    grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    transform = LogitTransform(inv_t, softcap, logit_scale, unit)
+    _backward_into(grad, x, targets, transform, row_max, log_norm, entropy, g_logp, g_entropy, ignore_index,
+                   use_triton, tiles)  # fmt: skip
+    return grad
+
+
+@_backward_op.register_fake
+def _backward_fake(logits, *args, **options):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
-def _op_setup(ctx, inputs, output):
-    logits, targets, inv_t, ignore_index, return_entropy = inputs[:5]
+@torch.library.custom_op("erpo_kernels::token_logprobs_backward_", mutates_args=("logits",))
+def _backward_inplace_op(
+    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, row_max: torch.Tensor, log_norm: torch.Tensor,
+    entropy: torch.Tensor, g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor], *,
+    softcap: Optional[float], logit_scale: Optional[float], unit: bool, ignore_index: int, use_triton: bool,
+    tiles: List[int],
+) -> None:
+    """Overwrites the (contiguous) logits with d logits: each element is read before it
+    is written, by the same program (Triton) or chunk (reference)."""
+    transform = LogitTransform(inv_t, softcap, logit_scale, unit)
+    _backward_into(logits, logits, targets, transform, row_max, log_norm, entropy, g_logp, g_entropy, ignore_index,
+                   use_triton, tiles)  # fmt: skip
+
+
+@_backward_inplace_op.register_fake
+def _backward_inplace_fake(logits, *args, **options) -> None:
+    return None
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
+    logits, targets, inv_t = inputs
     _, entropy, row_max, log_norm = output
     ctx.save_for_backward(logits, targets, inv_t, row_max, log_norm, entropy)
-    ctx.options = (ignore_index, return_entropy, *inputs[5:])
+    ctx.options = dict(keyword_only_inputs)
+    ctx.set_materialize_grads(False)  # an unused output costs nothing in backward
 
 
-def _op_backward(ctx, g_logp, g_entropy, _g_max, _g_norm):
+def _backward(ctx, g_logp, g_entropy, _g_row_max, _g_log_norm):
     logits, targets, inv_t, row_max, log_norm, entropy = ctx.saved_tensors
-    ignore_index, return_entropy, softcap, logit_scale, use_triton, fwd_block, bwd_block = ctx.options
-    grad = _bwd_op(
-        logits, targets, inv_t, row_max, log_norm, entropy, g_logp, g_entropy if return_entropy else None,
-        ignore_index, softcap, logit_scale, use_triton, fwd_block, bwd_block,
-    )
-    return grad, None, None, None, None, None, None, None, None, None
+    options = dict(ctx.options)
+    if not options.pop("return_entropy"):
+        g_entropy = None
+    if g_logp is None and g_entropy is None:
+        return None, None, None
+    if options.pop("inplace_backward"):
+        _backward_inplace_op(logits, targets, inv_t, row_max, log_norm, entropy, g_logp, g_entropy, **options)
+        return logits, None, None
+    return _backward_op(logits, targets, inv_t, row_max, log_norm, entropy, g_logp, g_entropy, **options), None, None
 
 
-torch.library.register_autograd("erpo_kernels::token_logprobs_fwd", _op_backward, setup_context=_op_setup)
+_token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _token_logprobs_op(
-    logits, targets, inv_t, ignore_index, return_entropy, transform: _LogitTransform, use_triton: bool,
-    blocks: RowBlocks,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    logp, entropy, _, _ = _fwd_op(
-        logits, targets.contiguous(), inv_t, ignore_index, return_entropy, transform.softcap, transform.logit_scale,
-        use_triton, blocks.fwd_max_block_v, blocks.bwd_max_block_v,
-    )
-    return logp, entropy if return_entropy else None
+def _launch_tiles(tiles: Optional[RowTiles], blocks: Optional[RowTiles]) -> RowTiles:
+    """The launch configuration from `tiles=` (or the older name `blocks=`)."""
+    if blocks is not None:
+        if tiles is not None:
+            raise ValueError("pass the launch configuration once, as tiles= (blocks= is its older name)")
+        warnings.warn("token_logprobs(blocks=) is now token_logprobs(tiles=); blocks= will be removed",
+                      DeprecationWarning, stacklevel=3)  # fmt: skip
+        tiles = blocks
+    if tiles is not None and not isinstance(tiles, RowTiles):
+        raise ValueError(f"tiles must be None or a RowTiles, got {type(tiles).__name__}")
+    return tiles or DEFAULT_TILES
 
 
 def token_logprobs(
@@ -462,7 +430,8 @@ def token_logprobs(
     logit_scale: Optional[float] = None,
     backend: str = "auto",
     validate: bool = True,
-    blocks: Optional[RowBlocks] = None,
+    tiles: Optional[RowTiles] = None,
+    blocks: Optional[RowTiles] = None,
 ):
     """Log-probability of each row's target under softmax(z * inv_temperature), where
     z = softcap * tanh(logit_scale * logits / softcap) (each step only when given).
@@ -486,7 +455,8 @@ def token_logprobs(
             inv_temperature (positive, finite). These checks read the tensors on the
             host (a device sync); pass False in a hot loop once the batch has been
             validated. Shapes, dtypes and devices are always checked.
-        blocks: the Triton launch shape (None: DEFAULT_BLOCKS); results depend on it.
+        tiles: the Triton launch configuration, a RowTiles (None: DEFAULT_TILES);
+            results depend on it. `blocks=` is its older name (deprecated).
     Returns:
         logp [N] fp32 (fp64 for fp64 logits), and entropy [N] when return_entropy.
         Each row's values and its row of the gradient depend on that row, V, the dtype
@@ -499,41 +469,20 @@ def token_logprobs(
     if vocab < 1:
         raise ValueError("logits must have at least one column (V >= 1)")
     check_targets(targets, n, vocab, ignore_index, logits.device, validate=validate)
-    inv_t = row_inv_temperature(inv_temperature, n, logits.device, validate=validate)
-    unit = reference.unit_scale(inv_temperature, logit_scale)  # temperature 1, no scale: known without reading a tensor
-    transform = _LogitTransform(
-        optional_positive_float("softcap", softcap), optional_positive_float("logit_scale", logit_scale)
+    transform = LogitTransform.build(
+        inv_temperature, n, logits.device, softcap=softcap, logit_scale=logit_scale, validate=validate
     )
-    if blocks is not None and not isinstance(blocks, RowBlocks):
-        raise ValueError(f"blocks must be None or a RowBlocks, got {type(blocks).__name__}")
-    if transform.logit_scale is not None and transform.softcap is None:
-        # a plain scale is a factor on the temperature: the max is still subtracted first
-        inv_t = inv_t * transform.logit_scale
-        transform = _LogitTransform()
+    tiles = _launch_tiles(tiles, blocks)
     if inplace_backward and not logits.is_contiguous():
         raise ValueError(
             "inplace_backward=True needs contiguous logits (the gradient is written into their storage); "
             "pass logits.contiguous() or inplace_backward=False"
         )
-    which = resolve_kernel_backend(backend, {"logits": logits})
-    if torch.compiler.is_compiling() and not inplace_backward:
-        logp, entropy = _token_logprobs_op(
-            logits, targets, inv_t, ignore_index, return_entropy, transform, which == "triton", blocks or DEFAULT_BLOCKS
-        )
-        return (logp, entropy) if return_entropy else logp
-    if which == "torch":
-        return reference.token_logprobs(
-            logits,
-            targets,
-            inv_temperature=None if unit else inv_t,  # None: the reference skips the shift and scale
-            ignore_index=ignore_index,
-            return_entropy=return_entropy,
-            inplace_backward=inplace_backward,
-            softcap=transform.softcap,
-            logit_scale=transform.logit_scale,
-            validate=False,  # inv_t was checked above
-        )
-    logp, entropy = _token_logprobs_triton(
-        logits, targets, inv_t, ignore_index, return_entropy, inplace_backward, transform, blocks or DEFAULT_BLOCKS
+    use_triton = resolve_kernel_backend(backend, {"logits": logits}) == "triton"
+    inv_t, softcap, logit_scale, unit = transform.op_args()
+    logp, entropy, _, _ = _token_logprobs_op(
+        logits, targets.contiguous(), inv_t, softcap=softcap, logit_scale=logit_scale, unit=unit,
+        ignore_index=ignore_index, return_entropy=bool(return_entropy), inplace_backward=bool(inplace_backward),
+        use_triton=use_triton, tiles=tiles.as_list(),
     )
     return (logp, entropy) if return_entropy else logp

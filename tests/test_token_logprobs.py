@@ -34,7 +34,7 @@ Outputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 # Blocks of 16 (forward) and 32 (backward) columns: tiny rows span several blocks and
 # end in a partial one. Most tests run with them; DEFAULT is the GPU launch shape.
-SMALL = tlp.RowBlocks(fwd_max_block_v=16, bwd_max_block_v=32)
+SMALL = tlp.RowTiles(fwd_max_block_v=16, bwd_max_block_v=32)
 DEFAULT = None
 
 
@@ -83,12 +83,12 @@ def _torch_same_dtype(logits, targets, inv_temperature, g_logp, g_ent) -> Output
 
 
 def _ours(
-    logits, targets, inv_temperature, g_logp, g_ent, *, backend="triton", inplace=False, blocks=SMALL, **options
+    logits, targets, inv_temperature, g_logp, g_ent, *, backend="triton", inplace=False, tiles=SMALL, **options
 ) -> Outputs:
     z = logits.detach().clone().requires_grad_()
     logp, ent = token_logprobs(
         z, targets, inv_temperature=inv_temperature, return_entropy=True, inplace_backward=inplace, backend=backend,
-        blocks=blocks, **options,
+        tiles=tiles, **options,
     )
     assert logp.dtype == ent.dtype == torch.float32
     (grad,) = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), z)
@@ -145,7 +145,7 @@ def test_single_block_default_config(device):
     # Without the small-block fixture: one block of next_power_of_2(V) = 512 columns.
     logits, targets, g_logp, g_ent = _inputs(7, 301, torch.bfloat16, device)
     targets = targets.int()  # int32 targets work as well as int64
-    ours = _ours(logits, targets, None, g_logp, g_ent, blocks=DEFAULT)
+    ours = _ours(logits, targets, None, g_logp, g_ent, tiles=DEFAULT)
     _check_all(ours, logits, targets, None, g_logp, g_ent)
 
 
@@ -155,7 +155,7 @@ def test_one_upstream_gradient_at_a_time(device):
     zeros = torch.zeros(n, device=device)
     # return_entropy=False: only logp exists.
     z = logits.clone().requires_grad_()
-    logp = token_logprobs(z, targets, inv_temperature=0.8, backend="triton", blocks=SMALL)
+    logp = token_logprobs(z, targets, inv_temperature=0.8, backend="triton", tiles=SMALL)
     assert isinstance(logp, torch.Tensor) and logp.shape == (n,)
     (grad,) = torch.autograd.grad((logp * g_logp).sum(), z)
     want_logp, _, want = _truth64(logits, targets, 0.8, g_logp, zeros)
@@ -165,7 +165,7 @@ def test_one_upstream_gradient_at_a_time(device):
     for use in ("logp", "entropy"):
         z = logits.clone().requires_grad_()
         logp, ent = token_logprobs(
-            z, targets, inv_temperature=0.8, return_entropy=True, backend="triton", blocks=SMALL
+            z, targets, inv_temperature=0.8, return_entropy=True, backend="triton", tiles=SMALL
         )
         out = (logp * g_logp).sum() if use == "logp" else (ent * g_ent).sum()
         (grad,) = torch.autograd.grad(out, z)
@@ -244,7 +244,7 @@ def test_inplace_backward_writes_into_logits(device, dtype):
     leaf = logits.clone().requires_grad_()
     z = leaf * 1  # the non-leaf whose storage backward overwrites
     logp, ent = token_logprobs(
-        z, targets, inv_temperature=0.9, return_entropy=True, inplace_backward=True, backend="triton", blocks=SMALL
+        z, targets, inv_temperature=0.9, return_entropy=True, inplace_backward=True, backend="triton", tiles=SMALL
     )
     ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
     assert torch.equal(leaf.grad.cpu(), want), "inplace gradient differs from the out-of-place one"
@@ -312,9 +312,9 @@ def _bad_cases(device):
 
 def test_bad_inputs_raise_value_error_naming_the_argument(device, monkeypatch):
     def no_kernel(*args, **kwargs):
-        raise AssertionError("bad input reached the triton path")
+        raise AssertionError("bad input reached the op")
 
-    monkeypatch.setattr(tlp, "_token_logprobs_triton", no_kernel)
+    monkeypatch.setattr(tlp, "_token_logprobs_op", no_kernel)
     lg, tg, cases = _bad_cases(device)
     for name, bad in cases:
         kwargs = dict(logits=lg, targets=tg, backend="triton")
@@ -332,7 +332,7 @@ def test_validate_false_reads_no_values(device, backend):
     z = logits.clone().requires_grad_()
     with no_host_reads():
         logp, ent = token_logprobs(
-            z, targets, inv_temperature=inv_t, return_entropy=True, backend=backend, validate=False, blocks=SMALL
+            z, targets, inv_temperature=inv_t, return_entropy=True, backend=backend, validate=False, tiles=SMALL
         )
         (grad,) = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), z)
     want = _ours(logits, targets, inv_t, g_logp, g_ent, backend=backend)
@@ -393,3 +393,15 @@ def test_softcap_and_logit_scale_bad_values(device):
         for bad in (0.0, -1.0, float("inf"), float("nan"), "30", True, torch.tensor(2.0)):
             with pytest.raises(ValueError, match=name):
                 token_logprobs(logits, targets, backend="triton", **{name: bad})
+
+
+def test_blocks_is_the_older_name_of_tiles(device):
+    logits, targets, g_logp, g_ent = _inputs(5, 70, torch.float32, device)
+    want = token_logprobs(logits, targets, return_entropy=True, backend="triton", tiles=SMALL)
+    with pytest.warns(DeprecationWarning, match="tiles="):
+        old = token_logprobs(logits, targets, return_entropy=True, backend="triton", blocks=tlp.RowBlocks(16, 32))
+    assert all(torch.equal(a, b) for a, b in zip(want, old))
+    with pytest.raises(ValueError, match="tiles="):
+        token_logprobs(logits, targets, backend="triton", tiles=SMALL, blocks=SMALL)
+    with pytest.raises(ValueError, match="tiles"):
+        token_logprobs(logits, targets, backend="triton", tiles=(16, 32))

@@ -60,3 +60,29 @@ def test_linear_token_logprobs_compiles_without_graph_break(device, backend, wit
     if with_bias:
         leaves.append(torch.randn(53, device=device))
     _compare(loss, leaves)
+
+
+def test_token_logprobs_has_one_autograd_path():
+    """Eager and compile run the same custom op: the module defines no autograd.Function
+    (a second path that could drift), and an eager call dispatches to the op."""
+    import importlib
+
+    tlp = importlib.import_module("erpo_kernels.token_logprobs")
+    functions = [k for k, v in vars(tlp).items() if isinstance(v, type) and issubclass(v, torch.autograd.Function)]
+    assert functions == []
+    logp = token_logprobs(torch.randn(3, 9, requires_grad=True), torch.tensor([1, 2, 3]), backend="torch")
+    assert "erpo_kernels_token_logprobs_default" in logp.grad_fn.name()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_token_logprobs_inplace_backward_compiles(device, backend):
+    targets = torch.tensor([1, -100, 3, 36, 0], device=device)
+
+    def loss(z):
+        logp, ent = token_logprobs(
+            z * 1.5, targets, inv_temperature=0.9, return_entropy=True, inplace_backward=True, backend=backend,
+            validate=False,
+        )
+        return (logp * torch.arange(5, device=device)).sum() + ent.sum()
+
+    _compare(loss, [torch.randn(5, 37, device=device)])
