@@ -113,7 +113,7 @@ def test_linear_token_logprobs_row_is_batch_invariant(device, dtype, tiles, soft
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_token_logprobs_row_is_batch_invariant(device, dtype):
-    blocks = tlp.RowBlocks(fwd_max_block_v=64, bwd_max_block_v=128)  # several blocks per row
+    tiles = tlp.RowTiles(fwd_max_block_v=64, bwd_max_block_v=128)  # several blocks per row
     row = (torch.randn(V) * 4).to(dtype)
     target = 11
     results = []
@@ -127,7 +127,7 @@ def test_token_logprobs_row_is_batch_invariant(device, dtype):
         g_logp[pos], g_ent[pos] = -0.4, 2.0
         z = logits.clone().requires_grad_()
         logp, ent = token_logprobs(
-            z, targets, inv_temperature=inv_t, return_entropy=True, softcap=20.0, backend="triton", blocks=blocks
+            z, targets, inv_temperature=inv_t, return_entropy=True, softcap=20.0, backend="triton", tiles=tiles
         )
         (d_z,) = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), z)
         results.append((logp[pos], ent[pos], d_z[pos]))
