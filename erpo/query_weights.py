@@ -16,6 +16,7 @@ which all give the same w. When no clip binds, c = m / sum u and w is w_B unchan
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -92,6 +93,21 @@ def _check_bounds(w_min: float, w_max: float) -> None:
         raise ValueError(f"w_max must be finite and >= 1 (mean-1 weights need w_max >= 1), got {w_max}")
 
 
+def _finite_scale(x: torch.Tensor, w_max: float) -> torch.Tensor:
+    """x (float64, >= 0, finite) itself when its sum and w_max / (its smallest positive
+    entry) are finite, as they are for any sane weights; else x / max(x) with the entries
+    that no finite scale can lift to w_max set to 0 (they are below 1e-308 of the
+    largest). Without it a sum that overflows, or a denormal entry, turns the scale c
+    into inf or 0 and the weights into NaN, negative values or a mean far from 1."""
+    positive = x > 0
+    if not bool(positive.any()):
+        return x
+    if math.isfinite(float(x.sum())) and math.isfinite(w_max / float(x[positive].min())):
+        return x
+    x = x / x.max()
+    return torch.where(x * sys.float_info.max >= 2 * w_max, x, torch.zeros_like(x))
+
+
 def normalise_batch_weights(u: torch.Tensor, w_min: float = 0.1, w_max: float = 10.0) -> torch.Tensor:
     """w_B [m] from raw weights u [m] >= 0: mean exactly 1 and every entry in [w_min, w_max].
 
@@ -109,7 +125,7 @@ def normalise_batch_weights(u: torch.Tensor, w_min: float = 0.1, w_max: float = 
     out = _out_dtype(u)
     if m == 0:
         return torch.empty(0, dtype=out, device=u.device)
-    x = u.detach().to(device="cpu", dtype=torch.float64)
+    x = _finite_scale(u.detach().to(device="cpu", dtype=torch.float64), float(w_max))
     lo_b, hi_b = float(w_min), float(w_max)
 
     def mean_w(c: float) -> float:

@@ -75,8 +75,9 @@ def _rows_forward(
     logp = torch.where(valid, logp, torch.zeros_like(logp))
     entropy = None
     if want_entropy:
-        # -p log p is 0 * -inf = nan where a logit is -inf: those terms are 0.
-        plogp = torch.exp(log_p).mul_(log_p).nan_to_num_(nan=0.0)
+        # -p log p is 0 * -inf = nan where a logit is -inf: those terms are 0 (and only
+        # those: a NaN logit keeps its row's entropy NaN).
+        plogp = torch.exp(log_p).mul_(log_p).masked_fill_(log_p == float("-inf"), 0.0)
         entropy = -plogp.sum(dim=-1)
         entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
         del plogp
@@ -91,9 +92,11 @@ def _rows_grad(
     entropy: Optional[torch.Tensor],
     g_logp: torch.Tensor,
     g_entropy: Optional[torch.Tensor],
+    slope: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """dL/dz [c, V] of one chunk (z read only), recomputing the softmax exactly as the
-    forward did.
+    forward did; times `slope` (dz/draw of the soft cap, [c, V]) when given, so that the
+    result is dL/draw (ignored rows stay 0 even where the slope is NaN).
 
     g_logp and g_entropy are already zero on ignored rows, whose gradient is 0 (also
     when all their logits are -inf). valid None: every row scores and has finite
@@ -110,9 +113,13 @@ def _rows_grad(
         grad.masked_fill_(p == 0, 0.0)
         del p
     grad.scatter_add_(1, tgt[:, None], g_logp[:, None])
+    if inv_t is not None:
+        grad.mul_(inv_t)
+    if slope is not None:
+        grad.mul_(slope)
     if valid is not None:  # None: every row scores (the linear path compacts ignored rows away)
-        grad.masked_fill_(~valid[:, None], 0.0)
-    return grad if inv_t is None else grad.mul_(inv_t)
+        grad.masked_fill_(~valid[:, None], 0.0)  # last: a NaN in an ignored row stays out
+    return grad
 
 
 def token_logprobs_forward(
@@ -166,9 +173,7 @@ def token_logprobs_backward(
             g_entropy_rows = g_entropy[a:b] if g_entropy is not None else None
             entropy_rows = entropy[a:b] if g_entropy is not None else None
             z, slope = transform.cap(logits[a:b].to(work_dtype))
-            g = _rows_grad(z, inv_t_rows, tgt[a:b], valid[a:b], entropy_rows, g_logp[a:b], g_entropy_rows)
-            if slope is not None:
-                g.mul_(slope)
+            g = _rows_grad(z, inv_t_rows, tgt[a:b], valid[a:b], entropy_rows, g_logp[a:b], g_entropy_rows, slope)
             grad[a:b] = g
             del z, g, slope
     return grad
@@ -239,9 +244,8 @@ def linear_token_logprobs_backward(
             inv_t_rows = _rows_of(inv_t, r, work_dtype)
             g_entropy_rows = g_entropy[r].to(work_dtype) if g_entropy is not None else None
             entropy_rows = entropy[r] if g_entropy is not None else None
-            g = _rows_grad(z, inv_t_rows, tgt[a : a + step], None, entropy_rows, g_logp[r].to(work_dtype), g_entropy_rows)
-            if slope is not None:
-                g.mul_(slope)  # dL/draw [c, V]
+            g = _rows_grad(z, inv_t_rows, tgt[a : a + step], None, entropy_rows, g_logp[r].to(work_dtype),
+                           g_entropy_rows, slope)  # dL/draw [c, V]
             d_hidden[r] = (g @ w).to(hidden.dtype)
             d_weight.addmm_(g.T, x)
             if d_bias is not None:
@@ -326,7 +330,9 @@ def k3_guarded(delta: torch.Tensor, guard: float = 10.0) -> torch.Tensor:
     exp(c) - 1, and never a zero-gradient clamp.
     """
     c = float(guard)
-    below = torch.clamp(delta, max=c)  # keeps exp finite in the branch that is not taken
+    # keeps exp finite in the branch that is not taken; a where, not a clamp, so that a
+    # NaN delta keeps a NaN gradient (a clamp's gradient is 0 there)
+    below = torch.where(delta > c, torch.full_like(delta, c), delta)
     k3 = torch.exp(below) - below - 1
     ec = torch.exp(torch.tensor(c, dtype=delta.dtype, device=delta.device))
     linear = (ec - c - 1) + (ec - 1) * (delta - c)

@@ -117,8 +117,9 @@ def _token_logprobs_fwd_kernel(
             m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # finite even while all is -inf
             u = (z - m_ref) * inv_t2
             if RETURN_ENTROPY:
-                # -inf logits give u = -3e38 (not -inf): 2^u u = 0, never 0 * -inf.
-                u = tl.maximum(u, -3.0e38)
+                # -inf logits give u = -3e38 (not -inf): 2^u u = 0, never 0 * -inf. A where,
+                # not tl.maximum, which would turn a NaN logit into -3e38 (a finite result).
+                u = tl.where(u < -3.0e38, -3.0e38, u)
             e = tl.exp2(u)
             # Rescale what was summed relative to m: 2^(u + shift), shift = (m - m_ref) inv_T / ln 2.
             shift = tl.where(m > float("-inf"), (m - m_ref) * inv_t2, 0.0)
@@ -205,8 +206,10 @@ def _token_logprobs_bwd_kernel(
             if HAS_SOFTCAP:
                 z, cap_slope = soft_cap(z, softcap, softcap_pre)
                 z = tl.where(mask, z, float("-inf"))
-            # -inf logits give log_p = -3e38 (not -inf): p = 0 and p (log_p + H) = 0, no NaN.
-            log_p = tl.maximum((z - row_max) * inv_t - log_norm, -3.0e38)
+            # -inf logits give log_p = -3e38 (not -inf): p = 0 and p (log_p + H) = 0, no NaN
+            # (a where: tl.maximum would drop a NaN logit's NaN).
+            log_p = (z - row_max) * inv_t - log_norm
+            log_p = tl.where(log_p < -3.0e38, -3.0e38, log_p)
             p = tl.exp(log_p)
             grad = tl.zeros([BLOCK_V], dtype=tl.float32)
             if HAS_LOGP_GRAD:

@@ -29,7 +29,9 @@ MAX_GUARD = 80.0
 def _k3_guarded(d, c, ec1, k3c):
     """k3(d) and its slope k3'(d) in fp32; c the guard, ec1 = exp(c) - 1, k3c = k3(c)."""
     above = d > c
-    e = tl.exp(tl.minimum(d, c))  # the branch not taken stays finite
+    # the branch not taken stays finite; a where, since tl.minimum drops a NaN (and would
+    # give a NaN delta a finite slope)
+    e = tl.exp(tl.where(d > c, c, d))
     k3 = tl.where(above, k3c + ec1 * (d - c), e - d - 1.0)
     slope = tl.where(above, ec1, e - 1.0)
     return k3, slope
@@ -251,7 +253,7 @@ def weighted_k3(
         weight: [M] float (query_weights), each >= 0, or None (all ones).
         guard: c, in (0, 80]; a runtime value, never recompiles.
         backend: "auto", "triton" or "torch".
-        validate: check that every weight is >= 0 (NaN rejected too). The check
+        validate: check that every weight is finite and >= 0 (NaN rejected too). The check
             reads them on the host (a device sync); pass False in a hot loop once the
             weights have been validated. Shapes, dtypes and devices are always checked.
     Returns:
@@ -269,9 +271,11 @@ def weighted_k3(
     if weight is not None:
         check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=logp.device)
         check_rows("weight", weight, logp.shape[0])
-        if validate and weight.numel() > 0 and not bool((weight >= 0).all()):
-            i = int((~(weight >= 0)).nonzero()[0, 0])
-            raise ValueError(f"weight must be >= 0 everywhere, got weight[{i}] = {float(weight[i])}")
+        if validate and weight.numel() > 0:
+            bad = ~((weight >= 0) & torch.isfinite(weight))  # NaN is caught by >= 0 failing
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise ValueError(f"weight must be finite and >= 0 everywhere, got weight[{i}] = {float(weight[i])}")
     if isinstance(guard, bool) or not isinstance(guard, (int, float)):
         raise ValueError(f"guard must be a float, got {type(guard).__name__}")
     guard = float(guard)

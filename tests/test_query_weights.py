@@ -127,3 +127,24 @@ def test_effective_sample_size():
 def test_bad_inputs_raise(field, call):
     with pytest.raises(ValueError, match=field):
         call()
+
+
+@pytest.mark.parametrize("u", [[1e-320, 1.0], [0.0, 1e-320], [5e-324, 0.0, 0.0], [1e308, 1e308, 1.0], [1.7e308, 1.7e308]])
+def test_batch_weights_extreme_raw_weights_keep_their_promises(u):
+    """Raw weights whose sum overflows or whose smallest entry is denormal (a softmax
+    scheme at a small temperature, a prevalence at a large gamma) still give weights of
+    mean 1 within [w_min, w_max]: never inf, NaN or negative."""
+    w = normalise_batch_weights(torch.tensor(u, dtype=F64), 0.1, 10.0)
+    assert torch.isfinite(w).all() and float(w.min()) >= 0.1 and float(w.max()) <= 10.0
+    assert float(w.mean()) == pytest.approx(1.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_weights_and_scores_are_refused(bad):
+    with pytest.raises(ValueError, match="u must be finite"):
+        normalise_batch_weights(torch.tensor([1.0, bad], dtype=F64))
+    with pytest.raises(ValueError, match="w must be finite"):
+        effective_sample_size(torch.tensor([1.0, bad], dtype=F64))
+    qw = QueryWeighter(torch.tensor([-1.0, -2.0, -3.0], dtype=F64), scheme="softmax")
+    with pytest.raises(ValueError, match="scores must be finite"):
+        qw.batch_weights(torch.tensor([-1.0, bad], dtype=F64))
