@@ -25,6 +25,7 @@ install: $(STAMP)
 # when no GPU is present).
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+	$(MAKE) --no-print-directory test-verl
 
 # configs/demo.yaml: the embedded default with two updates per rollout batch;
 # overwrite=true: a rerun of the demo replaces runs/demo (erpo train alone refuses to)
@@ -39,4 +40,35 @@ bench: $(STAMP)
 	$(PY) -m bench kernels --device cpu --quick
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) *.egg-info .pytest_cache
+
+# The live verl suite (tests/verl_live, erpo.integrations.verl against the real verl 0.9.1) in its
+# own venv: verl needs transformers<5.11. verl is installed without its dependencies
+# (they would pull wandb, tensorboard, ...), then the packages its import paths need; torch
+# is the local CPU wheel. Built for x86-64 Linux (the wheel's platform); elsewhere skipped.
+VERL_VENV := .venv-verl
+VERL_PY := $(VERL_VENV)/bin/python
+VERL_STAMP := $(VERL_VENV)/.erpo-verl-installed
+VERL_PIP := nice -n 10 $(VERL_PY) -m pip install -q --disable-pip-version-check
+VERL_IMPORTS := omegaconf hydra-core codetiming packaging dill orjson cloudpickle pyarrow pandas \
+	"transformers>=5.5.3,<5.11,!=5.6.0" tensordict==0.10.0 importlib_metadata "pyvers<0.2" ray datasets \
+	pillow accelerate psutil uvicorn fastapi peft safetensors tokenizers pyyaml pytest pytest-timeout
+VERL_PLATFORM := $(shell uname -s)-$(shell uname -m)
+
+.PHONY: test-verl
+
+$(VERL_STAMP): setup.py Makefile
+	test -x $(VERL_PY) || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PIP) torch==2.13.0
+	$(VERL_PIP) --no-deps verl==0.9.1 torchdata
+	$(VERL_PIP) $(VERL_IMPORTS)
+	$(VERL_PIP) --no-deps -e .
+	touch $(VERL_STAMP)
+
+ifeq ($(VERL_PLATFORM),Linux-x86_64)
+test-verl: $(VERL_STAMP)
+	$(VERL_PY) -m pytest -q -p no:cacheprovider tests/verl_live
+else
+test-verl:
+	@echo "skipping tests/verl_live: its venv (verl==0.9.1 on the CPU torch 2.13.0 wheel) is built on x86-64 Linux, this is $(VERL_PLATFORM)"
+endif

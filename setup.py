@@ -32,6 +32,12 @@ setup(
         "trl": ["trl==1.16.0"],
         # rollout_backend=vllm (CUDA only): the version erpo.rollout's vLLM engine is written and tested against
         "vllm": ["vllm==0.33.0"],
+        # erpo.integrations.verl: impl_backend=erpo and loss_mode=erpo inside verl (tested with this verl)
+        "verl": ["verl==0.9.1"],
     },
-    entry_points={"console_scripts": ["erpo=erpo.cli:main"]},
+    entry_points={
+        "console_scripts": ["erpo=erpo.cli:main"],
+        # verl imports these inside `import verl` (driver and every worker): registers impl_backend=erpo, loss_mode=erpo
+        "verl.plugins": ["erpo=erpo.integrations.verl"],
+    },
 )

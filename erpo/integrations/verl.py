@@ -1,0 +1,565 @@
+"""erpo inside verl (tested with verl==0.9.1; `pip install erpo[verl]`).
+
+verl imports every package of the `verl.plugins` entry-point group inside `import verl`
+(in the driver and in every Ray worker); erpo's entry point is this module, and
+importing it calls `install()`. Nothing changes until a run asks for it:
+
+    actor_rollout_ref.model.use_fused_kernels=True
+    +actor_rollout_ref.model.fused_kernel_options.impl_backend=erpo      # our kernel
+    actor_rollout_ref.actor.policy_loss._target_=erpo.integrations.verl.ERPOPolicyLossConfig
+    actor_rollout_ref.actor.policy_loss.loss_mode=erpo                     # ERPO's objective
+    +actor_rollout_ref.actor.policy_loss.alpha=0.01
+    +actor_rollout_ref.actor.policy_loss.ref_cache=/path/ref_cache.safetensors
+
+What install() changes, and why it has to be a wrap (verl has no extension point here):
+
+- impl_backend=erpo. verl's `apply_monkey_patch` calls
+  `monkey_patch.patch_forward_with_backends` (a module global, resolved at call time),
+  which accepts torch, triton and liger. The wrapper installs `forward_with_erpo_backend`
+  for "erpo" and hands every other backend to verl's function. Our forward runs the base
+  model and `erpo_kernels.linear_token_logprobs` on (hidden, lm_head weight), tied or not,
+  padded or packed (remove-padding), never forming [N, V] logits; an FSDP2 DTensor
+  lm_head weight is gathered with `erpo.distributed.gather_for_call` (its gradient is
+  reduce-scattered into the shard). Prompt rows are scored at temperature 1, response
+  rows at 1 / T: `FSDPEngineWithLMHead.prepare_model_inputs` is wrapped to pass the
+  prompt rows of each micro-batch (a bool mask, `erpo_prompt_rows`) to the forward.
+- loss_mode=erpo. verl's registered policy losses see only the padded response tensors,
+  so the Query-KL (which needs the prompt rows of the same forward) lives in the actor's
+  loss function: `verl.workers.utils.losses.ppo_loss` (and the name bound in
+  `verl.workers.engine_workers`) becomes `erpo_ppo_loss`, which is verl's own ppo_loss
+  for every other loss_mode. For loss_mode=erpo it runs verl's ppo_loss with the
+  registered "erpo" policy loss (verl's vanilla clipped loss on advantages times the
+  per-query weights) and adds alpha * R_query from the prompt rows of the forward and
+  the reference cache l_0(q).
+
+Normalisation (docs/method.md section 2): every copy of a query scores its prompt (verl's
+forward scores every row anyway); sequence b of query q carries the coefficient
+c_b = w_B(q) / (copies of q in the mini-batch * its distinct queries m), and a micro-batch
+adds dp_size * sum_b c_b k3(l_0(q) - l_theta(q)) (verl averages gradients over ranks), so
+the mini-batch's loss holds sum_q w_B(q) k3_q / m = R_query (w_B has mean 1), however
+verl splits it over ranks and micro-batches.
+
+Per-query weights need the whole mini-batch's prompts (w_B is normalised over its
+queries, as erpo's trainer does), which a micro-batch does not have: `BaseEngine.train_batch`
+(one optimizer step on one rank's share of a mini-batch) is wrapped, once an
+ERPOPolicyLossConfig with loss_mode=erpo exists in the process, to add each sequence's
+w_B(q), l_0(q) and R_query coefficient (`add_mini_batch_fields`, query ids all-gathered
+over the data-parallel ranks) before verl splits it into micro-batches.
+"""
+from __future__ import annotations
+
+import contextvars
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+try:
+    import verl
+    from verl.models.transformers import monkey_patch as _monkey_patch
+    from verl.trainer.ppo import core_algos as _core_algos
+    from verl.workers.config import PolicyLossConfig
+    from verl.workers.utils import losses as _verl_losses
+except ImportError:
+    raise ImportError("erpo.integrations.verl needs verl: pip install erpo[verl]") from None
+
+import torch
+
+from erpo_kernels import linear_token_logprobs, segment_sum, weighted_k3
+from erpo_kernels.weighted_k3 import MAX_GUARD
+
+from ..distributed import gather_for_call
+from ..packing import lm_head_options
+from ..query_weights import SCHEMES, QueryWeighter
+from ..ref_cache import RefCache, RefCacheError, query_id, read_ref_cache
+
+__all__ = [
+    "BACKEND",
+    "ERPOPolicyLossConfig",
+    "add_mini_batch_fields",
+    "compute_policy_loss_erpo",
+    "erpo_ppo_loss",
+    "forward_with_erpo_backend",
+    "install",
+    "query_fields",
+]
+
+TESTED_VERL = "0.9.1"
+BACKEND = "erpo"  # fused_kernel_options.impl_backend
+LOSS_MODE = "erpo"  # policy_loss.loss_mode
+IGNORE_INDEX = -100
+PROMPT_ROWS = "erpo_prompt_rows"  # model keyword: [B, L] / [1, nnz] bool, rows that score a prompt token
+# ERPO's per-sequence fields of a mini-batch (add_mini_batch_fields)
+WEIGHTS_KEY = "erpo_query_weights"  # [B] w_B(q) of each sequence's query
+REF_KEY = "erpo_ref_query_logp"  # [B] l_0(q)
+COEF_KEY = "erpo_qkl_coef"  # [B] the sequence's coefficient in R_query
+PROMPTS_AT_T1 = "erpo_prompt_rows_at_t1"  # micro-batch flag set by the engine wrap
+# Model types with their own fused forward in verl (vision-language): not served by ours.
+_VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5", "qwen3_5_moe")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class ERPOPolicyLossConfig(PolicyLossConfig):
+    """verl's PolicyLossConfig plus ERPO's keys (docs/method.md sections 2, 3, 7); select it with
+    policy_loss._target_=erpo.integrations.verl.ERPOPolicyLossConfig and set the keys with
+    +actor_rollout_ref.actor.policy_loss.KEY=VALUE.
+
+    alpha: Query-KL coefficient (0: the weights-only ablation, GRPO's numbers with
+        query_weighting=none). ref_cache: the reference-cache file (l_0(q) of every training
+        prompt under the starting model; erpo.ref_cache.build_ref_cache). query_weighting:
+        prevalence, softmax or none; bins, gamma, weight_temperature, w_min, w_max: the
+        weights' keys (erpo.query_weights.QueryWeighter).
+        kl_guard: c of the K3 guard. kernel_backend: auto (Triton on CUDA), triton or torch.
+    """
+
+    loss_mode: str = LOSS_MODE
+    alpha: float = 0.01
+    ref_cache: Optional[str] = None
+    query_weighting: str = "prevalence"
+    bins: int = 20
+    gamma: float = 1.0
+    weight_temperature: float = 1.0
+    w_min: float = 0.1
+    w_max: float = 10.0
+    kl_guard: float = 10.0
+    kernel_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        if self.query_weighting not in SCHEMES:
+            raise ValueError(f"policy_loss.query_weighting must be one of {SCHEMES}, got {self.query_weighting!r}")
+        if not 0.0 <= float(self.alpha) < float("inf"):
+            raise ValueError(f"policy_loss.alpha must be finite and >= 0, got {self.alpha}")
+        if not 0.0 < float(self.kl_guard) <= MAX_GUARD:
+            raise ValueError(f"policy_loss.kl_guard must lie in (0, {MAX_GUARD:g}], got {self.kl_guard}")
+        if self.kernel_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"policy_loss.kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}")
+        if self.loss_mode == LOSS_MODE and float(self.alpha) > 0 and not self.ref_cache:
+            raise ValueError("policy_loss.alpha > 0 needs the reference cache: set "
+                             "+actor_rollout_ref.actor.policy_loss.ref_cache=PATH (or alpha=0)")
+        if self.ref_cache and os.path.isdir(self.ref_cache):
+            raise ValueError(f"policy_loss.ref_cache={self.ref_cache} is a directory; give the cache file's path")
+        if self.loss_mode == LOSS_MODE:
+            # the engine module is imported here, not at `import verl`: importing it detects the platform
+            _install_train_batch_wrap()
+
+    def weighter(self, cache: RefCache) -> QueryWeighter:
+        """The query weighter over the cache's scores (every training query)."""
+        return QueryWeighter(cache.score.double(), scheme=self.query_weighting, bins=self.bins, gamma=self.gamma,
+                             temperature=self.weight_temperature, w_min=self.w_min, w_max=self.w_max)
+
+
+def _erpo_settings(policy_loss: Any) -> ERPOPolicyLossConfig:
+    if isinstance(policy_loss, ERPOPolicyLossConfig):
+        return policy_loss
+    raise ValueError("erpo: loss_mode=erpo needs ERPO's config class: set actor_rollout_ref.actor.policy_loss._target_="
+                     "erpo.integrations.verl.ERPOPolicyLossConfig")
+
+
+# ----------------------------------------------------------------------------- the fused forward
+
+
+def _kernel_backend() -> str:
+    backend = os.environ.get("ERPO_VERL_KERNEL_BACKEND", "auto")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"ERPO_VERL_KERNEL_BACKEND must be auto, triton or torch, got {backend!r}")
+    return backend
+
+
+def forward_with_erpo_backend(
+    self: Any,
+    input_ids: Optional[torch.Tensor] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
+    past_key_values: Any = None,
+    inputs_embeds: Optional[torch.Tensor] = None,
+    labels: Optional[torch.Tensor] = None,
+    use_cache: Optional[bool] = None,
+    output_attentions: Optional[bool] = None,
+    output_hidden_states: Optional[bool] = None,
+    return_dict: Optional[bool] = None,
+    cache_position: Optional[torch.Tensor] = None,
+    logits_to_keep: Any = 0,
+    temperature: float = 1.0,
+    shift_labels: Optional[torch.Tensor] = None,
+    erpo_prompt_rows: Optional[torch.Tensor] = None,
+    **unused: Any,
+):
+    """verl's fused forward contract (dense_common.forward_with_torch_backend) with our kernel.
+
+    input_ids [B, L] (padded, with attention_mask) or [1, nnz] (remove-padding, with
+    shift_labels); row t scores token t + 1 (verl's rolled labels). erpo_prompt_rows: bool
+    like input_ids, rows scored at temperature 1 (the others at 1 / temperature).
+    Returns verl's CausalLMOutputForPPO with log_probs and entropy [B, L] fp32 (0 on
+    padding rows).
+    """
+    from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_base_model
+
+    outputs = forward_base_model(
+        self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+        return_dict=True, cache_position=cache_position,
+    )
+    hidden = outputs[0]  # [B, L, D]
+    targets = _row_targets(input_ids, labels, shift_labels, attention_mask)  # [B L]
+    inv_t = _row_inv_temperature(temperature, erpo_prompt_rows, targets.numel(), hidden.device)
+    head = self.get_output_embeddings()
+    weight = gather_for_call(head.weight)
+    bias = getattr(head, "bias", None)
+    bias = None if bias is None else gather_for_call(bias)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if not torch.is_autocast_enabled(flat.device.type) and flat.dtype != weight.dtype:
+        flat = flat.to(weight.dtype)
+    log_probs, entropy = linear_token_logprobs(
+        flat, weight, targets, bias=bias, inv_temperature=inv_t, ignore_index=IGNORE_INDEX, return_entropy=True,
+        backend=_kernel_backend(), **lm_head_options(self),
+    )
+    rows = hidden.shape[:-1]  # (B, L)
+    return CausalLMOutputForPPO(
+        log_probs=log_probs.reshape(rows), entropy=entropy.reshape(rows),
+        past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+    )
+
+
+def _row_targets(input_ids, labels, shift_labels, attention_mask) -> torch.Tensor:
+    """[B L] the token each row scores, as verl's fused forwards roll them; ignore_index on
+    padding rows (they cost nothing)."""
+    if shift_labels is not None:
+        targets = shift_labels
+    elif labels is not None:
+        targets = torch.roll(labels, shifts=-1, dims=-1)
+    elif input_ids is not None:
+        targets = torch.roll(input_ids, shifts=-1, dims=-1)
+    else:
+        raise ValueError("erpo: impl_backend=erpo scores input_ids (or labels / shift_labels); none was given")
+    targets = targets.reshape(-1)
+    if attention_mask is not None:
+        targets = torch.where(attention_mask.reshape(-1).bool(), targets, torch.full_like(targets, IGNORE_INDEX))
+    return targets
+
+
+def _row_inv_temperature(temperature: float, prompt_rows: Optional[torch.Tensor], n_rows: int, device) -> Any:
+    """1 / temperature, or [n] fp32: 1 on the prompt rows, 1 / temperature elsewhere."""
+    inv_tau = 1.0 / float(temperature)
+    if prompt_rows is None or inv_tau == 1.0:
+        return inv_tau
+    if prompt_rows.numel() != n_rows:
+        raise ValueError(f"erpo: erpo_prompt_rows has {prompt_rows.numel()} rows, the forward {n_rows}")
+    return torch.where(prompt_rows.reshape(-1).to(device), 1.0, inv_tau).to(torch.float32)
+
+
+def _unwrapped(module: Any) -> Any:
+    """The Hugging Face model inside an FSDP1 wrapper (FSDP2 keeps the model itself)."""
+    while hasattr(module, "_fsdp_wrapped_module"):
+        module = module._fsdp_wrapped_module
+    return module
+
+
+def prompt_lengths(data: Any) -> Optional[torch.Tensor]:
+    """[B] real prompt tokens of each sequence of a verl micro-batch (None without "prompts"),
+    read as verl's no_padding_2_padding reads them."""
+    if "prompts" not in data.keys():
+        return None
+    prompts = data["prompts"]
+    if prompts.is_nested:
+        return prompts.offsets().diff()
+    return data["attention_mask"][:, : prompts.shape[1]].sum(dim=1)
+
+
+def _prompt_rows(engine: Any, micro_batch: Any, model_inputs: Dict[str, Any]) -> Optional[torch.Tensor]:
+    """The bool rows of model_inputs["input_ids"] whose target is a prompt token."""
+    plen = prompt_lengths(micro_batch)
+    if plen is None:
+        return None
+    if getattr(engine, "use_ulysses_sp", False):
+        raise ValueError("erpo: impl_backend=erpo does not support ulysses_sequence_parallel_size > 1 yet")
+    input_ids = micro_batch["input_ids"]  # nested [B, j]
+    offsets = input_ids.offsets().to(plen.device)
+    lengths = offsets.diff()
+    model_ids = model_inputs["input_ids"]
+    if model_ids.shape[0] == 1 and model_inputs.get("attention_mask") is None:  # packed [1, nnz (+ pad)]
+        nnz = int(offsets[-1])
+        starts = torch.repeat_interleave(offsets[:-1], lengths, output_size=nnz)
+        pos = torch.arange(nnz, device=plen.device) - starts  # position within its sequence
+        rows = pos < torch.repeat_interleave(plen - 1, lengths, output_size=nnz)
+        rows = torch.cat([rows, rows.new_zeros(model_ids.shape[-1] - nnz)])
+        return rows[None].to(model_ids.device)
+    width = model_ids.shape[-1]  # padded [B, L]
+    return (torch.arange(width, device=plen.device)[None] < (plen - 1)[:, None]).to(model_ids.device)
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+@dataclass
+class _LossScope:
+    query_weights: Optional[torch.Tensor]  # [B] w_B(q) of the micro-batch's sequences, or None (ones)
+
+
+_SCOPE: contextvars.ContextVar[Optional[_LossScope]] = contextvars.ContextVar("erpo_verl_loss", default=None)
+
+
+def compute_policy_loss_erpo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """verl's policy loss "erpo": L_PG(w_B), verl's vanilla clipped loss on A_i * w_B(q_i).
+
+    Every clipped PPO loss is positively homogeneous in A (w >= 0), so this is each
+    sequence's loss times its query's weight. [B, R] tensors as verl passes them; the
+    weights come from erpo_ppo_loss (this loss runs only inside it).
+    """
+    scope = _SCOPE.get()
+    if scope is None:
+        raise RuntimeError("erpo: loss_mode=erpo runs inside erpo's actor loss (erpo.integrations.verl.erpo_ppo_loss, "
+                           "installed by the verl.plugins entry point); this worker called verl's own ppo_loss: check "
+                           "that erpo is installed where the workers run and VERL_USE_EXTERNAL_PLUGINS is not 'none'")
+    if scope.query_weights is not None:
+        advantages = advantages * scope.query_weights.to(device=advantages.device, dtype=advantages.dtype)[:, None]
+    return _core_algos.compute_policy_loss_vanilla(
+        old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask,
+        loss_agg_mode=loss_agg_mode, config=config, rollout_is_weights=rollout_is_weights,
+    )
+
+
+def prompt_token_lists(data: Any) -> List[List[int]]:
+    """The real prompt token ids of each sequence of a verl batch (nested or left-padded "prompts")."""
+    prompts = data["prompts"]
+    if prompts.is_nested:
+        return [row.tolist() for row in prompts.unbind()]
+    width = prompts.shape[1]
+    return [row[width - int(n):].tolist() for row, n in zip(prompts.cpu(), prompt_lengths(data).cpu())]
+
+
+_CACHES: Dict[str, RefCache] = {}
+_REBUILD = "erpo.ref_cache.build_ref_cache over the training prompts under the starting model (docs/verl.md)"
+
+
+def _cache(settings: ERPOPolicyLossConfig) -> RefCache:
+    path = settings.ref_cache
+    if not path:
+        raise ValueError("erpo: query weights and the Query-KL need the reference cache: set "
+                         "+actor_rollout_ref.actor.policy_loss.ref_cache=PATH")
+    if path not in _CACHES:
+        _CACHES[path] = read_ref_cache(path, _REBUILD)
+    return _CACHES[path]
+
+
+def query_fields(qids: Sequence[int], cache: RefCache, settings: ERPOPolicyLossConfig) -> Dict[str, torch.Tensor]:
+    """ERPO's per-sequence fields of a mini-batch from its sequences' query ids (all ranks').
+
+    Returns [B] float64 tensors: WEIGHTS_KEY w_B(q) (mean 1 over the mini-batch's distinct
+    queries, clipped; ones with query_weighting=none), REF_KEY l_0(q), and COEF_KEY
+    w_B(q) / (copies of q in the mini-batch * distinct queries), so that summing
+    coef * k3 over the sequences gives sum_q w_B(q) k3_q / m: R_query (docs/method.md section 2).
+    """
+    distinct = list(dict.fromkeys(qids))
+    missing = cache.missing(distinct)
+    if missing:
+        raise RefCacheError(f"erpo: a training prompt (id {distinct[missing[0]]:016x}) is not in the reference cache "
+                            f"{settings.ref_cache}; rebuild it with {_REBUILD}")
+    rows = cache.rows(distinct)
+    w_q = settings.weighter(cache).batch_weights(cache.score[rows].double())  # [m] float64
+    where = {q: i for i, q in enumerate(distinct)}
+    index = torch.tensor([where[q] for q in qids], dtype=torch.long)  # [B] query of each sequence
+    copies = torch.bincount(index, minlength=len(distinct)).double()  # [m]
+    return {
+        WEIGHTS_KEY: w_q[index],
+        REF_KEY: cache.ref_query_logp[rows].double()[index],
+        COEF_KEY: (w_q / (copies * len(distinct)))[index],
+    }
+
+
+def add_mini_batch_fields(data: Any, settings: ERPOPolicyLossConfig, group: Any = None) -> None:
+    """Put ERPO's per-sequence fields (query_fields) into a verl mini-batch (one optimizer
+    step's data on this rank) in place; the mini-batch is the union of every rank's in the
+    data-parallel `group` (its query ids are all-gathered, so every rank computes the same
+    weights)."""
+    import torch.distributed as dist
+
+    qids = [query_id(p) for p in prompt_token_lists(data)]
+    parts = [qids]
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, qids, group=group)
+    everyone = [q for part in parts for q in part]
+    fields = query_fields(everyone, _cache(settings), settings)
+    rank = dist.get_rank(group) if len(parts) > 1 else 0
+    start = sum(len(part) for part in parts[:rank])
+    for key, value in fields.items():
+        data[key] = value[start:start + len(qids)].to(data["prompts"].device)
+
+
+def _require(data: Any, key: str) -> torch.Tensor:
+    if key not in data.keys():
+        raise ValueError(f"erpo: loss_mode=erpo needs {key} in the batch, which erpo's plugin adds in the engine's "
+                         f"train_batch from the whole mini-batch; when calling the loss yourself, call "
+                         f"erpo.integrations.verl.add_mini_batch_fields(data, config.policy_loss) first")
+    return data[key]
+
+
+def query_kl_term(
+    log_probs: torch.Tensor, data: Any, settings: ERPOPolicyLossConfig, dp_size: int
+) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """This micro-batch's part of R_query, and its metrics.
+
+    log_probs: verl's nested [B, j] per-row log-probs of whole sequences (prompt rows at
+    temperature 1). l_theta(q_b) = sum of sequence b's prompt rows (segment_sum); the part
+    is dp_size * sum_b coef_b k3(l_0(q_b) - l_theta(q_b)) (verl averages gradients over
+    the data-parallel ranks).
+    """
+    values, offsets = log_probs.values(), log_probs.offsets().to(log_probs.values().device)
+    plen = prompt_lengths(data).to(offsets.device)
+    cu = torch.stack([offsets[:-1], offsets[:-1] + (plen - 1).clamp(min=0)], dim=1).reshape(-1)  # prompt, rest, ...
+    cu = torch.cat([cu, offsets[-1:]])  # [2B + 1]
+    backend = settings.kernel_backend
+    query_logp = segment_sum(values, cu, backend=backend)[0::2]  # [B] l_theta(q_b)
+    ref = _require(data, REF_KEY).to(device=values.device, dtype=values.dtype)  # [B] l_0(q_b)
+    coef = _require(data, COEF_KEY).to(device=values.device, dtype=values.dtype)  # [B]
+    guard = float(settings.kl_guard)
+    part = weighted_k3(query_logp, ref, coef, guard=guard, backend=backend) * coef.sum() * float(dp_size)
+    with torch.no_grad():
+        metrics = {
+            "actor/erpo_qkl_part": float(part.detach()),
+            "actor/erpo_qkl_delta_mean": float((ref - query_logp.detach()).float().mean()),
+            "actor/erpo_query_logp_mean": float(query_logp.detach().float().mean()),
+        }
+    return part, metrics
+
+
+def erpo_ppo_loss(config: Any, model_output: Dict[str, Any], data: Any, dp_group: Any = None):
+    """The actor's loss: verl's ppo_loss, and for loss_mode=erpo ERPO's objective
+    L_PG(w_B) + alpha * R_query on the micro-batch (module docstring)."""
+    policy_loss = config.policy_loss
+    if policy_loss.get("loss_mode", "vanilla") != LOSS_MODE:
+        return _VERL_PPO_LOSS(config, model_output, data, dp_group)
+    settings = _erpo_settings(policy_loss)
+    weights = _require(data, WEIGHTS_KEY) if settings.query_weighting != "none" else None
+    token = _SCOPE.set(_LossScope(query_weights=weights))
+    try:
+        loss, metrics = _VERL_PPO_LOSS(config, model_output, data, dp_group)
+    finally:
+        _SCOPE.reset(token)
+    if float(settings.alpha) == 0.0:
+        return loss, metrics
+    temperature = _non_tensor(data.get("temperature", 1.0))
+    if float(temperature) != 1.0 and not _non_tensor(data.get(PROMPTS_AT_T1, False)):
+        raise ValueError("erpo: the Query-KL needs the prompt rows at temperature 1, but this forward scored them at "
+                         f"the rollout temperature {temperature}: set actor_rollout_ref.model.use_fused_kernels=True and "
+                         "actor_rollout_ref.model.fused_kernel_options.impl_backend=erpo")
+    part, qkl_metrics = query_kl_term(model_output["log_probs"], data, settings, config.global_batch_info["dp_size"])
+    metrics.update(qkl_metrics)
+    return loss + float(settings.alpha) * part, metrics
+
+
+def _non_tensor(value: Any) -> Any:
+    """A verl NonTensorData's value (the value itself otherwise)."""
+    return getattr(value, "data", value)
+
+
+def _settings_of(loss_function: Any) -> Optional[ERPOPolicyLossConfig]:
+    """The ERPO settings of an actor loss bound as verl binds it (partial(ppo_loss, config=...)), else None."""
+    config = getattr(loss_function, "keywords", {}).get("config")
+    policy_loss = getattr(config, "policy_loss", None)
+    if isinstance(policy_loss, ERPOPolicyLossConfig) and policy_loss.loss_mode == LOSS_MODE:
+        return policy_loss
+    return None
+
+
+# ----------------------------------------------------------------------------- install
+
+
+_VERL_PATCH_FORWARD = None
+_VERL_PREPARE_INPUTS = None
+_VERL_TRAIN_BATCH = None
+_VERL_PPO_LOSS = _verl_losses.ppo_loss if not getattr(_verl_losses.ppo_loss, "_erpo", False) else None
+
+
+def _patch_forward_with_backends(model: Any, use_fused_kernels: bool = False, fused_kernels_backend: str = None):
+    """verl's patch_forward_with_backends, plus impl_backend=erpo."""
+    if not (use_fused_kernels and fused_kernels_backend == BACKEND):
+        return _VERL_PATCH_FORWARD(model, use_fused_kernels=use_fused_kernels, fused_kernels_backend=fused_kernels_backend)
+    if model.config.model_type in _VL_MODEL_TYPES:
+        raise ValueError(f"erpo: impl_backend=erpo serves text-only causal LMs; {model.config.model_type} has its own "
+                         f"fused forward in verl (use impl_backend=torch or triton)")
+    _install_engine_wrap()
+    model._verl_fused_kernels_backend = BACKEND
+    model.__class__.forward = forward_with_erpo_backend
+    print(f"erpo: {model.__class__.__name__}'s fused log-probs run erpo_kernels.linear_token_logprobs", file=sys.stderr)
+
+
+def _install_engine_wrap() -> None:
+    """Wrap FSDPEngineWithLMHead.prepare_model_inputs to pass the prompt rows to our forward."""
+    global _VERL_PREPARE_INPUTS
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    current = FSDPEngineWithLMHead.prepare_model_inputs
+    if getattr(current, "_erpo", False):
+        return
+    _VERL_PREPARE_INPUTS = current
+
+    def prepare_model_inputs(self, micro_batch):
+        model_inputs, output_args = _VERL_PREPARE_INPUTS(self, micro_batch)
+        fused = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False)
+        if fused and getattr(_unwrapped(self.module), "_verl_fused_kernels_backend", None) == BACKEND:
+            rows = _prompt_rows(self, micro_batch, model_inputs)
+            if rows is not None:
+                model_inputs[PROMPT_ROWS] = rows
+                tu.assign_non_tensor(micro_batch, **{PROMPTS_AT_T1: True})
+        return model_inputs, output_args
+
+    prepare_model_inputs._erpo = True
+    FSDPEngineWithLMHead.prepare_model_inputs = prepare_model_inputs
+
+
+def _install_train_batch_wrap() -> None:
+    """Wrap BaseEngine.train_batch (one optimizer step on a mini-batch) to add ERPO's fields."""
+    global _VERL_TRAIN_BATCH
+    from verl.workers.engine.base import BaseEngine
+
+    current = BaseEngine.train_batch
+    if getattr(current, "_erpo", False):
+        return
+    _VERL_TRAIN_BATCH = current
+
+    def train_batch(self, data, loss_function):
+        settings = _settings_of(loss_function)
+        if settings is not None and (settings.query_weighting != "none" or float(settings.alpha) > 0):
+            add_mini_batch_fields(data, settings, self.get_data_parallel_group())
+        return _VERL_TRAIN_BATCH(self, data, loss_function)
+
+    train_batch._erpo = True
+    BaseEngine.train_batch = train_batch
+
+
+def install() -> None:
+    """Register impl_backend=erpo and loss_mode=erpo with verl (idempotent; called on import)."""
+    global _VERL_PATCH_FORWARD, _VERL_PPO_LOSS
+    if verl.__version__ != TESTED_VERL:
+        print(f"erpo: erpo.integrations.verl is tested with verl=={TESTED_VERL}, this is verl {verl.__version__}",
+              file=sys.stderr)
+    if not getattr(_monkey_patch.patch_forward_with_backends, "_erpo", False):
+        _VERL_PATCH_FORWARD = _monkey_patch.patch_forward_with_backends
+        _patch_forward_with_backends._erpo = True
+        _monkey_patch.patch_forward_with_backends = _patch_forward_with_backends
+    _core_algos.register_policy_loss(LOSS_MODE)(compute_policy_loss_erpo)
+    erpo_ppo_loss._erpo = True
+    _verl_losses.ppo_loss = erpo_ppo_loss
+    workers = sys.modules.get("verl.workers.engine_workers")  # imported before us: rebind its name too
+    if workers is not None and getattr(workers, "ppo_loss", None) is _VERL_PPO_LOSS:
+        workers.ppo_loss = erpo_ppo_loss
+
+
+install()
