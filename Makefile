@@ -45,7 +45,9 @@ clean:
 # The live verl suite (tests/verl_live, erpo.integrations.verl against the real verl 0.9.1) in its
 # own venv: verl needs transformers<5.11. verl is installed without its dependencies
 # (they would pull wandb, tensorboard, ...), then the packages its import paths need; torch
-# is the local CPU wheel. Built for x86-64 Linux (the wheel's platform); elsewhere skipped.
+# is the local CPU wheel (pip then reports verl's unused requirements, wandb, tensorboard,
+# pybind11, pylatexenc, as "not installed": expected). Built for x86-64 Linux (the wheel's
+# platform); elsewhere skipped.
 VERL_VENV := .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.erpo-verl-installed

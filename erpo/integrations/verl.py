@@ -5,7 +5,7 @@ verl imports every package of the `verl.plugins` entry-point group inside `impor
 importing it calls `install()`. Nothing changes until a run asks for it:
 
     actor_rollout_ref.model.use_fused_kernels=True
-    +actor_rollout_ref.model.fused_kernel_options.impl_backend=erpo      # our kernel
+    actor_rollout_ref.model.fused_kernel_options.impl_backend=erpo       # our kernel
     actor_rollout_ref.actor.policy_loss._target_=erpo.integrations.verl.ERPOPolicyLossConfig
     actor_rollout_ref.actor.policy_loss.loss_mode=erpo                     # ERPO's objective
     +actor_rollout_ref.actor.policy_loss.alpha=0.01

@@ -78,3 +78,14 @@ def test_erpo_backend_matches_verls_logits_path(reference, tied, remove_padding)
         torch.testing.assert_close(g, grads_ref[name], rtol=1e-4, atol=1e-5 * scale)
         worst["grad/largest"] = max(worst.get("grad/largest", 0.0), float((g - grads_ref[name]).abs().max()) / scale)
     print(f"max |difference| {worst}")
+
+
+def test_untied_fsdp2_lm_head_is_a_dtensor_that_verls_torch_backend_trips_on(reference):
+    """Why erpo's forward gathers the lm_head weight: under verl's FSDP2 wrapping an untied
+    lm_head weight reaches the fused forward as a sharded DTensor, which verl's own torch
+    fused backend multiplies with plain hidden states and fails; ours matched above."""
+    model_dir = reference[False][0]
+    with original_forward():
+        theirs = make_worker(model_dir, backend="torch", remove_padding=True)
+        with pytest.raises(Exception, match="DTensor"):
+            _run(theirs, TAU)
