@@ -481,8 +481,6 @@ def _settings_of(loss_function: Any) -> Optional[ERPOPolicyLossConfig]:
 
 
 _VERL_PATCH_FORWARD = None
-_VERL_PREPARE_INPUTS = None
-_VERL_TRAIN_BATCH = None
 _VERL_PPO_LOSS = _verl_losses.ppo_loss if not getattr(_verl_losses.ppo_loss, "_erpo", False) else None
 
 
@@ -499,49 +497,51 @@ def _patch_forward_with_backends(model: Any, use_fused_kernels: bool = False, fu
     print(f"erpo: {model.__class__.__name__}'s fused log-probs run erpo_kernels.linear_token_logprobs", file=sys.stderr)
 
 
+def _wrap_once(owner: Any, name: str, make: Any) -> None:
+    """owner.name = make(verl's original), once (the wrapper is marked `_erpo`)."""
+    original = getattr(owner, name)
+    if getattr(original, "_erpo", False):
+        return
+    wrapper = make(original)
+    wrapper._erpo = True
+    setattr(owner, name, wrapper)
+
+
 def _install_engine_wrap() -> None:
     """Wrap FSDPEngineWithLMHead.prepare_model_inputs to pass the prompt rows to our forward."""
-    global _VERL_PREPARE_INPUTS
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    current = FSDPEngineWithLMHead.prepare_model_inputs
-    if getattr(current, "_erpo", False):
-        return
-    _VERL_PREPARE_INPUTS = current
+    def make(original):
+        def prepare_model_inputs(self, micro_batch):
+            model_inputs, output_args = original(self, micro_batch)
+            fused = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False)
+            if fused and getattr(_unwrapped(self.module), "_verl_fused_kernels_backend", None) == BACKEND:
+                rows = _prompt_rows(self, micro_batch, model_inputs)
+                if rows is not None:
+                    model_inputs[PROMPT_ROWS] = rows
+                    tu.assign_non_tensor(micro_batch, **{PROMPTS_AT_T1: True})
+            return model_inputs, output_args
 
-    def prepare_model_inputs(self, micro_batch):
-        model_inputs, output_args = _VERL_PREPARE_INPUTS(self, micro_batch)
-        fused = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False)
-        if fused and getattr(_unwrapped(self.module), "_verl_fused_kernels_backend", None) == BACKEND:
-            rows = _prompt_rows(self, micro_batch, model_inputs)
-            if rows is not None:
-                model_inputs[PROMPT_ROWS] = rows
-                tu.assign_non_tensor(micro_batch, **{PROMPTS_AT_T1: True})
-        return model_inputs, output_args
+        return prepare_model_inputs
 
-    prepare_model_inputs._erpo = True
-    FSDPEngineWithLMHead.prepare_model_inputs = prepare_model_inputs
+    _wrap_once(FSDPEngineWithLMHead, "prepare_model_inputs", make)
 
 
 def _install_train_batch_wrap() -> None:
     """Wrap BaseEngine.train_batch (one optimizer step on a mini-batch) to add ERPO's fields."""
-    global _VERL_TRAIN_BATCH
     from verl.workers.engine.base import BaseEngine
 
-    current = BaseEngine.train_batch
-    if getattr(current, "_erpo", False):
-        return
-    _VERL_TRAIN_BATCH = current
+    def make(original):
+        def train_batch(self, data, loss_function):
+            settings = _settings_of(loss_function)
+            if settings is not None and (settings.query_weighting != "none" or float(settings.alpha) > 0):
+                add_mini_batch_fields(data, settings, self.get_data_parallel_group())
+            return original(self, data, loss_function)
 
-    def train_batch(self, data, loss_function):
-        settings = _settings_of(loss_function)
-        if settings is not None and (settings.query_weighting != "none" or float(settings.alpha) > 0):
-            add_mini_batch_fields(data, settings, self.get_data_parallel_group())
-        return _VERL_TRAIN_BATCH(self, data, loss_function)
+        return train_batch
 
-    train_batch._erpo = True
-    BaseEngine.train_batch = train_batch
+    _wrap_once(BaseEngine, "train_batch", make)
 
 
 def install() -> None:
