@@ -9,7 +9,10 @@ Two kinds of checks:
                they read tensor contents, i.e. a device-to-host sync on a GPU. They run
                only when the op is called with `validate=True` (the default); a caller
                that has validated a batch once (where it was built, on the CPU) passes
-               `validate=False` in the hot path.
+               `validate=False` in the hot path. While torch.compile traces an op the
+               value checks are skipped (`checking_values`): a graph cannot read a
+               value to raise on it without a sync and a graph break, so a compiled
+               loop validates its batches eagerly, where they are built.
 """
 from __future__ import annotations
 
@@ -22,6 +25,12 @@ from ._triton import HAS_TRITON, interpreting
 BACKENDS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def checking_values(validate: bool) -> bool:
+    """Whether an op runs its value checks: when `validate` asks for them, and not while
+    torch.compile traces the op (module docstring)."""
+    return bool(validate) and not torch.compiler.is_compiling()
 
 
 def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
@@ -101,7 +110,7 @@ def check_targets(
         raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     check_tensor("targets", targets, ndim=1, dtypes=INDEX_DTYPES, device=device)
     check_rows("targets", targets, n)
-    if validate and n > 0:
+    if checking_values(validate) and n > 0:
         bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
@@ -126,7 +135,7 @@ def row_inv_temperature(
         check_tensor("inv_temperature", inv_temperature, ndim=1, dtypes=FLOAT_DTYPES, device=device)
         check_rows("inv_temperature", inv_temperature, n)
         inv = inv_temperature.detach().to(torch.float32).contiguous()
-        if validate and n > 0 and not bool(((inv > 0) & torch.isfinite(inv)).all()):
+        if checking_values(validate) and n > 0 and not bool(((inv > 0) & torch.isfinite(inv)).all()):
             raise ValueError("inv_temperature must be positive and finite in every row")
         return inv
     if isinstance(inv_temperature, bool) or not isinstance(inv_temperature, (int, float)):
@@ -166,7 +175,7 @@ def check_cu_seqlens(
     check_tensor(name, cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
     if cu_seqlens.numel() < 1:
         raise ValueError(f"{name} must hold at least one offset (S + 1 entries for S segments)")
-    if not validate:
+    if not checking_values(validate):
         return cu_seqlens
     if covers:
         first, last = (int(v) for v in cu_seqlens[[0, -1]].tolist())

@@ -34,8 +34,10 @@ the normalisers only. Without `normalizers` a call normalises by its own batch
 Host syncs. Shapes, dtypes and devices are checked on every call (free). Values
 (targets in range, offsets monotone, finite advantages, ...) are checked by
 `PackedLossBatch.validate()` in one transfer, once: where the batch is built (on the
-CPU), or by the loss under `validate=True` (the default). Metrics come back in one
-transfer, or none with `sync_metrics=False`.
+CPU, then `validate=False`), or by the loss. With the defaults a call reads the device
+once: the metrics' transfer, which carries the value checks too; `validate=True` checks
+in a transfer of its own before any kernel, and `sync_metrics=False` keeps the metrics
+on the device. Under torch.compile nothing is read back.
 
 The pieces are the public ops (segment_sum, weighted_k3, linear_token_logprobs) and the
 policy surrogate (policy_loss.token_surrogate), run with the caller's `backend`.
@@ -50,7 +52,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Uni
 
 import torch
 
-from ._utils import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_tensor, compute_dtype
+from ._utils import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_tensor, checking_values, compute_dtype
 from .linear_token_logprobs import linear_token_logprobs
 from .policy_loss import check_clip_args, check_loss_agg, token_surrogate
 from .segment_sum import segment_sum
@@ -182,6 +184,15 @@ class PackedLossBatch:
         self.check_structure()
         if normalizers is not None:
             normalizers.check_structure(self.num_queries, self.targets.device)
+        checks = self.value_checks(vocab_size, normalizers)
+        raise_failed_check(checks, torch.stack([c.reshape(()) for _, c in checks]).tolist())  # the one transfer
+        return self
+
+    def value_checks(
+        self, vocab_size: Optional[int] = None, normalizers: Optional["LossNormalizers"] = None
+    ) -> List[Tuple[str, torch.Tensor]]:
+        """validate()'s checks as (message, 0-d bool tensor) pairs on the batch's device,
+        read nothing (structure already checked)."""
         n = self.num_rows
         m = self.num_queries
         cu = self.span_cu_seqlens.long()
@@ -219,11 +230,33 @@ class PackedLossBatch:
             resp = (span % 2 == 1) & (t != self.ignore_index)
             checks.append(("rollout_logp must be finite on every scored response row",
                            (torch.isfinite(self.rollout_logp) | ~resp).all()))
-        ok = torch.stack([c.reshape(()) for _, c in checks]).tolist()  # the one transfer
-        for (message, _), good in zip(checks, ok):
-            if not good:
-                raise ValueError(message)
-        return self
+        return checks
+
+    def made_safe(self, vocab_size: Optional[int] = None) -> "PackedLossBatch":
+        """A copy whose indices cannot point outside their arrays, whatever their values:
+        targets outside [0, vocab_size) become ignore_index, group_index is clamped to
+        [0, m), span_cu_seqlens is made non-decreasing from 0 to N. The loss runs on it
+        when the value checks travel with the metrics' transfer (erpo_loss's default):
+        a bad batch then computes harmlessly and raises after, never indexes out of
+        bounds on the device. Equal to the batch (the same values) when it is valid.
+        No host read."""
+        t, n, m = self.targets, self.num_rows, self.num_queries
+        if vocab_size is not None:
+            t = torch.where(((t >= 0) & (t < int(vocab_size))) | (t == self.ignore_index), t, self.ignore_index)
+        cu = self.span_cu_seqlens
+        inner = torch.cummax(cu[1:-1].clamp(0, n), dim=0).values
+        ends = cu.new_tensor([0, n])
+        return replace(
+            self, targets=t, group_index=self.group_index.clamp(0, m - 1),
+            span_cu_seqlens=torch.cat([ends[:1], inner, ends[1:]]),
+        )
+
+
+def raise_failed_check(checks: Sequence[Tuple[str, torch.Tensor]], ok: Sequence[bool]) -> None:
+    """ValueError with the message of the first check whose read-back value is False."""
+    for (message, _), good in zip(checks, ok):
+        if not good:
+            raise ValueError(message)
 
 
 @dataclass
@@ -393,7 +426,7 @@ def query_logp_from_logp(
     """
     check_tensor("logp", logp, ndim=1, dtypes=FLOAT_DTYPES)
     batch.check_structure(logp.shape[0], logp.device)
-    if validate:
+    if checking_values(validate):
         batch.validate()
     layout = _Layout(batch)
     lp = torch.where(layout.valid, logp, torch.zeros_like(logp))
@@ -406,11 +439,18 @@ def _check_inputs(
     n_rows: int,
     device: torch.device,
     normalizers: Optional[LossNormalizers],
-    validate: bool,
+    validate: Optional[bool],
+    sync_metrics: bool,
     vocab_size: Optional[int] = None,
-) -> None:
-    """Every check of the objective's inputs, before any kernel runs: structure always,
-    values (one host sync) when `validate`."""
+) -> Tuple[PackedLossBatch, Optional[List[Tuple[str, torch.Tensor]]]]:
+    """Every check of the objective's inputs: structure always, before any kernel;
+    values as `validate` and `sync_metrics` say (erpo_loss_from_logp's docstring):
+    validate=True (or None without sync_metrics): now, in their own transfer; None with
+    sync_metrics: returned as device flags for the metrics' transfer, with the batch
+    made safe to compute on meanwhile (PackedLossBatch.made_safe); False, or while
+    torch.compile traces: not at all. Returns (the batch to compute on, the flags or None)."""
+    if validate is not None and not isinstance(validate, bool):
+        raise ValueError(f"validate must be None, True or False, got {validate!r}")
     if not isinstance(config, LossConfig):
         raise ValueError(f"config must be a LossConfig, got {type(config).__name__}")
     config.validate()
@@ -425,8 +465,28 @@ def _check_inputs(
         raise ValueError("ref_logp is required for algorithm='grpo' with beta > 0 (set beta = 0 to drop the KL term)")
     if config.rollout_is != "none" and batch.rollout_logp is None:
         raise ValueError(f"rollout_logp is required for rollout_is={config.rollout_is!r} (or set rollout_is='none')")
-    if validate:
-        batch.validate(vocab_size, normalizers)
+    if not checking_values(validate is not False):
+        return batch, None
+    if validate is None and sync_metrics:
+        return batch.made_safe(vocab_size), batch.value_checks(vocab_size, normalizers)
+    batch.validate(vocab_size, normalizers)
+    return batch, None
+
+
+def _metrics_out(
+    metrics: Dict[str, torch.Tensor], checks: Optional[List[Tuple[str, torch.Tensor]]], sync_metrics: bool
+) -> Dict[str, Union[float, torch.Tensor]]:
+    """The metrics as python floats in one transfer that also carries the value checks'
+    flags (raising the first failed check's ValueError), or as 0-d tensors without
+    sync_metrics and while torch.compile traces (a graph hands no floats to Python)."""
+    if not sync_metrics or torch.compiler.is_compiling():
+        return metrics
+    if not checks:
+        return metrics_to_floats(metrics)
+    values = list(metrics.values()) + [c.to(next(iter(metrics.values())).dtype) for _, c in checks]
+    host = torch.stack([v.reshape(()) for v in values]).tolist()  # the one transfer
+    raise_failed_check(checks, host[len(metrics):])
+    return dict(zip(metrics.keys(), host[: len(metrics)]))
 
 
 def erpo_loss_from_logp(
@@ -437,7 +497,7 @@ def erpo_loss_from_logp(
     entropy: Optional[torch.Tensor] = None,
     backend: str = "auto",
     normalizers: Optional[LossNormalizers] = None,
-    validate: bool = True,
+    validate: Optional[bool] = None,
     sync_metrics: bool = True,
 ) -> Tuple[torch.Tensor, Dict[str, Union[float, torch.Tensor]]]:
     """The ERPO (or GRPO) loss of a packed batch from its per-row log-probs.
@@ -454,11 +514,19 @@ def erpo_loss_from_logp(
         normalizers: the mini-batch's LossNormalizers when `batch` is one of its
             micro-batches; None = LossNormalizers.of(batch). With the mini-batch's
             normalisers the micro-batches' losses (and gradients) sum to the mini-batch's.
-        validate: check the batch's values first (PackedLossBatch.validate, one host
-            sync). Pass False when the batch was validated where it was built.
+        validate: the batch's value checks (PackedLossBatch.validate: targets, offsets,
+            temperatures, weights, finite advantages, ...), a ValueError naming the
+            first that fails. None (the default): with sync_metrics they travel in the
+            metrics' one transfer (the loss is computed on PackedLossBatch.made_safe
+            meanwhile, and the error raised before anything is returned), else in their
+            own transfer first: one host read per call either way. True: in their own
+            transfer before any kernel (one more read). False: none; pass it when the
+            batch was validated where it was built (batch.validate()).
         sync_metrics: True: metrics are python floats (one host transfer for all).
             False: 0-d detached tensors on the device (no transfer; combine_metrics
             then metrics_to_floats transfer once for all micro-batches).
+        Under torch.compile nothing is read back: the value checks are skipped and the
+        metrics stay 0-d tensors, so a compiled call with the defaults has no graph break.
     Returns:
         (scalar loss, metrics). Every metric is this batch's share of the mini-batch's
         value (the whole value without normalizers): keys ending in "max" or "min"
@@ -477,11 +545,12 @@ def erpo_loss_from_logp(
         (the truncated importance weight, 1 with rollout_is="none").
     """
     check_tensor("logp", logp, ndim=1, dtypes=FLOAT_DTYPES)
-    _check_inputs(batch, config, logp.shape[0], logp.device, normalizers, validate)
+    batch, checks = _check_inputs(batch, config, logp.shape[0], logp.device, normalizers, validate, sync_metrics)
     if entropy is not None:
         check_tensor("entropy", entropy, ndim=1, dtypes=FLOAT_DTYPES, device=logp.device)
         check_rows("entropy", entropy, logp.shape[0])
-    return _loss_from_logp(logp, batch, config, entropy, backend, normalizers, sync_metrics)
+    loss, metrics = _loss_from_logp(logp, batch, config, entropy, backend, normalizers)
+    return loss, _metrics_out(metrics, checks, sync_metrics)
 
 
 def _loss_from_logp(
@@ -491,8 +560,7 @@ def _loss_from_logp(
     entropy: Optional[torch.Tensor],
     backend: str,
     normalizers: Optional[LossNormalizers],
-    sync_metrics: bool,
-) -> Tuple[torch.Tensor, Dict[str, Union[float, torch.Tensor]]]:
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """erpo_loss_from_logp on a batch already checked against logp. Row space throughout
     (no gather of the response rows: that would need their count on the host)."""
     dev = logp.device
@@ -609,8 +677,7 @@ def _loss_from_logp(
         if entropy is not None:
             metrics["entropy/mean"] = (torch.where(resp, entropy.detach().to(cdt), zero_rows)).sum() / n_tok
         metrics["loss"] = loss.detach()
-    metrics = {k: v.to(cdt) for k, v in metrics.items()}
-    return loss, (metrics_to_floats(metrics) if sync_metrics else metrics)
+    return loss, {k: v.to(cdt) for k, v in metrics.items()}
 
 
 def _k3(delta: torch.Tensor, guard: float) -> torch.Tensor:
@@ -631,7 +698,7 @@ def erpo_loss(
     backend: str = "auto",
     with_entropy: bool = True,
     normalizers: Optional[LossNormalizers] = None,
-    validate: bool = True,
+    validate: Optional[bool] = None,
     sync_metrics: bool = True,
     logit_scale: Optional[float] = None,
     softcap: Optional[float] = None,
@@ -653,7 +720,8 @@ def erpo_loss(
     """
     check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=hidden.device)
-    _check_inputs(batch, config, hidden.shape[0], hidden.device, normalizers, validate, vocab_size=weight.shape[0])
+    batch, checks = _check_inputs(batch, config, hidden.shape[0], hidden.device, normalizers, validate, sync_metrics,
+                                  vocab_size=weight.shape[0])  # fmt: skip
     out = linear_token_logprobs(
         hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,
         ignore_index=batch.ignore_index, return_entropy=with_entropy, backend=backend,
@@ -661,7 +729,8 @@ def erpo_loss(
         logit_scale=logit_scale, softcap=softcap,  # the model's own logit transform, if any
     )
     logp, entropy = out if with_entropy else (out, None)
-    return _loss_from_logp(logp, batch, config, entropy, backend, normalizers, sync_metrics)
+    loss, metrics = _loss_from_logp(logp, batch, config, entropy, backend, normalizers)
+    return loss, _metrics_out(metrics, checks, sync_metrics)
 
 
 # ---------------------------------------------------------------- metrics across micro-batches

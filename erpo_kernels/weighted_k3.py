@@ -18,7 +18,7 @@ import torch
 
 from . import reference
 from ._triton import interpreting, round_to, tl, triton
-from ._utils import FLOAT_DTYPES, check_rows, check_tensor, no_autocast, resolve_kernel_backend
+from ._utils import FLOAT_DTYPES, check_rows, check_tensor, checking_values, no_autocast, resolve_kernel_backend
 
 BLOCK = 1024
 # exp(guard) must stay far from fp32 overflow (3.4e38 = exp(88.7)).
@@ -271,7 +271,7 @@ def weighted_k3(
     if weight is not None:
         check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=logp.device)
         check_rows("weight", weight, logp.shape[0])
-        if validate and weight.numel() > 0:
+        if checking_values(validate) and weight.numel() > 0:
             bad = ~((weight >= 0) & torch.isfinite(weight))  # NaN is caught by >= 0 failing
             if bool(bad.any()):
                 i = int(bad.nonzero()[0, 0])

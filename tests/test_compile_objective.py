@@ -26,8 +26,8 @@ def test_segment_sum_and_weighted_k3_compile_fullgraph(backend):
     w = torch.rand(4, generator=g) + 0.1
 
     def fn(v, wt):
-        sums = segment_sum(v, cu, backend=backend, validate=False)  # [4]
-        return weighted_k3(sums, ref, wt, guard=5.0, backend=backend, validate=False) + (sums * sums).sum()
+        sums = segment_sum(v, cu, backend=backend)  # [4]; defaults: value checks skipped while compiling
+        return weighted_k3(sums, ref, wt, guard=5.0, backend=backend) + (sums * sums).sum()
 
     grads = []
     for f in (fn, _compiled(fn)):
@@ -101,3 +101,28 @@ def test_erpo_loss_on_tiny_model_hidden_states_compiles_fullgraph(backend, loss_
     assert torch.allclose(gw1, gw0, rtol=1e-5, atol=1e-8) and gw0.abs().sum() > 0
     for key in m0:
         assert torch.allclose(m1[key], m0[key], rtol=1e-5, atol=1e-7), key
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_erpo_loss_with_default_arguments_compiles_fullgraph(backend):
+    """erpo_loss(hidden, weight, batch, config) with every default (validate=None,
+    sync_metrics=True): while compiling nothing is read back (no check, metrics stay
+    0-d tensors), so there is no graph break; values equal the eager call's floats."""
+    batch, _, _, _ = make_point("softmax", with_ref_logp=True)
+    for f in ("inv_temperature", "advantages", "ref_query_logp", "query_weights", "old_logp", "ref_logp"):
+        setattr(batch, f, getattr(batch, f).float())
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(batch.targets.numel(), 8, generator=g)
+    weight = torch.randn(50, 8, generator=g)
+    cfg = LossConfig(algorithm="erpo", alpha=0.3)
+
+    def fn(h, w):
+        return erpo_loss(h, w, batch, cfg, backend=backend)
+
+    eager_loss, eager_metrics = fn(hidden, weight)
+    loss, metrics = _compiled(fn)(hidden, weight)
+    assert all(isinstance(v, float) for v in eager_metrics.values())
+    assert all(isinstance(v, torch.Tensor) for v in metrics.values())
+    assert torch.allclose(loss, eager_loss, rtol=1e-6, atol=1e-7)
+    for key, value in eager_metrics.items():
+        assert float(metrics[key]) == pytest.approx(value, rel=1e-5, abs=1e-7), key

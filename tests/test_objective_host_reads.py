@@ -1,6 +1,7 @@
 """erpo_loss reads tensor values on the host (a device sync on a GPU) at most once per
-call: the metrics' one transfer, none with sync_metrics=False; the value checks once
-more under validate=True. Forward and backward, one batch and micro-batches.
+call with its defaults: the metrics' one transfer, which carries the value checks too;
+none with validate=False and sync_metrics=False; an explicit validate=True adds one
+(the checks before any kernel). Forward and backward, one batch and micro-batches.
 """
 import contextlib
 from collections import Counter
@@ -87,10 +88,41 @@ def test_erpo_loss_reads_the_host_at_most_once(backend, dtype, algorithm):
         assert sum(bwd.values()) == 0, dict(bwd)
         assert h.grad.abs().sum() > 0 and w.grad.abs().sum() > 0
         assert all(isinstance(v, float if sync_metrics else torch.Tensor) for v in metrics.values())
-    # validate=True (the default) adds exactly one: every value check in one transfer
+    # the defaults: one read in all, the value checks riding on the metrics' transfer
+    with count_host_reads(nonzero_too=False) as default:
+        loss, metrics = erpo_loss(hidden, weight, batch, cfg, backend=backend)
+    assert sum(default.values()) == 1, dict(default)
+    assert isinstance(metrics["loss"], float)
+    # without synced metrics the default checks in one read of their own
+    with count_host_reads(nonzero_too=False) as unsynced:
+        erpo_loss(hidden, weight, batch, cfg, backend=backend, sync_metrics=False)
+    assert sum(unsynced.values()) == 1, dict(unsynced)
+    # an explicit validate=True adds exactly one: every value check in one transfer, first
     with count_host_reads(nonzero_too=False) as checked:
-        erpo_loss(hidden, weight, batch, cfg, backend=backend)
+        erpo_loss(hidden, weight, batch, cfg, backend=backend, validate=True)
     assert sum(checked.values()) == 2, dict(checked)
+
+
+@pytest.mark.parametrize("validate", [None, True])
+@pytest.mark.parametrize("sync_metrics", [True, False])
+def test_every_validation_mode_catches_a_bad_batch(validate, sync_metrics):
+    """The default mode's checks travel with the metrics, and the loss meanwhile runs on
+    a batch whose indices cannot leave their arrays: each bad index is the same
+    ValueError as validate=True gives, never an IndexError or a crash."""
+    batch, hidden, weight = _inputs(torch.float64)
+    bad_cases = {
+        "targets": ("targets", lambda t: t.index_fill(0, torch.tensor([3]), VOCAB + 5)),
+        "group_index": ("group_index", lambda g: g.index_fill(0, torch.tensor([1]), 99)),
+        "span_cu_seqlens": ("span_cu_seqlens", lambda c: c.index_fill(0, torch.tensor([2]), -7)),
+        "advantages": ("advantages", lambda a: a.index_fill(0, torch.tensor([0]), float("nan"))),
+    }
+    for field, mutate in bad_cases.values():
+        bad = batch.__class__(**{**batch.__dict__, field: mutate(getattr(batch, field))})
+        with pytest.raises(ValueError, match=field):
+            erpo_loss(hidden, weight, bad, backend="torch", validate=validate, sync_metrics=sync_metrics)
+    # a valid batch: the default's safe copy computes exactly what the batch does
+    plain = erpo_loss(hidden, weight, batch, backend="torch", validate=False, sync_metrics=True)
+    assert erpo_loss(hidden, weight, batch, backend="torch", validate=validate, sync_metrics=True) == plain
 
 
 @pytest.mark.parametrize("algorithm", ["erpo", "grpo"])
