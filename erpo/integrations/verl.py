@@ -429,9 +429,11 @@ def query_kl_term(
     coef = _require(data, COEF_KEY).to(device=values.device, dtype=values.dtype)  # [B]
     guard = float(settings.kl_guard)
     part = weighted_k3(query_logp, ref, coef, guard=guard, backend=backend) * coef.sum() * float(dp_size)
+    from verl.utils.metric import AggregationType, Metric
+
     with torch.no_grad():
-        metrics = {
-            "actor/erpo_qkl_part": float(part.detach()),
+        metrics = {  # summed over micro-batches like verl's actor/pg_loss: the mini-batch's R_query
+            "actor/erpo_query_kl": Metric(value=float(part.detach()), aggregation=AggregationType.SUM),
             "actor/erpo_qkl_delta_mean": float((ref - query_logp.detach()).float().mean()),
             "actor/erpo_query_logp_mean": float(query_logp.detach().float().mean()),
         }
