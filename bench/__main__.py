@@ -80,6 +80,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--micro-batch-tokens", default=None,
                    help="comma list of budgets K: adds an erpo-micro-K variant each (peak memory against K)")
 
+    c = sub.add_parser("cost", help="the counted cost model: ours and the peers at the target shapes (CPU, interpreter)")
+    c.add_argument("--subjects", default=None, help="comma list of names (default: all; absent peers are listed)")
+    c.add_argument("--ops", default=None, help="comma list: linear_token_logprobs,token_logprobs")
+    c.add_argument("--targets", default=None, help="comma list of NxDxV (default: issue 18's three shapes)")
+    c.add_argument("--out-dir", default=str(RESULTS_DIR), help="where cost.json goes")
+    c.add_argument("--no-save", action="store_true", help="print only")
+
     r = sub.add_parser("report", help="regenerate the README table and the plots from bench/results/*.json")
     r.add_argument("--out-dir", default=str(RESULTS_DIR))
     r.add_argument("--print", action="store_true", help="also print the generated section")
@@ -102,6 +109,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if args.command == "kernels":
         return _kernels(args)
+    if args.command == "cost":
+        return _cost(args, argv)
     return _step(args)
 
 
@@ -134,6 +143,40 @@ def _kernels(args: argparse.Namespace) -> int:
     if bad:
         raise SystemExit(f"unknown pass(es) {bad}; known: {list(kernels.PASSES)}")
     kernels.run(cases, peers, passes, opts)
+    return 0
+
+
+def _cost(args: argparse.Namespace, argv: List[str]) -> int:
+    import os
+    import subprocess
+
+    if os.environ.get("TRITON_INTERPRET") != "1":  # read when kernels are decorated: start afresh with it
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        return subprocess.run([sys.executable, "-m", "bench", *argv], env=env).returncode
+    from . import cost_subjects as cs
+    from . import report
+    from .measure import commit_hash, versions
+
+    subjects = [s for s in cs.SUBJECTS if (not args.subjects or s.name in _csv(args.subjects))
+                and (not args.ops or s.op in _csv(args.ops))]
+    if not subjects:
+        raise SystemExit(f"no subject matches; known: {sorted({s.name for s in cs.SUBJECTS})}")
+    try:
+        targets = [tuple(int(x) for x in t.lower().split("x")) for t in _csv(args.targets)] if args.targets \
+            else cs.TARGETS
+        if any(len(t) != 3 or min(t) < 1 for t in targets):
+            raise ValueError
+    except ValueError:
+        raise SystemExit("erpo: error: --targets takes NxDxV sizes, e.g. 8192x4096x151936,2048x4096x151936")
+    import datetime as _dt
+
+    run = cs.run(subjects, targets)
+    run.update(command="cost", commit=commit_hash(), versions=versions(),
+               timestamp=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    print("\n".join(report.cost_tables(run)))
+    if not args.no_save:
+        path = report.append_cost_run(run, args.out_dir)
+        print(f"saved to {path}; `python -m bench report` puts the tables into docs/benchmarks.md")
     return 0
 
 

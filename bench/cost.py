@@ -79,6 +79,7 @@ class Launch:
     atomics: int = 0  # atomic operations (lanes), a sign of a non-deterministic reduction
     args: Dict[str, ArgCounts] = field(default_factory=dict)
     phase: str = ""  # set by the caller (e.g. "forward" / "backward") with `counting(phase=...)`
+    out_shape: Tuple[int, ...] = ()  # a torch op's first output shape
 
     @property
     def total_flops(self) -> int:
@@ -88,6 +89,7 @@ class Launch:
         d = {k: getattr(self, k) for k in ("name", "kind", "phase", "programs", "loaded", "stored",
                                            "distinct_loaded", "distinct_stored", "distinct", "atomics")}
         d["grid"] = list(self.grid)
+        d["out_shape"] = list(self.out_shape)
         d["flops"] = dict(self.flops)
         d["args"] = {k: vars(a).copy() for k, a in self.args.items()}
         return d
@@ -369,6 +371,13 @@ def _triton_hooks(sink: _Sink) -> Iterator[None]:
         finally:
             sink.launch = None
 
+    from triton.language.extra import libdevice
+
+    # libdevice is a stub in the interpreter (every function returns None): the few that peers use get
+    # the same math from triton.language, so that their kernels run (values only; counts are unchanged)
+    shims = {"log1p": lambda x: tl.log(1.0 + x), "tanh": lambda x: 2.0 * tl.sigmoid(2.0 * x) - 1.0}
+    saved_libdevice = {n: getattr(libdevice, n) for n in shims}
+
     hooks = {"create_masked_load": masked_load, "create_masked_store": masked_store, "create_dot": dot,
              "create_atomic_rmw": atomic("create_atomic_rmw"), "create_atomic_cas": atomic("create_atomic_cas"),
              "cast_impl": cast_impl, "create_fp_to_fp": fp_to_fp, "set_grid_idx": set_grid_idx,
@@ -379,8 +388,12 @@ def _triton_hooks(sink: _Sink) -> Iterator[None]:
         interp.GridExecutor.__call__ = call
         interp.GridExecutor._init_args_hst = init_args
         interp._patch_lang = patch_lang
+        for n, f in shims.items():
+            setattr(libdevice, n, f)
         yield
     finally:
+        for n, f in saved_libdevice.items():
+            setattr(libdevice, n, f)
         interp._patch_lang = orig_patch_lang
         interp.GridExecutor.__call__ = orig_call
         interp.GridExecutor._init_args_hst = orig_init
@@ -435,7 +448,13 @@ class _TorchOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except NotImplementedError:
+            emulate = _CUDA_ONLY.get(func)
+            if emulate is None:
+                raise
+            out = emulate(*args, **kwargs)  # a CUDA-only op a peer's GPU path calls, computed on CPU
         if self.sink.launch is None:
             self.sink.add(self._record(func, args, kwargs, out))
         return out
@@ -450,6 +469,8 @@ class _TorchOps(TorchDispatchMode):
                      kind="torch")
         rec.name = f"aten.{func.overloadpacket.__name__}" if hasattr(func, "overloadpacket") else str(func)
         name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+        if outs:
+            rec.out_shape = tuple(outs[0].shape)
         if not view:
             # an in-place op reads its mutated input too, except those that only overwrite it (copy_,
             # fill_, zero_, out=); the *_like / new_* / empty factories read no input, empty writes nothing
@@ -462,7 +483,9 @@ class _TorchOps(TorchDispatchMode):
         if count is not None:
             flops = int(count(*args, **kwargs, out_val=out))
             if flops:
-                dt = next((t.dtype for t in ins if t.is_floating_point()), None)
+                # the operands' dtype: the narrowest floating input (addmm(fp32 acc, bf16, bf16) is a bf16 GEMM)
+                floats = [t.dtype for t in ins if t.is_floating_point()]
+                dt = min(floats, key=lambda d: torch.finfo(d).bits) if floats else None
                 rec.flops[_torch_dtype_name(dt)] = flops
         return rec
 
@@ -483,10 +506,23 @@ _OVERWRITE = {"copy_", "fill_", "zero_", "normal_", "uniform_", "random_"}  # th
 
 
 def _overwritten(name: str, t: torch.Tensor, args, kwargs) -> bool:
-    """t is only written by the op: passed as out=, or the destination of copy_ / fill_ / zero_."""
-    if any(t is v for k, v in kwargs.items() if k.startswith("out")):
+    """t is only written by the op: the destination of copy_ / fill_ / zero_, or passed as out=
+    and not also as an input (addmm(acc, a, b, out=acc) reads acc)."""
+    if name in _OVERWRITE and bool(args) and t is args[0]:
         return True
-    return name in _OVERWRITE and bool(args) and t is args[0]
+    positional = any(t is x for x in torch.utils._pytree.tree_leaves(args))
+    return not positional and any(t is v for k, v in kwargs.items() if k.startswith("out"))
+
+
+def _addmm_out_dtype(acc, a, b, out_dtype=None, *, beta=1, alpha=1, out=None):
+    out = acc.clone() if out is None else out
+    if out is not acc:
+        out.copy_(acc)
+    return out.mul_(beta).addmm_(a.to(out.dtype), b.to(out.dtype), alpha=alpha)
+
+
+# CUDA-only ATen ops computed on CPU by an equivalent (counted as the op that was called)
+_CUDA_ONLY = {torch.ops.aten.addmm.dtype_out: _addmm_out_dtype}
 
 
 _TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}

@@ -1,0 +1,298 @@
+"""Exact fits of counted costs in N, D, V and the lower-bound GPU time model built on them.
+
+Fits. For fixed tiles, every count of a launch (bytes, FLOPs, programs, launches) is a
+polynomial in N, D and V with ceil terms at tile and chunk boundaries. On a residue class
+(N = N* mod mN, D = D* mod mD, V = V* mod mV, with m the lcm of the subject's tile and chunk
+sizes along that dimension) each ceil(x / t) is affine in x, so the count is an exact
+multilinear polynomial (terms 1, N, D, V, ND, NV, DV, NDV): `fit_exact` solves it from the 2 x 2
+x 2 grid of shapes with Fractions, `Fit.check` verifies it on held-out shapes of the same
+classes, and `Fit.at` evaluates it at the target (N*, D*, V*).
+
+Time model, per launch group (one kernel's launches, or one PyTorch op with one output pattern):
+    t = max(FLOP time, byte time)
+    FLOP time  = sum over operand dtypes of dot / GEMM FLOPs / that dtype's dense peak
+    byte time  = HBM bytes / bandwidth, where HBM bytes are
+      Triton:  the compulsory bytes (distinct loaded + distinct stored) of every argument, except
+               the arguments private to their programs (no two programs touch the same bytes) that
+               are re-read or re-written: when their live footprint, min(programs per launch, SMs) x
+               their bytes per program, exceeds the L2, all their loaded + stored bytes go to HBM.
+               Re-reads of data shared across programs are taken to hit the L2 (a lower bound).
+      PyTorch: each op reads its inputs and writes its outputs once (loaded + stored).
+The sum over groups is the subject's modelled time: a lower bound that ignores launch
+latency, occupancy and elementwise math (exp, log); FLOPs are tl.dot / GEMM FLOPs only.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .cost import Launch
+
+Shape = Tuple[int, int, int]  # (N, D, V)
+Counts = Dict[str, Dict[str, int]]  # group key -> quantity -> value
+
+MB = 1e6
+
+
+# ----------------------------------------------------------------------------- hardware
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    hbm_bytes_per_s: float  # the bandwidth the model uses
+    hbm_nominal: float
+    l2_bytes: float
+    sms: int
+    peaks: Dict[str, float]  # FLOP/s by operand dtype (dense)
+    source: str
+
+
+_TENSOR = 989.4e12  # dense bf16 / fp16 tensor-core peak of an H100 SXM / H200 (NVIDIA datasheets)
+_FP32 = 66.9e12  # fp32 FMA (non-tensor) peak of the same SXM parts
+_PEAKS = {"bf16": _TENSOR, "fp16": _TENSOR, "bf16>fp32": _TENSOR, "fp16>fp32": _TENSOR, "fp32": _FP32,
+          "fp64": _FP32}
+_SOURCE = ("NVIDIA H100 / H200 datasheets: HBM 3.35 TB/s (H100 SXM) and 4.8 TB/s (H200), dense bf16 989.4 "
+           "TFLOP/s, fp32 66.9 TFLOP/s; the model uses 90% of the nominal HBM bandwidth (H200: 4.3 TB/s, as the "
+           "issue). L2: 50 MB on both (NVIDIA's Hopper architecture blog: 50 MB on H100 SXM5, 60 MB on the full "
+           "GH100 die; H200 is the same GH100 product configuration with 132 SMs)")
+HARDWARE = {
+    "H100": Hardware("H100 SXM", 0.9 * 3.35e12, 3.35e12, 50 * MB, 132, _PEAKS, _SOURCE),
+    "H200": Hardware("H200", 0.9 * 4.8e12, 4.8e12, 50 * MB, 132, _PEAKS, _SOURCE),
+}
+BYTES_RULE = ("HBM bytes = compulsory (distinct) bytes, except arguments private to their programs that are "
+              "re-read or re-written with a live footprint (min(programs, SMs) x bytes per program) above the "
+              "L2: all their loaded + stored bytes; shared re-reads hit the L2; PyTorch ops read inputs and write "
+              "outputs once")
+
+
+# ----------------------------------------------------------------------------- counts of one run
+
+
+def group_key(r: Launch, shape: Shape) -> str:
+    """Launches summed into one group: a Triton kernel by name; a PyTorch op by name and the
+    pattern of its first output's dimensions (V, D, or r for any other size), so that an op
+    used in two roles (a logits GEMM and a gradient GEMM, say) is timed as two groups."""
+    if r.kind == "triton":
+        return f"{r.phase}/{r.name}"
+    if not r.flops:  # not a GEMM: bytes only, one group per op name
+        return f"{r.phase}/{r.name}"
+    _, d, v = shape
+    dims = r.out_shape or ()
+    pat = "".join("V" if x == v else "D" if x == d else "1" if x == 1 else "r" for x in dims)
+    return f"{r.phase}/{r.name}[{pat}]"
+
+
+def flatten(records: Iterable[Launch], shape: Shape) -> Counts:
+    """Group the records (see group_key) and sum their quantities."""
+    out: Counts = {}
+    for r in records:
+        q = out.setdefault(("torch/" if r.kind == "torch" else "") + group_key(r, shape), {})
+        q["launches"] = q.get("launches", 0) + 1
+        for k in ("programs", "loaded", "stored", "distinct_loaded", "distinct_stored", "distinct", "atomics"):
+            q[k] = q.get(k, 0) + getattr(r, k)
+        for k, v in r.flops.items():
+            q[f"flops:{k}"] = q.get(f"flops:{k}", 0) + v
+        for name, a in r.args.items():
+            for f in ("loaded", "stored", "distinct_loaded", "distinct_stored", "distinct", "program_distinct"):
+                key = f"arg:{name}:{f}"
+                q[key] = q.get(key, 0) + getattr(a, f)
+    return out
+
+
+# ----------------------------------------------------------------------------- exact fits
+
+
+Features = Callable[[Shape], Dict[str, Fraction]]  # the basis terms' values at a shape
+
+
+def multilinear(shape: Shape) -> Dict[str, Fraction]:
+    """1, N, D, V, ND, NV, DV, NDV: the basis on a residue class of the tiles."""
+    val = dict(zip("NDV", shape))
+    out = {}
+    for k in range(4):
+        for m in itertools.combinations("NDV", k):
+            x = Fraction(1)
+            for s in m:
+                x *= val[s]
+            out["".join(m) or "1"] = x
+    return out
+
+
+def _solve_least_squares(a: List[List[Fraction]], b: List[List[Fraction]]) -> List[List[Fraction]]:
+    """Exact least squares on Fractions: x minimising |a x - b| column by column, from the normal
+    equations by Gauss-Jordan; columns of `a` that depend on earlier ones get coefficient 0."""
+    k = len(a[0])
+    ata = [[sum(r[i] * r[j] for r in a) for j in range(k)] for i in range(k)]
+    atb = [[sum(r[i] * rb[j] for r, rb in zip(a, b)) for j in range(len(b[0]))] for i in range(k)]
+    m = [ata[i] + atb[i] for i in range(k)]
+    pivots, row = [], 0
+    for c in range(k):
+        p = next((r for r in range(row, k) if m[r][c] != 0), None)
+        if p is None:
+            continue
+        m[row], m[p] = m[p], m[row]
+        inv = 1 / m[row][c]
+        m[row] = [x * inv for x in m[row]]
+        for r in range(k):
+            if r != row and m[r][c] != 0:
+                f = m[r][c]
+                m[r] = [x - f * y for x, y in zip(m[r], m[row])]
+        pivots.append(c)
+        row += 1
+    x = [[Fraction(0)] * len(b[0]) for _ in range(k)]
+    for r, c in enumerate(pivots):
+        x[c] = m[r][k:]
+    return x
+
+
+@dataclass
+class Fit:
+    """Exact polynomials, one per (group, quantity), in the basis `features`."""
+
+    features: Features
+    terms: List[str]
+    coefs: Dict[str, Dict[str, List[Fraction]]]
+    shapes: List[Shape]
+    checks: List[Dict] = field(default_factory=list)
+
+    def at(self, shape: Shape, features: Optional[Features] = None) -> Counts:
+        """The fitted counts at `shape` (features: the target's, when they differ from the fit's,
+        e.g. a peer's real chunk sizes where the fit ran with small ones)."""
+        f = (features or self.features)(shape)
+        row = [f[t] for t in self.terms]
+        out: Counts = {}
+        for g, qs in self.coefs.items():
+            out[g] = {q: _as_number(sum(c * x for c, x in zip(cs, row))) for q, cs in qs.items()}
+        return out
+
+    def check(self, shape: Shape, counted: Counts) -> Dict:
+        """Compare the fit with counts at a shape; records and returns the result."""
+        pred = self.at(shape)
+        bad = []
+        for g in sorted(set(pred) | set(counted)):
+            p, c = pred.get(g, {}), counted.get(g, {})
+            for q in sorted(set(p) | set(c)):
+                if p.get(q, 0) != c.get(q, 0):
+                    bad.append(f"{g} {q}: fit {p.get(q, 0)} counted {c.get(q, 0)}")
+        res = {"shape": list(shape), "exact": not bad, "mismatches": bad[:10], "n_mismatches": len(bad)}
+        self.checks.append(res)
+        return res
+
+    @property
+    def exact(self) -> bool:
+        return bool(self.checks) and all(c["exact"] for c in self.checks)
+
+
+def _as_number(x: Fraction):
+    return int(x) if x.denominator == 1 else float(x)
+
+
+def grid(values_n: Sequence[int], values_d: Sequence[int], values_v: Sequence[int]) -> List[Shape]:
+    return [(n, d, v) for n in values_n for d in values_d for v in values_v]
+
+
+def fit_exact(counts: Dict[Shape, Counts], features: Features = multilinear) -> Fit:
+    """Fit every (group, quantity) seen at the shapes (absent = 0) in the basis `features`;
+    the fit is exact when it reproduces every fit shape (checked: `Fit.checks`)."""
+    shapes = list(counts)
+    terms = list(features(shapes[0]))
+    a = [[features(s)[t] for t in terms] for s in shapes]
+    keys = sorted({(g, q) for c in counts.values() for g, qs in c.items() for q in qs})
+    b = [[Fraction(counts[s].get(g, {}).get(q, 0)) for g, q in keys] for s in shapes]
+    x = _solve_least_squares(a, b)
+    coefs: Dict[str, Dict[str, List[Fraction]]] = {}
+    for j, (g, q) in enumerate(keys):
+        coefs.setdefault(g, {})[q] = [x[i][j] for i in range(len(terms))]
+    fit = Fit(features, terms, coefs, shapes)
+    residual = sum(1 for s in shapes for r in [fit.check(s, counts[s])] if not r["exact"])
+    fit.fit_residual_shapes = residual  # type: ignore[attr-defined]
+    fit.checks.clear()
+    fit.fit_exact = residual == 0  # type: ignore[attr-defined]
+    return fit
+
+
+def residue_values(target: int, modulus: int, base: int = 1) -> Tuple[int, int]:
+    """The two smallest sizes >= base congruent to `target` mod `modulus`."""
+    first = target % modulus or modulus
+    while first < base:
+        first += modulus
+    return first, first + modulus
+
+
+# ----------------------------------------------------------------------------- time model
+
+
+def _flop_seconds(q: Dict[str, int], hw: Hardware) -> float:
+    t = 0.0
+    for k, v in q.items():
+        if k.startswith("flops:"):
+            dt = k.split(":", 1)[1]
+            t += v / hw.peaks.get(dt, _FP32)
+    return t
+
+
+def group_bytes(q: Dict[str, int], hw: Hardware, torch_group: bool = False) -> Tuple[float, str]:
+    """(HBM bytes, why) of one group under BYTES_RULE."""
+    if torch_group:
+        return float(q["loaded"] + q["stored"]), "op in/out"
+    programs = max(1, q.get("programs", 0))
+    resident = min(programs / max(1, q.get("launches", 1)), hw.sms)  # programs of one launch in flight
+    compulsory = reread = footprint = 0.0
+    for a in sorted({k.split(":")[1] for k in q if k.startswith("arg:")}):
+        g = lambda f: q.get(f"arg:{a}:{f}", 0)  # noqa: E731
+        comp = g("distinct_loaded") + g("distinct_stored")
+        private = g("program_distinct") == g("distinct")  # no two programs touch the same bytes
+        if private and g("loaded") + g("stored") > comp:
+            reread += g("loaded") + g("stored") - comp
+            footprint += resident * g("distinct") / programs
+        compulsory += comp
+    if footprint > hw.l2_bytes:
+        return compulsory + reread, f"private re-reads, live {footprint / MB:.0f} MB > L2"
+    return compulsory, "compulsory" + (f" (private re-reads, live {footprint / MB:.0f} MB, fit L2)" if footprint else "")
+
+
+@dataclass
+class GroupTime:
+    group: str
+    launches: int
+    programs: int
+    loaded: int
+    stored: int
+    hbm_bytes: float
+    flops: Dict[str, int]
+    flop_s: float
+    byte_s: float
+    bytes_why: str
+
+    @property
+    def seconds(self) -> float:
+        return max(self.flop_s, self.byte_s)
+
+    @property
+    def dominant(self) -> str:
+        return "FLOPs" if self.flop_s >= self.byte_s else "bytes"
+
+    def as_dict(self) -> Dict:
+        return {"group": self.group, "launches": self.launches, "programs": self.programs, "loaded": self.loaded,
+                "stored": self.stored, "hbm_bytes": self.hbm_bytes, "flops": self.flops,
+                "flop_ms": self.flop_s * 1e3, "byte_ms": self.byte_s * 1e3, "ms": self.seconds * 1e3,
+                "dominant": self.dominant, "bytes_rule": self.bytes_why}
+
+
+def model_times(counts: Counts, hw: Hardware) -> List[GroupTime]:
+    out = []
+    for g, q in counts.items():
+        hbm, why = group_bytes(q, hw, g.startswith("torch/"))
+        flops = {k.split(":", 1)[1]: v for k, v in q.items() if k.startswith("flops:") and v}
+        out.append(GroupTime(g, int(q.get("launches", 0)), int(q.get("programs", 0)), int(q.get("loaded", 0)),
+                             int(q.get("stored", 0)), hbm, flops, _flop_seconds(q, hw), hbm / hw.hbm_bytes_per_s,
+                             why))
+    return out
+
+
+def gemm_floor_s(shape: Shape, gemms: int, hw: Hardware) -> float:
+    n, d, v = shape
+    return gemms * 2 * n * d * v / hw.peaks["bf16"]

@@ -1,0 +1,470 @@
+"""What `python -m bench cost` counts: our ops and each installed peer, as `Subject`s.
+
+A subject runs one forward (phase "forward") and one backward (phase "backward") of an op on
+CPU tensors under `bench.cost.counting`, at small shapes chosen so that the counts are exact
+polynomials (`bench.cost_model`), and is extrapolated to the target shapes. Peers run their own
+package's code; where a peer's GPU branch differs from its CPU branch, the GPU branch is what is
+counted (each case says how, in `Subject.gpu_path`).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import random
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from . import cost
+from .cost_model import Counts, Features, Fit, Shape, fit_exact, flatten, grid, multilinear, residue_values
+
+LINEAR, TOKEN = "linear_token_logprobs", "token_logprobs"
+DTYPE = torch.bfloat16
+# The target shapes of issue 18 (bf16): N tokens, D hidden size, V vocabulary (Qwen2.5's 151,936)
+TARGETS: List[Shape] = [(8192, 4096, 151936), (2048, 4096, 151936), (16384, 1536, 151936)]
+
+
+TARGETS_NOTE = ("every target is token 0: a kernel that gathers weight rows by target then touches one distinct "
+                "row (random targets would make distinct bytes data-dependent, not polynomial); at most N x D "
+                "bytes of compulsory traffic are left out")
+
+
+@dataclass
+class Subject:
+    name: str
+    op: str
+    label: str
+    run: Callable[[Shape], Tuple[Callable, Callable]]  # shape -> (forward, backward) closures
+    fit_plan: Callable[[Shape], "FitPlan"]  # target -> how to fit for it
+    module: Optional[str] = None  # must import for the subject to be present
+    dist: Optional[str] = None
+    gpu_path: str = ""  # how the counted path is the peer's GPU path
+    adjust: Optional[Callable[[List[cost.Launch]], List[cost.Launch]]] = None
+    uses_d: bool = True
+
+    def absent_reason(self) -> Optional[str]:
+        if self.module is None:
+            return None
+        try:
+            importlib.import_module(self.module)
+        except Exception as e:  # noqa: BLE001 (any import failure means absent)
+            return f"not installed (import {self.module}: {type(e).__name__}: {e})"[:200]
+        return None
+
+    def version(self) -> Optional[str]:
+        from .measure import package_version
+
+        return package_version(self.dist) if self.dist else None
+
+
+@dataclass
+class FitPlan:
+    """Shapes to count and the basis: `fit` shapes for the solve, `check` held-out shapes; `patch`
+    applies small constants while counting (with `features` in them), `target_features` the real
+    ones at the target. `key`: plans with equal keys share one fit."""
+
+    key: Tuple
+    fit: List[Shape]
+    check: List[Shape]
+    features: Features = multilinear
+    target_features: Optional[Features] = None
+    patch: Callable[[Shape], contextlib.AbstractContextManager] = lambda shape: contextlib.nullcontext()
+
+
+def count(subject: Subject, shape: Shape, plan: FitPlan) -> Counts:
+    """Counts of one forward + backward of `subject` at `shape` (grouped, see cost_model.flatten)."""
+    with plan.patch(shape):
+        forward, backward = subject.run(shape)
+        with cost.counting("forward") as fwd:
+            out = forward()
+        with cost.counting("backward") as bwd:
+            backward(out)
+    records = fwd + bwd
+    if subject.adjust is not None:
+        records = subject.adjust(records)
+    return flatten(records, shape)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _linear_inputs(shape: Shape, dtype=DTYPE):
+    n, d, v = shape
+    g = torch.Generator().manual_seed(n * 1_000_003 + d * 1009 + v)
+    hidden = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(v, d, generator=g) / math.sqrt(d)).to(dtype).requires_grad_()
+    targets = torch.zeros(n, dtype=torch.long)  # see TARGETS_NOTE
+    grad = torch.randn(n, generator=g)
+    return hidden, weight, targets, grad
+
+
+def _linear_run(call: Callable) -> Callable[[Shape], Tuple[Callable, Callable]]:
+    """(forward, backward) of a log-prob function call(hidden, weight, targets) -> logp [N]."""
+    def run(shape: Shape):
+        hidden, weight, targets, grad = _linear_inputs(shape)
+        return (lambda: call(hidden, weight, targets)), (lambda out: out.backward(grad.to(out.dtype)))
+    return run
+
+
+def _token_run(call: Callable) -> Callable[[Shape], Tuple[Callable, Callable]]:
+    def run(shape: Shape):
+        n, _, v = shape
+        g = torch.Generator().manual_seed(n * 1009 + v)
+        logits = (3 * torch.randn(n, v, generator=g)).to(DTYPE).requires_grad_()
+        targets = torch.zeros(n, dtype=torch.long)  # see TARGETS_NOTE
+        grad = torch.randn(n, generator=g)
+        return (lambda: call(logits, targets)), (lambda out: out.backward(grad.to(out.dtype)))
+    return run
+
+
+def _residue_plan(key: str, target: Shape, moduli: Tuple[int, int, int], base=(1, 1, 1),
+                  patch: Callable[[Shape], contextlib.AbstractContextManager] = None,
+                  torch_gemms: bool = False) -> FitPlan:
+    """The 2 x 2 x 2 grid on the target's residue classes, and two held-out shapes (a third
+    value of N and D; a third value of V). torch_gemms: no size shared by two dimensions (the
+    group of a PyTorch GEMM names its output's V and D dimensions)."""
+    vals = [residue_values(t, m, b) for t, m, b in zip(target, moduli, base)]
+    for i in (1, 2) if torch_gemms else ():
+        while set(vals[i]) & {x for j in range(i) for x in vals[j]}:
+            vals[i] = (vals[i][0] + moduli[i], vals[i][1] + moduli[i])
+    (n0, n1), (d0, d1), (v0, v1) = vals
+    mn, md, mv = moduli
+    plan = FitPlan(key=(key, tuple(t % m for t, m in zip(target, moduli)), moduli), fit=grid(*vals),
+                   check=[(n1 + mn, d1 + md, v0), (n0, d0, v1 + mv)])
+    if patch is not None:
+        plan.patch = patch
+    return plan
+
+
+# ----------------------------------------------------------------------------- ours
+
+
+def _erpo_linear(hidden, weight, targets):
+    import erpo_kernels
+
+    return erpo_kernels.linear_token_logprobs(hidden, weight, targets, backend="triton")
+
+
+def _erpo_linear_plan(target: Shape) -> FitPlan:
+    """Residue classes of the tiles: rows by lcm(block_n, merge block), D by block_d, V by the
+    forward's vocabulary chunk (split_tiles x block_v)."""
+    ltl = importlib.import_module("erpo_kernels.linear_token_logprobs")  # the module (the package exports the function)
+    tiles = ltl.DEFAULT_TILES[DTYPE]
+    mn = math.lcm(tiles.block_n, getattr(ltl, "MERGE_BLOCK", 1))
+    mv = math.lcm(tiles.block_v, tiles.block_v * getattr(tiles, "split_tiles", 1))
+    return _residue_plan("erpo", target, (mn, tiles.block_d, mv))
+
+
+def _erpo_token(logits, targets):
+    import erpo_kernels
+
+    return erpo_kernels.token_logprobs(logits, targets, backend="triton")
+
+
+def _erpo_token_plan(target: Shape) -> FitPlan:
+    tlp = importlib.import_module("erpo_kernels.token_logprobs")
+    blocks = getattr(tlp, "DEFAULT_BLOCKS", None)
+    mv = math.lcm(getattr(blocks, "fwd_max_block_v", 1), getattr(blocks, "bwd_max_block_v", 1))
+    return _residue_plan("erpo-token", target, (1, 1, mv), base=(16, 1, 1))
+
+
+def _reference_linear(hidden, weight, targets):
+    import erpo_kernels
+
+    return erpo_kernels.linear_token_logprobs(hidden, weight, targets, backend="torch")
+
+
+def _reference_token(logits, targets):
+    import erpo_kernels
+
+    return erpo_kernels.token_logprobs(logits, targets, backend="torch")
+
+
+def _reference_plan(constant: str, key: str) -> Callable[[Shape], FitPlan]:
+    """The reference's row chunks hold reference.<constant> elements: rows = constant // V.
+    Counted with the target's rows per chunk (the constant set to rows x V at each shape), on
+    the residue class of N mod rows."""
+    def plan(target: Shape) -> FitPlan:
+        from erpo_kernels import reference
+
+        rows = reference.chunk_rows_for(target[2], None, getattr(reference, constant))
+
+        @contextlib.contextmanager
+        def patch(shape: Shape) -> Iterator[None]:
+            old = getattr(reference, constant)
+            setattr(reference, constant, rows * shape[2])
+            try:
+                yield
+            finally:
+                setattr(reference, constant, old)
+
+        return _residue_plan(key, target, (rows, 1, 1), base=(1, 16, 16), patch=patch, torch_gemms=True)
+    return plan
+
+
+# ----------------------------------------------------------------------------- TRL
+
+
+TRL_ROWS, TRL_VOCAB, TRL_BLOCK = 4096, 32768, 1024  # trl.kernels.chunked_logprob at 1.16 (read when present)
+_TRL_SMALL = (32, 96, 32)  # the same constants while counting at small shapes
+
+
+def _trl_constants() -> Tuple[int, int, int]:
+    try:
+        from trl.kernels import chunked_logprob as cl
+        from trl.trainer import utils as tu
+    except ImportError:
+        return TRL_ROWS, TRL_VOCAB, TRL_BLOCK
+    return (getattr(cl, "TOKEN_CHUNK_SIZE", TRL_ROWS), getattr(tu, "_CHUNKED_LOGPROB_CHUNK_SIZE", TRL_VOCAB),
+            getattr(cl, "_BLOCK_SIZE", TRL_BLOCK))
+
+
+_trl_vocab_chunk = [TRL_VOCAB]  # the vocabulary chunk passed to ChunkedLogProbFunction (patched while counting)
+
+
+def _trl_chunked(hidden, weight, targets):
+    from trl.kernels import ChunkedLogProbFunction
+
+    return ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, _trl_vocab_chunk[0], None, 1.0,
+                                        ("log_probs",))[0]
+
+
+def _trl_features(consts: Tuple[int, int, int]) -> Features:
+    rows, chunk, block = consts
+
+    def features(shape: Shape) -> Dict[str, Fraction]:
+        n, d, v = shape
+        kn, kv = -(-n // rows), -(-v // chunk)
+        vb = (v // chunk) * -(-chunk // block) + -(-(v % chunk) // block)  # backward kernel blocks per row
+        f = multilinear(shape)
+        f.update({"N.KV": Fraction(n * kv), "ND.KV": Fraction(n * d * kv), "V.KN": Fraction(v * kn),
+                  "DV.KN": Fraction(d * v * kn), "N.VB": Fraction(n * vb), "KN.KV": Fraction(kn * kv),
+                  "D.KN.KV": Fraction(d * kn * kv), "KN": Fraction(kn), "KV": Fraction(kv)})
+        return f
+    return features
+
+
+def _trl_plan(target: Shape) -> FitPlan:
+    @contextlib.contextmanager
+    def patch(shape: Shape) -> Iterator[None]:
+        from trl.kernels import chunked_logprob as cl
+
+        saved = (cl.TOKEN_CHUNK_SIZE, cl._BLOCK_SIZE, cl._use_triton, cl._addmm_fp32, _trl_vocab_chunk[0])
+        cl.TOKEN_CHUNK_SIZE, _trl_vocab_chunk[0], cl._BLOCK_SIZE = _TRL_SMALL
+        cl._use_triton = lambda device: True  # the Triton fold kernels of its CUDA path
+        cl._addmm_fp32 = _trl_addmm_cuda
+        try:
+            yield
+        finally:
+            cl.TOKEN_CHUNK_SIZE, cl._BLOCK_SIZE, cl._use_triton, cl._addmm_fp32, _trl_vocab_chunk[0] = saved
+
+    rng = random.Random(18)
+    fit = [(rng.choice((40, 64, 72, 100)), rng.choice((16, 24, 40)), rng.choice((70, 96, 150, 200, 290)))
+           for _ in range(26)]
+    fit = sorted(set(fit))
+    return FitPlan(key=("trl",), fit=fit, check=[(120, 32, 260), (36, 48, 100)], features=_trl_features(_TRL_SMALL),
+                   target_features=_trl_features(_trl_constants()), patch=patch)
+
+
+def _trl_addmm_cuda(acc, a, b):
+    """trl's _addmm_fp32 on CUDA: one GEMM of the bf16 operands accumulated into the fp32 acc."""
+    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+
+
+# ----------------------------------------------------------------------------- Liger
+
+
+def _liger(hidden, weight, targets):
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return -liger_fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
+
+
+def _liger_chunks(shape: Shape) -> Tuple[int, int]:
+    """(chunks, rows per chunk) of Liger 0.8.5's fused linear cross entropy: rows bounded by
+    next_power_of_2(ceil(N / ceil(V / D))) (liger_kernel/ops/fused_linear_cross_entropy.py)."""
+    n, d, v = shape
+    inc = -(-v // d)
+    rows = min(1 << max(0, (-(-n // inc) - 1).bit_length()), n)
+    return -(-n // rows), rows
+
+
+def _liger_features(shape: Shape) -> Dict[str, Fraction]:
+    k, _ = _liger_chunks(shape)
+    n, d, v = shape
+    f = multilinear(shape)
+    f.update({"K": Fraction(k), "K.D": Fraction(k * d), "K.V": Fraction(k * v), "K.DV": Fraction(k * d * v)})
+    return f
+
+
+def _liger_plan(target: Shape) -> FitPlan:
+    rng = random.Random(5)
+    fit = sorted({(rng.choice((32, 48, 64, 96, 128)), rng.choice((24, 40, 56)), rng.choice((20, 36, 80, 150, 300)))
+                  for _ in range(24)})
+    return FitPlan(key=("liger",), fit=fit, check=[(160, 40, 400), (128, 24, 16)], features=_liger_features)
+
+
+def _liger_gpu_weight_grad(records: List[cost.Launch]) -> List[cost.Launch]:
+    """Liger's CPU branch accumulates d_weight as grad_weight += mm(g.T, x).float() (a [V, D] GEMM
+    output, a cast to fp32, an add); on CUDA (sm_80+, bf16) it is one addmm into grad_weight.
+    Each such triple of records becomes one addmm: the GEMM's inputs plus grad_weight read, grad_weight written."""
+    out: List[cost.Launch] = []
+    i = 0
+    while i < len(records):
+        r = records[i]
+        trio = records[i:i + 3]
+        if (len(trio) == 3 and [x.name for x in trio] == ["aten.mm", "aten._to_copy", "aten.add_"]
+                and trio[0].out_shape == trio[1].out_shape == trio[2].out_shape and trio[0].flops):
+            mm, cast, add = trio
+            acc_bytes = cast.loaded  # grad_weight in the parameter dtype: the cast's bf16 input size
+            fused = cost.Launch(name="aten.addmm", kind="torch", phase=mm.phase, out_shape=mm.out_shape,
+                                flops=dict(mm.flops), loaded=mm.loaded + acc_bytes, stored=acc_bytes)
+            fused.distinct_loaded, fused.distinct_stored = fused.loaded, fused.stored
+            fused.distinct = fused.loaded + fused.stored
+            out.append(fused)
+            i += 3
+            continue
+        out.append(r)
+        i += 1
+    return out
+
+
+# ----------------------------------------------------------------------------- Cut Cross-Entropy
+
+
+def _cce(hidden, weight, targets):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return -linear_cross_entropy(hidden, weight, targets, reduction="none", filter_eps=None)
+
+
+def _cce_plan(target: Shape) -> FitPlan:
+    # tiles of cut_cross_entropy 25.1.1 (tl_autotune defaults): forward 256 x 128 x 32, backward
+    # 128 x 128 x 32, indexed dot 128 x 256
+    return _residue_plan("cce", target, (256, 256, 128))
+
+
+# ----------------------------------------------------------------------------- the list
+
+
+SUBJECTS: List[Subject] = [
+    Subject("erpo", LINEAR, "erpo_kernels.linear_token_logprobs (Triton)", _linear_run(_erpo_linear),
+            _erpo_linear_plan),
+    Subject("erpo-reference", LINEAR, "erpo_kernels.linear_token_logprobs, backend='torch' (the chunked "
+            "PyTorch reference, fp32 compute)", _linear_run(_reference_linear),
+            _reference_plan("LINEAR_CHUNK_ELEMENTS", "ref-linear")),
+    Subject("trl-chunked", LINEAR, "TRL ChunkedLogProbFunction (trl.kernels), log-probs only", _linear_run(_trl_chunked),
+            _trl_plan, module="trl.kernels", dist="trl",
+            gpu_path="its CUDA branch: the Triton fold kernels (_use_triton forced) and the fp32-accumulating "
+                     "addmm(out_dtype=float32) of bf16 operands (computed on CPU by an equivalent); counted with "
+                     "small chunk constants, extrapolated with its own (4096 rows, 32768 columns, 1024 blocks)"),
+    Subject("liger", LINEAR, 'Liger-Kernel fused_linear_cross_entropy, reduction="none"', _linear_run(_liger),
+            _liger_plan, module="liger_kernel.transformers.functional", dist="liger-kernel",
+            adjust=_liger_gpu_weight_grad,
+            gpu_path="its CUDA (sm_80+) d_weight accumulation: one addmm into the bf16 grad_weight per chunk "
+                     "(the CPU branch's mm + cast + add is rewritten to it)"),
+    Subject("cce", LINEAR, "Cut Cross-Entropy linear_cross_entropy, reduction='none', filter_eps=None",
+            _linear_run(_cce), _cce_plan, module="cut_cross_entropy", dist="cut-cross-entropy",
+            gpu_path="its Triton kernels as on CUDA (libdevice log1p / tanh given triton.language equivalents "
+                     "in the interpreter; bf16 elementwise values are wrong there, counts are value-independent "
+                     "without a gradient filter)"),
+    Subject("erpo", TOKEN, "erpo_kernels.token_logprobs (Triton)", _token_run(_erpo_token), _erpo_token_plan,
+            uses_d=False),
+    Subject("erpo-reference", TOKEN, "erpo_kernels.token_logprobs, backend='torch'", _token_run(_reference_token),
+            _reference_plan("CHUNK_ELEMENTS", "ref-token"), uses_d=False),
+]
+
+
+def fit_subject(subject: Subject, target: Shape, cache: Dict[Tuple, Fit], log=print) -> Fit:
+    """The subject's fit for `target` (shared by targets whose plans have the same key)."""
+    plan = subject.fit_plan(target)
+    key = (subject.name, subject.op, plan.key)
+    if key in cache:
+        return cache[key]
+    counted: Dict[Shape, Counts] = {}
+    seen: Dict[Tuple[int, int], Counts] = {}
+    for shape in plan.fit + plan.check:
+        if not subject.uses_d and (shape[0], shape[2]) in seen:
+            counted[shape] = seen[(shape[0], shape[2])]
+            continue
+        counted[shape] = count(subject, shape, plan)
+        seen[(shape[0], shape[2])] = counted[shape]
+        log(f"  counted {subject.name} {subject.op} at N={shape[0]} D={shape[1]} V={shape[2]}")
+    fit = fit_exact({s: counted[s] for s in plan.fit}, plan.features)
+    for s in plan.check:
+        fit.check(s, counted[s])
+    fit.target_features = plan.target_features  # type: ignore[attr-defined]
+    cache[key] = fit
+    return fit
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+PASSES = ("forward", "backward", "both")
+
+
+def _pass_counts(counts: Counts, pass_name: str) -> Counts:
+    if pass_name == "both":
+        return counts
+    return {g: q for g, q in counts.items() if g.split("/")[-2] == pass_name}
+
+
+def evaluate(fit: Fit, target: Shape) -> Dict:
+    """Counts and modelled times of a fitted subject at `target`, per pass and hardware."""
+    from .cost_model import HARDWARE, gemm_floor_s, model_times
+
+    counts = fit.at(target, getattr(fit, "target_features", None))
+    out: Dict = {"shape": dict(zip("NDV", target)), "passes": {}}
+    for p in PASSES:
+        c = _pass_counts(counts, p)
+        entry: Dict = {}
+        for hw_name, hw in HARDWARE.items():
+            groups = model_times(c, hw)
+            entry[hw_name] = {"ms": sum(g.seconds for g in groups) * 1e3,
+                              "groups": [g.as_dict() for g in sorted(groups, key=lambda g: -g.seconds)]}
+        out["passes"][p] = entry
+    out["floors_ms"] = {hw_name: {f"{k}-GEMM": gemm_floor_s(target, k, hw) * 1e3 for k in (1, 2, 3, 4)}
+                        for hw_name, hw in HARDWARE.items()}
+    return out
+
+
+def run(subjects: List[Subject], targets: List[Shape], log=print) -> Dict:
+    """Fit and evaluate every subject (absent or failing ones are recorded with the reason)."""
+    from .cost_model import BYTES_RULE, HARDWARE
+
+    cache: Dict[Tuple, Fit] = {}
+    entries = []
+    for s in subjects:
+        entry: Dict = {"name": s.name, "op": s.op, "label": s.label, "version": s.version(), "gpu_path": s.gpu_path}
+        why = s.absent_reason()
+        if why:
+            entry.update(status="absent", reason=why)
+            entries.append(entry)
+            log(f"{s.name} ({s.op}): absent: {why}")
+            continue
+        try:
+            results, fits = [], []
+            for t in targets:
+                fit = fit_subject(s, t, cache, log=log)
+                fits.append(fit)
+                results.append(evaluate(fit, t))
+        except Exception as e:  # noqa: BLE001 (a peer that cannot run here is reported, not dropped)
+            entry.update(status="error", reason=f"{type(e).__name__}: {e}"[:400])
+            entries.append(entry)
+            log(f"{s.name} ({s.op}): cannot be counted here: {entry['reason']}")
+            continue
+        exact = all(f.exact and getattr(f, "fit_exact", False) for f in fits)
+        entry.update(status="ok", exact=exact, results=results,
+                     fits=[{"shapes": [list(x) for x in f.shapes], "terms": f.terms, "fit_exact": f.fit_exact,
+                            "checks": f.checks} for f in {id(f): f for f in fits}.values()])
+        entries.append(entry)
+        log(f"{s.name} ({s.op}): fitted{'' if exact else ' (NOT exact on the held-out shapes)'}; "
+            + "; ".join(f"{r['shape']['N']}x{r['shape']['D']}x{r['shape']['V']}: "
+                        f"{r['passes']['both']['H200']['ms']:.1f} ms" for r in results))
+    return {"hardware": {k: vars(h) for k, h in HARDWARE.items()}, "bytes_rule": BYTES_RULE,
+            "targets_note": TARGETS_NOTE, "dtype": "bf16", "subjects": entries,
+            "targets": [dict(zip("NDV", t)) for t in targets]}
