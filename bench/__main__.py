@@ -87,6 +87,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("--out-dir", default=str(RESULTS_DIR), help="where cost.json goes")
     c.add_argument("--no-save", action="store_true", help="print only")
 
+    cal = sub.add_parser("calibrate", help="GPU: the linear op and the bare lm_head GEMMs timed beside the cost model")
+    _common(cal)
+    cal.add_argument("--targets", default=None, help="comma list of NxDxV (default: issue 18's three shapes)")
+    cal.add_argument("--subjects", default=None, help="comma list (default: every installed linear-op subject)")
+
     r = sub.add_parser("report", help="regenerate the README table and the plots from bench/results/*.json")
     r.add_argument("--out-dir", default=str(RESULTS_DIR))
     r.add_argument("--print", action="store_true", help="also print the generated section")
@@ -111,6 +116,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _kernels(args)
     if args.command == "cost":
         return _cost(args, argv)
+    if args.command == "calibrate":
+        return _calibrate(args)
     return _step(args)
 
 
@@ -146,6 +153,29 @@ def _kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _targets(text: Optional[str]):
+    from .cost_subjects import TARGETS
+
+    if not text:
+        return TARGETS
+    try:
+        targets = [tuple(int(x) for x in t.lower().split("x")) for t in _csv(text)]
+        if any(len(t) != 3 or min(t) < 1 for t in targets):
+            raise ValueError
+    except ValueError:
+        raise SystemExit("erpo: error: --targets takes NxDxV sizes, e.g. 8192x4096x151936,2048x4096x151936")
+    return targets
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from . import calibrate, report
+
+    opts = _options(args, cuda=(1, 5), cpu=(0, 1))
+    runs = report.cost_runs(args.out_dir) or report.cost_runs()
+    calibrate.run(_targets(args.targets), _csv(args.subjects), opts, runs[-1] if runs else None)
+    return 0
+
+
 def _cost(args: argparse.Namespace, argv: List[str]) -> int:
     import os
     import subprocess
@@ -161,13 +191,7 @@ def _cost(args: argparse.Namespace, argv: List[str]) -> int:
                 and (not args.ops or s.op in _csv(args.ops))]
     if not subjects:
         raise SystemExit(f"no subject matches; known: {sorted({s.name for s in cs.SUBJECTS})}")
-    try:
-        targets = [tuple(int(x) for x in t.lower().split("x")) for t in _csv(args.targets)] if args.targets \
-            else cs.TARGETS
-        if any(len(t) != 3 or min(t) < 1 for t in targets):
-            raise ValueError
-    except ValueError:
-        raise SystemExit("erpo: error: --targets takes NxDxV sizes, e.g. 8192x4096x151936,2048x4096x151936")
+    targets = _targets(args.targets)
     import datetime as _dt
 
     run = cs.run(subjects, targets)

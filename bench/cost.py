@@ -477,11 +477,20 @@ class _TorchOps(TorchDispatchMode):
             reads = [] if name in _NO_READ else [t for t in ins if not _overwritten(name, t, args, kwargs)]
             rec.loaded = sum(_tensor_bytes(t) for t in reads)
             rec.stored = 0 if name in _NO_WRITE else sum(_tensor_bytes(t) for t in outs)
+            if name in _GATHER:  # reads the gathered elements and the indices, not the whole source
+                rec.loaded = rec.stored + sum(_tensor_bytes(t) for t in ins if not t.is_floating_point())
+            elif name in _SCATTER:  # reads the values and indices, writes the values' worth of its first argument
+                rest = [t for t in ins if t is not ins[0]]
+                rec.loaded = sum(_tensor_bytes(t) for t in rest)
+                rec.stored = sum(_tensor_bytes(t) for t in rest if t.is_floating_point())
             rec.distinct_loaded, rec.distinct_stored = rec.loaded, rec.stored
             rec.distinct = rec.loaded + rec.stored
         count = self.flop_registry.get(func.overloadpacket) if hasattr(func, "overloadpacket") else None
         if count is not None:
-            flops = int(count(*args, **kwargs, out_val=out))
+            try:
+                flops = int(count(*args, **kwargs, out_val=out))
+            except TypeError:  # an overload with extra positional arguments (addmm.dtype_out's out_dtype)
+                flops = int(count(*[a for a in args if isinstance(a, torch.Tensor)], out_val=out))
             if flops:
                 # the operands' dtype: the narrowest floating input (addmm(fp32 acc, bf16, bf16) is a bf16 GEMM)
                 floats = [t.dtype for t in ins if t.is_floating_point()]
@@ -502,6 +511,9 @@ _NO_READ = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "
             "new_empty_strided", "new_zeros", "new_ones", "new_full", "empty_strided", "empty", "zeros", "ones",
             "full", "scalar_tensor", "arange"}
 _NO_WRITE = {"empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty"}
+_GATHER = {"index", "index_select", "gather", "take", "embedding", "masked_select"}
+_SCATTER = {"index_put_", "index_put", "scatter_", "scatter", "scatter_add_", "scatter_add", "index_add_",
+            "index_add", "index_copy_", "index_copy", "masked_scatter_"}
 _OVERWRITE = {"copy_", "fill_", "zero_", "normal_", "uniform_", "random_"}  # their first argument is written only
 
 

@@ -89,6 +89,8 @@ def flatten(records: Iterable[Launch], shape: Shape) -> Counts:
     """Group the records (see group_key) and sum their quantities."""
     out: Counts = {}
     for r in records:
+        if r.kind == "torch" and not (r.loaded or r.stored or r.flops):
+            continue  # views and other metadata ops: nothing to time
         q = out.setdefault(("torch/" if r.kind == "torch" else "") + group_key(r, shape), {})
         q["launches"] = q.get("launches", 0) + 1
         for k in ("programs", "loaded", "stored", "distinct_loaded", "distinct_stored", "distinct", "atomics"):

@@ -37,13 +37,17 @@ class Subject:
     name: str
     op: str
     label: str
-    run: Callable[[Shape], Tuple[Callable, Callable]]  # shape -> (forward, backward) closures
+    call: Callable  # linear: (hidden, weight, targets) -> logp [N]; token: (logits, targets) -> logp [N]
     fit_plan: Callable[[Shape], "FitPlan"]  # target -> how to fit for it
     module: Optional[str] = None  # must import for the subject to be present
     dist: Optional[str] = None
     gpu_path: str = ""  # how the counted path is the peer's GPU path
     adjust: Optional[Callable[[List[cost.Launch]], List[cost.Launch]]] = None
     uses_d: bool = True
+
+    def closures(self, shape: Shape) -> Tuple[Callable, Callable]:
+        """(forward, backward) at `shape`: forward() -> logp, backward(logp)."""
+        return (_linear_run if self.op == LINEAR else _token_run)(self.call)(shape)
 
     def absent_reason(self) -> Optional[str]:
         if self.module is None:
@@ -77,7 +81,7 @@ class FitPlan:
 def count(subject: Subject, shape: Shape, plan: FitPlan) -> Counts:
     """Counts of one forward + backward of `subject` at `shape` (grouped, see cost_model.flatten)."""
     with plan.patch(shape):
-        forward, backward = subject.run(shape)
+        forward, backward = subject.closures(shape)
         with cost.counting("forward") as fwd:
             out = forward()
         with cost.counting("backward") as bwd:
@@ -132,8 +136,13 @@ def _residue_plan(key: str, target: Shape, moduli: Tuple[int, int, int], base=(1
             vals[i] = (vals[i][0] + moduli[i], vals[i][1] + moduli[i])
     (n0, n1), (d0, d1), (v0, v1) = vals
     mn, md, mv = moduli
+    checks = [[n1 + mn, d1 + md, v0], [n0, d0, v1 + mv]]
+    for c in checks if torch_gemms else ():
+        for i in (1, 2):
+            while c[i] in c[:i]:
+                c[i] += moduli[i]
     plan = FitPlan(key=(key, tuple(t % m for t, m in zip(target, moduli)), moduli), fit=grid(*vals),
-                   check=[(n1 + mn, d1 + md, v0), (n0, d0, v1 + mv)])
+                   check=[tuple(c) for c in checks])
     if patch is not None:
         plan.patch = patch
     return plan
@@ -166,7 +175,7 @@ def _erpo_token(logits, targets):
 
 def _erpo_token_plan(target: Shape) -> FitPlan:
     tlp = importlib.import_module("erpo_kernels.token_logprobs")
-    blocks = getattr(tlp, "DEFAULT_BLOCKS", None)
+    blocks = getattr(tlp, "DEFAULT_TILES", None) or getattr(tlp, "DEFAULT_BLOCKS", None)
     mv = math.lcm(getattr(blocks, "fwd_max_block_v", 1), getattr(blocks, "bwd_max_block_v", 1))
     return _residue_plan("erpo-token", target, (1, 1, mv), base=(16, 1, 1))
 
@@ -190,7 +199,7 @@ def _reference_plan(constant: str, key: str) -> Callable[[Shape], FitPlan]:
     def plan(target: Shape) -> FitPlan:
         from erpo_kernels import reference
 
-        rows = reference.chunk_rows_for(target[2], None, getattr(reference, constant))
+        rows = max(1, getattr(reference, constant) // target[2])  # reference.chunk_rows_for
 
         @contextlib.contextmanager
         def patch(shape: Shape) -> Iterator[None]:
@@ -351,29 +360,29 @@ def _cce_plan(target: Shape) -> FitPlan:
 
 
 SUBJECTS: List[Subject] = [
-    Subject("erpo", LINEAR, "erpo_kernels.linear_token_logprobs (Triton)", _linear_run(_erpo_linear),
+    Subject("erpo", LINEAR, "erpo_kernels.linear_token_logprobs (Triton)", _erpo_linear,
             _erpo_linear_plan),
     Subject("erpo-reference", LINEAR, "erpo_kernels.linear_token_logprobs, backend='torch' (the chunked "
-            "PyTorch reference, fp32 compute)", _linear_run(_reference_linear),
+            "PyTorch reference, fp32 compute)", _reference_linear,
             _reference_plan("LINEAR_CHUNK_ELEMENTS", "ref-linear")),
-    Subject("trl-chunked", LINEAR, "TRL ChunkedLogProbFunction (trl.kernels), log-probs only", _linear_run(_trl_chunked),
+    Subject("trl-chunked", LINEAR, "TRL ChunkedLogProbFunction (trl.kernels), log-probs only", _trl_chunked,
             _trl_plan, module="trl.kernels", dist="trl",
             gpu_path="its CUDA branch: the Triton fold kernels (_use_triton forced) and the fp32-accumulating "
                      "addmm(out_dtype=float32) of bf16 operands (computed on CPU by an equivalent); counted with "
                      "small chunk constants, extrapolated with its own (4096 rows, 32768 columns, 1024 blocks)"),
-    Subject("liger", LINEAR, 'Liger-Kernel fused_linear_cross_entropy, reduction="none"', _linear_run(_liger),
+    Subject("liger", LINEAR, 'Liger-Kernel fused_linear_cross_entropy, reduction="none"', _liger,
             _liger_plan, module="liger_kernel.transformers.functional", dist="liger-kernel",
             adjust=_liger_gpu_weight_grad,
             gpu_path="its CUDA (sm_80+) d_weight accumulation: one addmm into the bf16 grad_weight per chunk "
                      "(the CPU branch's mm + cast + add is rewritten to it)"),
     Subject("cce", LINEAR, "Cut Cross-Entropy linear_cross_entropy, reduction='none', filter_eps=None",
-            _linear_run(_cce), _cce_plan, module="cut_cross_entropy", dist="cut-cross-entropy",
+            _cce, _cce_plan, module="cut_cross_entropy", dist="cut-cross-entropy",
             gpu_path="its Triton kernels as on CUDA (libdevice log1p / tanh given triton.language equivalents "
                      "in the interpreter; bf16 elementwise values are wrong there, counts are value-independent "
                      "without a gradient filter)"),
-    Subject("erpo", TOKEN, "erpo_kernels.token_logprobs (Triton)", _token_run(_erpo_token), _erpo_token_plan,
+    Subject("erpo", TOKEN, "erpo_kernels.token_logprobs (Triton)", _erpo_token, _erpo_token_plan,
             uses_d=False),
-    Subject("erpo-reference", TOKEN, "erpo_kernels.token_logprobs, backend='torch'", _token_run(_reference_token),
+    Subject("erpo-reference", TOKEN, "erpo_kernels.token_logprobs, backend='torch'", _reference_token,
             _reference_plan("CHUNK_ELEMENTS", "ref-token"), uses_d=False),
 ]
 

@@ -8,7 +8,7 @@
 #
 # Nothing is fetched and the project is not installed: it runs from this checkout on
 # PYTHONPATH with the machine's own packages. Every phase runs under `timeout`, and the whole
-# script ends within about T_TOTAL seconds (default 420, 7 minutes):
+# script ends within about T_TOTAL seconds (default 540, 9 minutes):
 #   0. environment; stops at once (exit 2, summary.txt says why) when no CUDA device is visible
 #   1. peer wheels from .whl/ when that folder travelled (pip --no-index --no-deps into /tmp):
 #      liger-kernel, cut-cross-entropy, and trl (trl==1.16.0, pure Python; made with
@@ -18,12 +18,16 @@
 #      erpo_kernels first, on WORKERS processes when pytest-xdist is there (limit T_TESTS);
 #      modules whose top-level imports are missing here are left out and listed, and without
 #      math_verify (not on the GPU image) the tests named *math_verify* are deselected
-#   3. python -m bench kernels --device cuda --quick: gets the time the tests left over,
-#      minus what steps 4 and 5 need; starts no new case in its last 60 s (or last half)
-#   4. python -m bench step --device cuda --quick  (at least T_STEP)
-#   5. summary.txt: exit codes, the tests' result line and the generated tables
+#   3. python -m bench calibrate --device cuda (limit T_CAL, default 120): linear_token_logprobs
+#      fwd and fwd+bwd of ours and each installed peer, and the bare lm_head GEMMs (forward
+#      hidden @ W.T; backward g @ W and g.T @ hidden), at the cost model's target shapes, each
+#      beside the model's prediction for this GPU (bench/results/cost.json): the model's calibration
+#   4. python -m bench kernels --device cuda --quick: gets the time the tests left over,
+#      minus what steps 5 and 6 need; starts no new case in its last 60 s (or last half)
+#   5. python -m bench step --device cuda --quick  (at least T_STEP)
+#   6. summary.txt: exit codes, the tests' result line and the generated tables
 # The results file is rewritten after every measurement, so a phase stopped at its limit keeps
-# what it measured. Files: tests.log, kernels.log, step.log, summary.txt, <machine>.json and
+# what it measured. Files: tests.log, calibrate.log, kernels.log, step.log, summary.txt, <machine>.json and
 # <machine>.png (machine from the GPU's name, e.g. nvidia-h200).
 # Afterwards, on the development machine: python -m bench merge <those files>/nvidia-h200.json
 set -u
@@ -38,11 +42,12 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
-# Limits (seconds). Before the kernels at most 15 + 45 + 20 + T_TESTS + 5; the kernels get
+# Limits (seconds). Before the kernels at most 15 + 45 + 20 + T_TESTS + T_CAL + 10; the kernels get
 # what is left of T_TOTAL after T_STEP and T_SUMMARY (>= 70 s with the defaults); each `timeout -k 5`
-# may add 5 s, so the script ends within T_TOTAL + 20.
-T_TOTAL=${T_TOTAL:-420}
+# may add 5 s, so the script ends within T_TOTAL + 25.
+T_TOTAL=${T_TOTAL:-540}
 T_TESTS=${T_TESTS:-150}
+T_CAL=${T_CAL:-120}
 T_STEP=${T_STEP:-80}
 T_SUMMARY=30
 WORKERS=${WORKERS:-8}                   # pytest-xdist workers (0: one process)
@@ -130,6 +135,14 @@ TESTS_RESULT=$(grep -E " in [0-9.]+s( \(.*\))?( =+)?$" "$LOGS/tests.log" | tail 
 $(grep -c -E ' (FAILED|ERROR)' "$LOGS/tests.log") failed or errors before it stopped"
 [ $RC_TESTS -eq 124 ] && echo "  tests: stopped at the ${T_TESTS}s limit"
 
+echo "== [$(elapsed)s] bench calibrate (limit ${T_CAL}s)"
+timeout -k 5 "$T_CAL" $PY -m bench calibrate --device cuda --budget-s $(( T_CAL > 60 ? T_CAL - 40 : T_CAL / 2 )) \
+  --out-dir "$DEST" --no-report > "$LOGS/calibrate.log" 2>&1
+RC_CAL=$?
+grep -E "^\[calibrate|^==" "$LOGS/calibrate.log" | tail -n 40
+[ $RC_CAL -eq 124 ] && echo "  calibrate: stopped at the ${T_CAL}s limit (finished cases are saved)"
+[ $RC_CAL -ne 0 ] && [ $RC_CAL -ne 124 ] && tail -n 5 "$LOGS/calibrate.log"
+
 T_KERNELS=$(( T_TOTAL - $(elapsed) - T_STEP - T_SUMMARY ))
 echo "== [$(elapsed)s] bench kernels (limit ${T_KERNELS}s)"
 BUDGET=$(( T_KERNELS > 120 ? T_KERNELS - 60 : T_KERNELS / 2 ))   # no new case after this
@@ -151,9 +164,9 @@ tail -n 12 "$LOGS/step.log"
 echo "== [$(elapsed)s] summary"
 {
   echo "$ENV_INFO"
-  echo "exit codes: tests $RC_TESTS, kernels $RC_KERNELS, step $RC_STEP (124 = time limit)"
+  echo "exit codes: tests $RC_TESTS, calibrate $RC_CAL, kernels $RC_KERNELS, step $RC_STEP (124 = time limit)"
   echo "tests: $TESTS_RESULT"
   timeout -k 5 "$T_SUMMARY" $PY -m bench report --out-dir "$DEST" --print 2>&1
   echo "total: $(elapsed) s; results in $DEST: $(cd "$DEST" && ls | tr '\n' ' '); logs in $LOGS"
 } | tee "$LOGS/summary.txt"
-[ $RC_TESTS -eq 0 ] && [ $RC_KERNELS -eq 0 ] && [ $RC_STEP -eq 0 ]
+[ $RC_TESTS -eq 0 ] && [ $RC_CAL -eq 0 ] && [ $RC_KERNELS -eq 0 ] && [ $RC_STEP -eq 0 ]

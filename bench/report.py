@@ -296,6 +296,24 @@ def step_table(data: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def calibration_table(data: Dict[str, Any]) -> List[str]:
+    """`bench calibrate`: measured linear-op and lm_head GEMM times beside the cost model's."""
+    recs, run = _latest(data, "calibrate", lambda r: (r["case"], _shape_key(r["shape"]), r["pass"]))
+    if not recs:
+        return []
+    out = [f"Cost-model calibration (`bench calibrate`): {_meta(run)}; model: {run.get('hardware_model')} "
+           f"from the `bench cost` run at commit {str(run.get('model_commit'))[:12]}.", "",
+           "| case | shape | pass | measured ms | model ms | measured / model |", "|---|---|---|---|---|---|"]
+    for (case, _, p), r in recs.items():
+        ok = r.get("status") == "ok"
+        out.append(f"| {case} | {_fmt_shape(r['shape'])} | {PASS_LABEL.get(p, p)} | "
+                   f"{r['median_ms']:.2f} | " if ok else f"| {case} | {_fmt_shape(r['shape'])} | "
+                   f"{PASS_LABEL.get(p, p)} | {r.get('status')} | ")
+        out[-1] += (f"{r['model_ms']:.2f} | " if r.get("model_ms") else "- | ") + \
+            (f"{r['measured_over_model']:.2f}x |" if r.get("measured_over_model") else "- |")
+    return out
+
+
 def _meta(run: Dict[str, Any]) -> str:
     v = run.get("versions", {})
     return (f"{run.get('device_name')}; torch {v.get('torch')}, triton {v.get('triton')}, "
@@ -321,6 +339,8 @@ def markdown(results: Dict[str, Dict[str, Any]], cost_run: Optional[Dict[str, An
     for machine, data in results.items():
         _, krun = latest_kernel_records(data)
         _, srun = latest_step_records(data)
+        if not (krun or srun or calibration_table(data)):
+            continue
         out += ["", f"### {machine}", ""]
         if krun:
             out += [f"Kernels: {_meta(krun)}.", ""]
@@ -340,6 +360,9 @@ def markdown(results: Dict[str, Dict[str, Any]], cost_run: Optional[Dict[str, An
         if srun:
             out += ["", f"Training step ({srun.get('step_definition', '')}): {_meta(srun)}.", ""]
             out += step_table(data)
+        cal = calibration_table(data)
+        if cal:
+            out += [""] + cal
         if (Path(RESULTS_DIR) / f"{machine}.png").exists():
             out += ["", f"![{machine}](bench/results/{machine}.png)"]
     return "\n".join(out) + "\n"

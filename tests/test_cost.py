@@ -152,3 +152,160 @@ def test_distinct_bytes_of_overlapping_programs():
     assert rec.args["x"].program_distinct == 2 * 64 * 4 and not rec.args["x"].private
     assert rec.args["y"].stored == 2 * 64 * 4 and rec.args["y"].distinct == 64 * 4
     np.testing.assert_array_equal(y.numpy(), x[32:96].numpy())
+
+
+# ----------------------------------------------------------------------------- fits and the time model
+
+from bench import cost_model as cm  # noqa: E402
+
+
+def _masked_matmul(a, b, c, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        x = tl.load(a + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        y = tl.load(b + rk[:, None] * N + rn[None, :], mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc = tl.dot(x, y, acc)
+    tl.store(c + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+MASKED_MATMUL = _interpreted(_masked_matmul)
+
+
+def _matmul_counts(shape):
+    """[n, d] @ [d, v] with 16 x 16 x 16 tiles, grouped as bench cost groups a run."""
+    n, d, v = shape
+    a, b, c = torch.randn(n, d), torch.randn(d, v), torch.empty(n, v)
+    recs = cost.count_launches(
+        lambda: MASKED_MATMUL[(triton.cdiv(n, 16), triton.cdiv(v, 16))](a, b, c, n, v, d, BM=16, BN=16, BK=16),
+        phase="forward", torch_ops=False)
+    torch.testing.assert_close(c, a @ b, rtol=1e-4, atol=1e-4)
+    return cm.flatten(recs, shape)
+
+
+def test_fit_is_exact_on_held_out_shapes_and_bounded_off_the_lattice():
+    fit = cm.fit_exact({s: _matmul_counts(s) for s in cm.grid((16, 32), (16, 32), (16, 32))})
+    assert fit.fit_exact
+    held = (48, 32, 64)
+    assert fit.check(held, _matmul_counts(held))["exact"], fit.checks
+    q = fit.at(held)["forward/_masked_matmul"]
+    assert q["flops:fp32"] == 2 * 48 * 32 * 64 and q["programs"] == 3 * 4
+    assert q["arg:a:loaded"] == (64 // 16) * 48 * 32 * 4  # each column tile reads all of a
+    # off the lattice (masks): every count lies between the fit at the lattice shapes around it
+    odd = (40, 24, 40)
+    lo, hi = fit.at((32, 16, 32))["forward/_masked_matmul"], fit.at((48, 32, 48))["forward/_masked_matmul"]
+    got = _matmul_counts(odd)["forward/_masked_matmul"]
+    assert all(lo[k] <= got[k] <= hi[k] for k in got), {k: (lo[k], got[k], hi[k]) for k in got}
+    assert not cm.fit_exact({s: _matmul_counts(s) for s in cm.grid((16, 40), (16, 32), (16, 32))}).check(
+        held, _matmul_counts(held))["exact"]  # a grid off the residue class does not extrapolate
+
+
+def test_residue_values():
+    assert cm.residue_values(151936, 4096, 1) == (384, 4480)
+    assert cm.residue_values(8192, 256, 1) == (256, 512)
+    assert cm.residue_values(8192, 110, 100) == (162, 272)
+
+
+def _group(**arg):
+    """One Triton group with one argument 'x' (loaded, stored, distinct..., program_distinct)."""
+    q = {"programs": arg.pop("programs"), "launches": 1, "flops:bf16": arg.pop("flops", 0)}
+    q.update({f"arg:x:{k}": v for k, v in arg.items()})
+    return q
+
+
+def test_time_model_bytes_rule():
+    hw = cm.HARDWARE["H200"]
+    slab = 2 << 20  # each of 1000 programs re-reads and rewrites its own 2 MB slab 10 times
+    private = dict(programs=1000, loaded=10 * 1000 * slab, stored=10 * 1000 * slab, distinct_loaded=1000 * slab,
+                   distinct_stored=1000 * slab, distinct=1000 * slab, program_distinct=1000 * slab)
+    b, why = cm.group_bytes(_group(**private), hw)
+    assert b == 20 * 1000 * slab and "> L2" in why  # 132 resident x 2 MB > 50 MB: every re-read goes to HBM
+    small = {k: v // 64 for k, v in private.items()}
+    small["programs"] = 1000
+    b, why = cm.group_bytes(_group(**small), hw)
+    assert b == small["distinct_loaded"] + small["distinct_stored"] and "fit L2" in why
+    shared = dict(private, program_distinct=10 * private["distinct"])  # programs overlap: L2 hits, compulsory
+    assert cm.group_bytes(_group(**shared), hw)[0] == 2 * 1000 * slab
+    assert cm.group_bytes({"loaded": 5, "stored": 7}, hw, torch_group=True)[0] == 12
+    (g,) = cm.model_times({"forward/k": _group(**dict(private, flops=10**12))}, hw)
+    assert g.flop_s == pytest.approx(10**12 / 989.4e12) and g.byte_s == pytest.approx(g.hbm_bytes / 4.32e12)
+    assert g.seconds == max(g.flop_s, g.byte_s) and g.dominant == "bytes"
+    assert cm.gemm_floor_s((8192, 4096, 151936), 4, hw) * 1e3 == pytest.approx(41.2, abs=0.1)
+
+
+def test_cuda_only_addmm_out_dtype_is_emulated_and_counted():
+    acc, a, b = torch.randn(4, 3), torch.randn(4, 5).bfloat16(), torch.randn(5, 3).bfloat16()
+    want = acc + a.float() @ b.float()
+    recs = [r for r in cost.count_launches(lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc))]
+    torch.testing.assert_close(acc, want)
+    (r,) = [r for r in recs if r.flops]
+    assert r.name == "aten.addmm" and r.flops == {"bf16": 2 * 4 * 5 * 3}
+    assert (r.loaded, r.stored) == (4 * 3 * 4 + (4 * 5 + 5 * 3) * 2, 4 * 3 * 4)  # acc is read and written
+
+
+def test_liger_weight_grad_rewrite_to_its_cuda_addmm():
+    from bench.cost_subjects import _liger_gpu_weight_grad
+
+    g, x = torch.randn(8, 6).bfloat16(), torch.randn(8, 4).bfloat16()
+    gw = torch.zeros(6, 4).bfloat16()
+    with cost.counting("backward") as recs:
+        gw += torch.mm(g.t(), x).float()  # Liger's CPU branch
+    (r,) = [r for r in _liger_gpu_weight_grad(recs) if r.flops]
+    assert r.name == "aten.addmm" and r.flops == {"bf16": 2 * 6 * 8 * 4}
+    assert (r.loaded, r.stored) == ((8 * 6 + 8 * 4 + 6 * 4) * 2, 6 * 4 * 2)
+    assert not any(x.name in ("aten._to_copy", "aten.add_") for x in _liger_gpu_weight_grad(recs))
+
+
+# ----------------------------------------------------------------------------- the commands
+
+
+def test_bench_cost_command_and_its_generated_section(tmp_path):
+    """`python -m bench cost` on our token op at a small target: an exact fit, the model's times,
+    a results file, and the generated tables between the doc's markers."""
+    from bench import report
+    from bench.__main__ import main
+
+    assert main(["cost", "--subjects", "erpo", "--ops", "token_logprobs", "--targets", "64x1x4480",
+                 "--out-dir", str(tmp_path)]) == 0
+    (run,) = report.cost_runs(tmp_path)
+    (s,) = run["subjects"]
+    assert (s["name"], s["status"], s["exact"]) == ("erpo", "ok", True)
+    (r,) = s["results"]
+    g = {x["group"]: x for x in r["passes"]["both"]["H200"]["groups"]}
+    fwd = g["forward/_token_logprobs_fwd_kernel"]
+    assert fwd["programs"] == 64 and fwd["loaded"] >= 64 * 4480 * 2  # one program per row, reads each logit
+    assert r["passes"]["both"]["H200"]["ms"] == pytest.approx(sum(x["ms"] for x in g.values()))
+    assert run["commit"] and run["versions"]["triton"]
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"# t\n{report.COST_START}\nold\n{report.COST_END}\nend\n")
+    assert report.write_between(doc, report.COST_START, report.COST_END, report.cost_markdown(tmp_path))
+    text = doc.read_text()
+    assert "Model, not a measurement" in text and "| `erpo` | " in text and "old" not in text
+    assert text.endswith(f"{report.COST_END}\nend\n")
+    with pytest.raises(SystemExit, match="NxDxV"):
+        main(["cost", "--targets", "64x1", "--out-dir", str(tmp_path)])
+
+
+def test_bench_calibrate_records_times_beside_the_model(tmp_path):
+    from bench import calibrate, report
+    from bench.__main__ import main
+
+    assert main(["calibrate", "--device", "cpu", "--targets", "16x8x40", "--subjects", "erpo-reference",
+                 "--repeats", "1", "--out-dir", str(tmp_path), "--machine", "smoke", "--no-report"]) == 0
+    data = report.load(tmp_path / "smoke.json")
+    (run,) = data["runs"]
+    got = {(r["case"], r["pass"]) for r in run["results"] if r["status"] == "ok"}
+    assert got == {("gemm-fwd", "forward"), ("gemm-bwd", "backward"), ("erpo-reference", "forward"),
+                   ("erpo-reference", "both")}
+    assert report.calibration_table(data)[0].startswith("Cost-model calibration")
+    assert calibrate.hardware_of("NVIDIA H200") == "H200" and calibrate.hardware_of("Tesla T4") is None
+    cost_run = {"subjects": [{"name": "erpo", "op": "linear_token_logprobs", "status": "ok", "results": [
+        {"shape": {"N": 16, "D": 8, "V": 40}, "passes": {p: {"H200": {"ms": 2.0}} for p in ("forward", "both")}}]}]}
+    assert calibrate.model_predictions(cost_run, "H200") == {("erpo", 16, 8, 40, "forward"): 2.0,
+                                                             ("erpo", 16, 8, 40, "both"): 2.0}
+    hw = calibrate.HARDWARE["H200"]
+    n, d, v = 8192, 4096, 151936
+    assert calibrate.gemm_model_ms((n, d, v), "gemm-fwd", hw) == pytest.approx(
+        max(2 * n * d * v / hw.peaks["bf16"], 2 * (n * d + v * d + n * v) / hw.hbm_bytes_per_s) * 1e3)
