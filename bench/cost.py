@@ -163,18 +163,24 @@ class _LaunchState:
         self.patched: set = set()  # triton.language modules patched for this launch (see _triton_hooks)
 
     def set_args(self, named: List[Tuple[str, torch.Tensor]]) -> None:
-        """The byte span of each tensor argument; arguments with the same span share a name."""
-        spans: Dict[Tuple[int, int], List[str]] = {}
-        for name, t in named:
+        """The byte span of each tensor argument; arguments whose spans overlap share one (joined) name."""
+        spans: Dict[Tuple[int, int], List[Tuple[int, str]]] = {}
+        for i, (name, t) in enumerate(named):
             if t.numel() == 0:
                 continue
             extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
             start = t.data_ptr()
-            spans.setdefault((start, start + extent * t.element_size()), []).append(name)
-        order = sorted(spans)
-        self.starts = np.array([s for s, _ in order], dtype=np.uint64)
-        self.ends = np.array([e for _, e in order], dtype=np.uint64)
-        self.names = ["|".join(spans[k]) for k in order] + ["<unknown>"]
+            spans.setdefault((start, start + extent * t.element_size()), []).append((i, name))
+        merged: List[List] = []  # overlapping spans (a tensor and a slice of it, say) are one region
+        for (start, end) in sorted(spans):
+            if merged and start < merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+                merged[-1][2] += spans[(start, end)]
+            else:
+                merged.append([start, end, list(spans[(start, end)])])
+        self.starts = np.array([m[0] for m in merged], dtype=np.uint64)
+        self.ends = np.array([m[1] for m in merged], dtype=np.uint64)
+        self.names = ["|".join(n for _, n in sorted(m[2])) for m in merged] + ["<unknown>"]  # in argument order
 
     def _arg_of(self, addrs: np.ndarray) -> np.ndarray:
         if not self.starts.size:

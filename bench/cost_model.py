@@ -71,13 +71,13 @@ BYTES_RULE = ("HBM bytes = compulsory (distinct) bytes, except arguments private
 # ----------------------------------------------------------------------------- counts of one run
 
 
-def group_key(r: Launch, shape: Shape) -> str:
+def group_key(r: Launch, shape: Shape, gemm_roles: bool = True) -> str:
     """Launches summed into one group: a Triton kernel by name; a PyTorch op by name and the
     pattern of its first output's dimensions (V, D, or r for any other size), so that an op
     used in two roles (a logits GEMM and a gradient GEMM, say) is timed as two groups."""
     if r.kind == "triton":
         return f"{r.phase}/{r.name}"
-    if not r.flops:  # not a GEMM: bytes only, one group per op name
+    if not r.flops or not gemm_roles:  # not a GEMM (bytes only), or roles not told apart: one group per op name
         return f"{r.phase}/{r.name}"
     _, d, v = shape
     dims = r.out_shape or ()
@@ -85,13 +85,13 @@ def group_key(r: Launch, shape: Shape) -> str:
     return f"{r.phase}/{r.name}[{pat}]"
 
 
-def flatten(records: Iterable[Launch], shape: Shape) -> Counts:
+def flatten(records: Iterable[Launch], shape: Shape, gemm_roles: bool = True) -> Counts:
     """Group the records (see group_key) and sum their quantities."""
     out: Counts = {}
     for r in records:
         if r.kind == "torch" and not (r.loaded or r.stored or r.flops):
             continue  # views and other metadata ops: nothing to time
-        q = out.setdefault(("torch/" if r.kind == "torch" else "") + group_key(r, shape), {})
+        q = out.setdefault(("torch/" if r.kind == "torch" else "") + group_key(r, shape, gemm_roles), {})
         q["launches"] = q.get("launches", 0) + 1
         for k in ("programs", "loaded", "stored", "distinct_loaded", "distinct_stored", "distinct", "atomics"):
             q[k] = q.get(k, 0) + getattr(r, k)
@@ -158,12 +158,13 @@ class Fit:
     terms: List[str]
     coefs: Dict[str, Dict[str, List[Fraction]]]
     shapes: List[Shape]
-    checks: List[Dict] = field(default_factory=list)
+    checks: List[Dict] = field(default_factory=list)  # held-out shapes (Fit.check)
+    fit_exact: bool = False  # reproduces every fit shape
+    target_features: Optional[Features] = None  # the basis at the target, when it differs (a peer's real chunks)
 
     def at(self, shape: Shape, features: Optional[Features] = None) -> Counts:
-        """The fitted counts at `shape` (features: the target's, when they differ from the fit's,
-        e.g. a peer's real chunk sizes where the fit ran with small ones)."""
-        f = (features or self.features)(shape)
+        """The fitted counts at `shape`, in `features` (default: target_features, else the fit's)."""
+        f = (features or self.target_features or self.features)(shape)
         row = [f[t] for t in self.terms]
         out: Counts = {}
         for g, qs in self.coefs.items():
@@ -171,8 +172,8 @@ class Fit:
         return out
 
     def check(self, shape: Shape, counted: Counts) -> Dict:
-        """Compare the fit with counts at a shape; records and returns the result."""
-        pred = self.at(shape)
+        """Compare the fit with counts at a shape (in the fit's basis); records and returns the result."""
+        pred = self.at(shape, self.features)
         bad = []
         for g in sorted(set(pred) | set(counted)):
             p, c = pred.get(g, {}), counted.get(g, {})
@@ -209,10 +210,8 @@ def fit_exact(counts: Dict[Shape, Counts], features: Features = multilinear) -> 
     for j, (g, q) in enumerate(keys):
         coefs.setdefault(g, {})[q] = [x[i][j] for i in range(len(terms))]
     fit = Fit(features, terms, coefs, shapes)
-    residual = sum(1 for s in shapes for r in [fit.check(s, counts[s])] if not r["exact"])
-    fit.fit_residual_shapes = residual  # type: ignore[attr-defined]
+    fit.fit_exact = all(fit.check(s, counts[s])["exact"] for s in shapes)
     fit.checks.clear()
-    fit.fit_exact = residual == 0  # type: ignore[attr-defined]
     return fit
 
 

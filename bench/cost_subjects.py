@@ -12,7 +12,7 @@ import contextlib
 import importlib
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -44,6 +44,7 @@ class Subject:
     gpu_path: str = ""  # how the counted path is the peer's GPU path
     adjust: Optional[Callable[[List[cost.Launch]], List[cost.Launch]]] = None
     uses_d: bool = True
+    gemm_roles: bool = True  # time a PyTorch GEMM per output pattern (False: per op name, see cost_model.group_key)
 
     def closures(self, shape: Shape) -> Tuple[Callable, Callable]:
         """(forward, backward) at `shape`: forward() -> logp, backward(logp)."""
@@ -89,7 +90,7 @@ def count(subject: Subject, shape: Shape, plan: FitPlan) -> Counts:
     records = fwd + bwd
     if subject.adjust is not None:
         records = subject.adjust(records)
-    return flatten(records, shape)
+    return flatten(records, shape, subject.gemm_roles)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -366,7 +367,7 @@ SUBJECTS: List[Subject] = [
             "PyTorch reference, fp32 compute)", _reference_linear,
             _reference_plan("LINEAR_CHUNK_ELEMENTS", "ref-linear")),
     Subject("trl-chunked", LINEAR, "TRL ChunkedLogProbFunction (trl.kernels), log-probs only", _trl_chunked,
-            _trl_plan, module="trl.kernels", dist="trl",
+            _trl_plan, module="trl.kernels", dist="trl", gemm_roles=False,
             gpu_path="its CUDA branch: the Triton fold kernels (_use_triton forced) and the fp32-accumulating "
                      "addmm(out_dtype=float32) of bf16 operands (computed on CPU by an equivalent); counted with "
                      "small chunk constants, extrapolated with its own (4096 rows, 32768 columns, 1024 blocks)"),
@@ -405,7 +406,7 @@ def fit_subject(subject: Subject, target: Shape, cache: Dict[Tuple, Fit], log=pr
     fit = fit_exact({s: counted[s] for s in plan.fit}, plan.features)
     for s in plan.check:
         fit.check(s, counted[s])
-    fit.target_features = plan.target_features  # type: ignore[attr-defined]
+    fit.target_features = plan.target_features
     cache[key] = fit
     return fit
 
@@ -426,7 +427,7 @@ def evaluate(fit: Fit, target: Shape) -> Dict:
     """Counts and modelled times of a fitted subject at `target`, per pass and hardware."""
     from .cost_model import HARDWARE, gemm_floor_s, model_times
 
-    counts = fit.at(target, getattr(fit, "target_features", None))
+    counts = fit.at(target)
     out: Dict = {"shape": dict(zip("NDV", target)), "passes": {}}
     for p in PASSES:
         c = _pass_counts(counts, p)
@@ -466,7 +467,7 @@ def run(subjects: List[Subject], targets: List[Shape], log=print) -> Dict:
             entries.append(entry)
             log(f"{s.name} ({s.op}): cannot be counted here: {entry['reason']}")
             continue
-        exact = all(f.exact and getattr(f, "fit_exact", False) for f in fits)
+        exact = all(f.exact and f.fit_exact for f in fits)
         entry.update(status="ok", exact=exact, results=results,
                      fits=[{"shapes": [list(x) for x in f.shapes], "terms": f.terms, "fit_exact": f.fit_exact,
                             "checks": f.checks} for f in {id(f): f for f in fits}.values()])
