@@ -88,9 +88,14 @@ def save_checkpoint(
     final = os.path.join(root, f"step-{step:06d}")
     tmp = os.path.join(root, f".tmp-step-{step:06d}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, os.path.join(tmp, OPTIM_FILE))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+                   os.path.join(tmp, OPTIM_FILE))
+    except OSError:  # e.g. a full disk: the part written is freed, the complete checkpoints stay
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _publish(run_dir, tmp, final, step, state, keep)
     return final
 

@@ -17,10 +17,13 @@ import argparse
 import difflib
 import glob
 import os
+import signal
 import sys
+import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .config import EVAL_KEYS, FIELDS, ConfigError, TrainConfig, help_text, load_config, merge_for_resume, read_yaml
+from .config import (EVAL_KEYS, FIELDS, ConfigError, TrainConfig, help_text, load_config, merge_for_resume,
+                     missing_run_paths, read_yaml)
 from .errors import ErpoError
 
 USAGE = __doc__.split("\n\n")[1]
@@ -108,8 +111,10 @@ def resolve_config(args: Sequence[str], command: str = "train") -> TrainConfig:
         given = {k: v for k, v in given.items() if k not in ("resume", "run_dir")}
         cfg = merge_for_resume(saved, given)
         cfg.resume, cfg.run_dir = resume, target
+        missing_run_paths(cfg, cfg.resume)
     if command != "eval":
         cfg.model = model_path(cfg.model)
+        cfg.resolve_training_defaults()
     cfg.validate()
     return cfg
 
@@ -146,6 +151,7 @@ def _eval_config(cfg: TrainConfig, given: Dict[str, Any], from_file: bool) -> Tr
         cfg.eval_checkpoints = entries
         given = {**given, "eval_checkpoints": entries}
     chosen_run_dir = "run_dir" in given
+    cfg.resolve_run_dir()
     run = run_of(entries[0]) if entries and not chosen_run_dir else None
     if run is not None:
         given = {**given, "run_dir": run}
@@ -233,7 +239,7 @@ eval.md and eval.png in <out>/<name>/; with several models compare.md/png/json i
   temperatures=  sampling temperatures, each > 0; greedy is always run.  [default: %s]
   n=             samples per problem and temperature.  [default: 8]
   k=             k of Pass@k, each <= n.  [default: every k from 1 to n]
-  max_new_tokens= response length (default: the run's; 8 outside any run: set it)
+  max_new_tokens= response length (default: the run's; outside any run %d, %d for data=arithmetic)
   batch_size=, limit= (the first N problems only)
   save_samples=true  also write samples.jsonl: every completion, its question, gold answer and grade
   out=           report directory  [default: <run>/eval for one run, <their parent>/eval
@@ -245,9 +251,9 @@ Every training key is accepted too (e.g. device=, dtype=, template=, reward=, se
 
 def _print_help(command: str) -> None:
     if command == "eval":
-        from .config import EVAL_TEMPERATURES
+        from .config import DEMO_MAX_NEW_TOKENS, EVAL_TEMPERATURES, MAX_NEW_TOKENS
 
-        print(EVAL_HELP % ",".join(map(str, EVAL_TEMPERATURES)))
+        print(EVAL_HELP % (",".join(map(str, EVAL_TEMPERATURES)), MAX_NEW_TOKENS, DEMO_MAX_NEW_TOKENS))
         print(help_text())
         return
     print(f"usage: erpo {command} [config.yaml] [key=value ...]\n\nkeys, by section:\n\n{help_text()}")
@@ -289,7 +295,26 @@ def _print_piped(text: str) -> int:
     return 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what schedulers and `kill` send), raised where the run is, as Ctrl-C is: the
+    same clean stop (checkpoints are written atomically, the last complete one is named)."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = _parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.command is None:
@@ -336,7 +361,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun, one line for all ranks
             print(f"erpo: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         where = ""
         if trainer is not None:
             from .checkpoint import latest_checkpoint
@@ -344,8 +369,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             last = latest_checkpoint(trainer.cfg.run_dir)
             where = (f"; the last checkpoint is {last}, continue with: erpo train resume={trainer.cfg.run_dir}"
                      if last else "; no checkpoint was written yet")
-        print(f"erpo: interrupted{where}", file=sys.stderr)
-        return 130
+        terminated = isinstance(exc, Terminated)
+        print(f"erpo: {'terminated (SIGTERM)' if terminated else 'interrupted'}{where}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
 
 
 if __name__ == "__main__":

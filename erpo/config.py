@@ -31,6 +31,11 @@ class ConfigError(ErpoError):
 # The paper's evaluation temperatures (docs/method.md section 8).
 EVAL_TEMPERATURES = [0.1, 0.3, 0.5, 0.7, 0.9, 1.0, 1.1, 1.3, 1.5]
 
+# The values of the keys whose default is auto: the embedded demo's, and everyone else's.
+DEMO_RUN_DIR = os.path.join("runs", "demo")
+DEMO_MAX_NEW_TOKENS, MAX_NEW_TOKENS = 8, 1024  # the a+b task's answers are a few tokens long
+DEMO_LR, LR = 3e-4, 1e-6  # the 2-layer demo model; a pretrained model (TRL's and verl's default)
+
 
 @dataclass(frozen=True)
 class Section:
@@ -112,7 +117,10 @@ class TrainConfig:
     group_size: int = ROLLOUT(8, "G, responses sampled per query")
     queries_per_step: int = ROLLOUT(16, "m, distinct queries per step (a step trains on m * G sequences)")
     temperature: float = ROLLOUT(1.0, "tau, the sampling temperature; response tokens are scored at 1 / tau")
-    max_new_tokens: int = ROLLOUT(8, "longest response in tokens")
+    max_new_tokens: int = ROLLOUT(
+        0, f"longest response in tokens; 0 = auto: {DEMO_MAX_NEW_TOKENS} for the embedded task (dataset=arithmetic), "
+           f"{MAX_NEW_TOKENS} otherwise"
+    )
     rollout_backend: str = ROLLOUT(
         "hf",
         "rollout engine: hf (transformers generate on the trained model) or vllm (a colocated vLLM engine, "
@@ -124,7 +132,10 @@ class TrainConfig:
         0.3, "vllm: the fraction of GPU memory the engine may take (weights and KV cache) while it generates"
     )
 
-    lr: float = OPTIMISATION(3e-4, "AdamW learning rate")
+    lr: float = OPTIMISATION(
+        0.0, f"AdamW learning rate; 0 = auto: {DEMO_LR:g} for the demo model (model=tiny), {LR:g} otherwise (TRL's "
+             f"and verl's default)"
+    )
     lr_schedule: str = OPTIMISATION(
         "constant",
         "constant, linear or cosine decay to 0 over `steps`, after warmup",
@@ -203,8 +214,9 @@ class TrainConfig:
     )
 
     run_dir: str = RUN(
-        "runs/demo",
-        "where config.yaml, metrics.jsonl, the plot, the reference cache and checkpoints go",
+        "auto",
+        f"where config.yaml, metrics.jsonl, the plot, the reference cache and checkpoints go; auto = {DEMO_RUN_DIR} "
+        f"for the embedded demo (model=tiny, dataset=arithmetic), runs/<model>-<dataset> otherwise",
     )
     resume: str = RUN(
         "",
@@ -255,7 +267,8 @@ class TrainConfig:
         [],
         "k of Pass@k, each <= eval_n_samples; empty = every k from 1 to eval_n_samples",
     )
-    eval_max_new_tokens: int = EVALUATION(0, "response length at evaluation; 0 = max_new_tokens")
+    eval_max_new_tokens: int = EVALUATION(0, "response length at evaluation; 0 = max_new_tokens (its auto value for "
+                                              "the evaluation data outside any run)")
     eval_batch_size: int = EVALUATION(256, "sequences per generate call at evaluation")
     eval_limit: int = EVALUATION(0, "evaluate the first N problems only; 0 = all")
     eval_out: str = EVALUATION("", "where reports go; empty = <run_dir>/eval (runs/eval for a model outside any run)")
@@ -299,6 +312,13 @@ class TrainConfig:
         return self.eval_dataset == "arithmetic" or (not self.eval_dataset and self.is_demo_task)
 
     @property
+    def eval_max_tokens(self) -> int:
+        """The response length at evaluation: eval_max_new_tokens, else max_new_tokens, else
+        (auto, a model outside any run) the auto value for the evaluation data."""
+        auto = DEMO_MAX_NEW_TOKENS if self.eval_is_demo_task else MAX_NEW_TOKENS
+        return self.eval_max_new_tokens or self.max_new_tokens or auto
+
+    @property
     def eval_template(self) -> str:
         """The template at evaluation (auto resolved for the evaluation data)."""
         return self.template_for(self.eval_is_demo_task)
@@ -307,6 +327,31 @@ class TrainConfig:
     def eval_reward(self) -> str:
         """The reward at evaluation (auto resolved for the evaluation data)."""
         return self.reward_for(self.eval_is_demo_task)
+
+    def resolve_run_dir(self) -> None:
+        """run_dir=auto replaced, in place, by DEMO_RUN_DIR for the embedded demo, else
+        runs/<model>-<dataset> (a checkpoint RUN/checkpoints/step-N is named RUN-step-N)."""
+        if self.run_dir != "auto":
+            return
+        if self.is_demo_model and self.is_demo_task:
+            self.run_dir = DEMO_RUN_DIR
+            return
+        model = os.path.normpath(self.model)
+        name = os.path.basename(model)
+        if os.path.basename(os.path.dirname(model)) == "checkpoints":
+            name = f"{os.path.basename(os.path.dirname(os.path.dirname(model)))}-{name}"
+        data = os.path.splitext(os.path.basename(os.path.normpath(self.dataset)))[0]
+        self.run_dir = os.path.join("runs", f"{name}-{data}")
+
+    def resolve_training_defaults(self) -> None:
+        """The auto values a training run needs, in place: run_dir (resolve_run_dir),
+        max_new_tokens=0 (DEMO_MAX_NEW_TOKENS for the embedded task, else MAX_NEW_TOKENS)
+        and lr=0 (DEMO_LR for the demo model, else LR). config.yaml stores the values."""
+        self.resolve_run_dir()
+        if self.max_new_tokens == 0:
+            self.max_new_tokens = DEMO_MAX_NEW_TOKENS if self.is_demo_task else MAX_NEW_TOKENS
+        if self.lr == 0:
+            self.lr = DEMO_LR if self.is_demo_model else LR
 
     @property
     def ref_cache_path(self) -> str:
@@ -360,15 +405,16 @@ class TrainConfig:
             raise ConfigError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
         for name in ("weight_decay", "max_grad_norm"):
             at_least(name, getattr(self, name), 0.0)
-        for name in ("temperature", "lr", "warmstart_lr"):
+        for name in ("temperature", "warmstart_lr"):
             positive(name, getattr(self, name))
+        at_least("lr", self.lr, 0.0)  # 0 = auto
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)} must lie in [0, 1)")
-        for name in ("queries_per_step", "max_new_tokens", "steps", "mini_batches", "ppo_epochs",
+        for name in ("queries_per_step", "steps", "mini_batches", "ppo_epochs",
                      "task_train_size", "task_eval_size", "tiny_hidden_size", "tiny_layers", "warmstart_batch_size", "eval_n_samples", "eval_batch_size"):
             at_least(name, getattr(self, name), 1)
-        for name in ("cpu_threads", "rollout_batch_size", "warmup_steps", "save_every", "keep_checkpoints", "max_prompt_tokens",
+        for name in ("cpu_threads", "max_new_tokens", "rollout_batch_size", "warmup_steps", "save_every", "keep_checkpoints", "max_prompt_tokens",
                      "micro_batch_tokens", "warmstart_steps", "eval_max_new_tokens", "eval_limit", "task_max_operand"):
             at_least(name, getattr(self, name), 0)
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
@@ -601,9 +647,34 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Tu
     return TrainConfig(**given), given
 
 
+# Keys naming files or directories, and the names among their values that are not paths.
+PATH_KEYS = {"model": ("tiny",), "dataset": ("arithmetic",), "eval_dataset": ("arithmetic", ""), "ref_cache": ("",),
+             "cache_dir": ()}
+
+
+def resolved_path(key: str, value: str) -> str:
+    """`value` of path key `key` as an absolute path (a name such as tiny kept as it is)."""
+    return value if value in PATH_KEYS[key] else os.path.abspath(value)
+
+
+def same_path(key: str, a: Any, b: Any) -> bool:
+    """Whether two values of path key `key` name the same file or directory (another spelling of it)."""
+    if a == b:
+        return True
+    if not isinstance(a, str) or not isinstance(b, str) or a in PATH_KEYS[key] or b in PATH_KEYS[key]:
+        return False
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
 def save_config(cfg: TrainConfig, path: str) -> None:
-    """Write the resolved config as YAML (atomically)."""
-    atomic_write(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode("utf-8"))
+    """Write the config as YAML (atomically), every path absolute: a run resumes, and is
+    evaluated, from any working directory."""
+    values = cfg.to_dict()
+    values.update({key: resolved_path(key, values[key]) for key in PATH_KEYS})
+    atomic_write(path, yaml.safe_dump(values, sort_keys=False).encode("utf-8"))
 
 
 # Keys that may change when a run is resumed: they do not alter what steps 1..k computed.
@@ -613,10 +684,29 @@ RESUMABLE_KEYS = frozenset(
 )
 
 
+def _moved(key: str, saved: Any) -> bool:
+    """The run's path `saved` of key `key` exists no more from here (moved, or relative to
+    another working directory): another path may be given for it; the trainer checks that
+    it holds the run's data (fingerprint), starting weights and reference cache."""
+    return isinstance(saved, str) and saved not in PATH_KEYS[key] and not os.path.exists(saved)
+
+
+def missing_run_paths(cfg: TrainConfig, resume: str) -> None:
+    """ConfigError when a resumed run's model or dataset is not found from here, saying how to name it."""
+    for key in ("model", "dataset"):
+        value = getattr(cfg, key)
+        if _moved(key, value):
+            raise ConfigError(
+                f"resume={resume}: the run's {key} {value!r} does not exist from here ({os.getcwd()}); give its "
+                f"path with {key}=PATH (the same {'weights' if key == 'model' else 'data'})"
+            )
+
+
 def merge_for_resume(saved: Dict[str, Any], given: Dict[str, Any]) -> TrainConfig:
     """The saved run's config with the given overrides; changing a key that would break
     exact continuation (anything but steps, save_every, keep_checkpoints, progress, gradient_checkpointing and
-    eval settings; steps too under a decaying lr_schedule) is a ConfigError."""
+    eval settings; steps too under a decaying lr_schedule) is a ConfigError. A path may be given
+    in another spelling of the same file, or anew where the saved one exists no more."""
     merged = {}
     for key, value in saved.items():
         if key not in FIELDS:
@@ -631,6 +721,9 @@ def merge_for_resume(saved: Dict[str, Any], given: Dict[str, Any]) -> TrainConfi
             )
         if key in RESUMABLE_KEYS or merged.get(key) == value:
             merged[key] = value
+            continue
+        if key in PATH_KEYS and (same_path(key, merged.get(key), value) or _moved(key, merged.get(key))):
+            merged[key] = value  # the same file by another spelling, or the run's, moved: its contents are checked
             continue
         raise ConfigError(
             f"{key} cannot change when resuming (saved {merged.get(key)!r}, given {value!r}): exact continuation "

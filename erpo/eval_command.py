@@ -190,12 +190,13 @@ def _evaluate_model(cfg: TrainConfig, model_dir: str, name: str, examples: Seque
                     device: torch.device, dtype: torch.dtype, log: Callable[[str], None]) -> EvalResult:
     """Evaluate one model on `examples`, write its report to `out` and log its table."""
     from .data import encode_prompts
-    from .models import load_model, load_tokenizer
+    from .models import check_vocabulary, load_model, load_tokenizer
     from .rewards import get_reward_fn
 
-    max_new_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
+    max_new_tokens = cfg.eval_max_tokens
     model = load_model(model_dir, device, dtype).eval()
     tokenizer = load_tokenizer(model_dir)
+    check_vocabulary(model, tokenizer, model_dir)
     prompts = encode_prompts(tokenizer, examples, cfg.eval_template)  # as in training (BOS included)
     t0 = time.perf_counter()
     result = evaluate(
@@ -236,7 +237,7 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
         examples = examples[: cfg.eval_limit]
     targets = _eval_targets(cfg, log)  # model dir -> report name
     out_root = _writable_out_root(cfg)
-    max_new_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
+    max_new_tokens = cfg.eval_max_tokens
     planned = {name: _planned_settings(cfg, model_dir, len(examples), max_new_tokens)
                for model_dir, name in targets.items()}
     if not cfg.overwrite:

@@ -93,20 +93,42 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype = torch.float
     return model.to(device)
 
 
+# What a saved tokenizer leaves in a model directory (one of them at least).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
 def load_tokenizer(path: str) -> Any:
-    """The tokenizer of a local model directory, with pad = EOS when it has no pad token."""
+    """The tokenizer of a local model directory, with pad = EOS when it has no pad token.
+    ErpoError for a directory without tokenizer files (transformers 5 would build an empty
+    tokenizer from config.json alone) and for a tokenizer that encodes text to nothing."""
     from transformers import AutoTokenizer
 
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ErpoError(f"model {path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); save the "
+                        f"model's tokenizer into it: AutoTokenizer.from_pretrained(SOURCE).save_pretrained({path!r})")
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ErpoError(f"model {path!r}: no usable tokenizer in the directory ({_first_line(exc)})") from None
+    if len(tok) < 2 or not tok("1 + 1 = 2", add_special_tokens=False)["input_ids"]:
+        raise ErpoError(f"model {path!r}: its tokenizer is empty ({len(tok)} token(s); text encodes to nothing); "
+                        f"save the model's own tokenizer into the directory")
     if tok.eos_token_id is None:
         raise ErpoError(f"model {path!r}: the tokenizer has no EOS token, so a response cannot end; set eos_token "
                         f"in its tokenizer_config.json")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def check_vocabulary(model: Any, tokenizer: Any, path: str) -> None:
+    """ErpoError when the tokenizer has more tokens than the model has embedding rows (a token
+    id past them would fail inside the embedding): not the model's own tokenizer."""
+    rows = int(model.get_input_embeddings().weight.shape[0])
+    if len(tokenizer) > rows:
+        raise ErpoError(f"model {path!r}: its tokenizer has {len(tokenizer)} tokens, the model's embedding {rows} "
+                        f"rows (token ids >= {rows} have none); use the tokenizer the model was trained with")
 
 
 def enable_gradient_checkpointing(model: Any) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -228,6 +228,9 @@ def resolve_attn_implementation(name: str, device: Any) -> str:
     if name == "flash_attention_2" and not (cuda and has_flash):
         why = "runs on CUDA only" if not cuda else "needs the flash-attn package (pip install flash-attn)"
         raise ValueError(f"attn_implementation=flash_attention_2 {why}; use attn_implementation=auto")
+    if name == "flex_attention" and not cuda:  # PyTorch's FlexAttention has no backward on CPU
+        raise ValueError("attn_implementation=flex_attention trains on CUDA only (PyTorch's FlexAttention has no "
+                         "backward on CPU); use attn_implementation=auto (sdpa_varlen here)")
     return name
 
 
@@ -242,36 +245,68 @@ def set_attn_implementation(model: Any, name: str = "auto") -> str:
     return resolved
 
 
+PROMPT_LENGTHS = "erpo_prompt_lengths"  # forward_hidden's keyword for sdpa_varlen: [B] prompt tokens per sequence
+
+
 def varlen_sdpa_attention(
     module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Optional[torch.Tensor],
     dropout: float = 0.0, scaling: Optional[float] = None, position_ids: Optional[torch.Tensor] = None, **kwargs: Any,
 ) -> Tuple[torch.Tensor, None]:
     """transformers attention function (query [1, H, N, d], key and value [1, Hkv, N, d])
     of one packed row: each sequence (position_ids [1, N] restart at 0) attends causally to
-    itself alone; returns ([1, N, H, d], None). Anything else (a mask, a batch of rows,
-    decoding with a KV cache) goes to transformers' own sdpa function."""
+    itself alone; returns ([1, N, H, d], None), in the dtype sdpa computes in (autocast's).
+    Anything else (a mask, a batch of rows, decoding with a KV cache) goes to transformers'
+    own sdpa function.
+
+    With erpo_prompt_lengths ([B] prompt tokens T of each sequence; forward_hidden passes
+    it), the T prompt rows of a sequence attend among themselves exactly as the prompt alone
+    does (the same sdpa call as the reference cache's, bit for bit) and its response rows
+    attend to the whole sequence under a lower-right causal mask: the same function, but a
+    prompt's hidden states never depend on the response after it (docs/method.md section 7)."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     n = query.shape[2]
+    prompt_lengths = kwargs.pop(PROMPT_LENGTHS, None)
     if attention_mask is not None or position_ids is None or query.shape[0] != 1 or key.shape[2] != n:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     q, k, v = query[0], repeat_kv(key, groups)[0], repeat_kv(value, groups)[0]  # [H, N, d]
-    starts = torch.nonzero(position_ids.reshape(-1) == 0).flatten()  # [B] first row of each sequence
-    lengths = torch.diff(starts, append=torch.tensor([n], device=starts.device))  # [B]
-    out = q.new_empty(q.shape)  # [H, N, d]
-    for length in torch.unique(lengths).tolist():  # the sequences of one length as one batch
-        rows = (starts[lengths == length][:, None] + torch.arange(length, device=starts.device)).reshape(-1)
-        count = rows.shape[0] // length
+    starts = torch.nonzero(position_ids.reshape(-1) == 0).flatten().tolist()  # first row of each sequence
+    lengths = [b - a for a, b in zip(starts, starts[1:] + [n])]
+    split = lengths if prompt_lengths is None else [min(int(t), n_b) for t, n_b in zip(prompt_lengths, lengths)]
+    out: Optional[torch.Tensor] = None
 
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            return t[:, rows].reshape(t.shape[0], count, length, -1).transpose(0, 1)  # [count, H, length, d]
+    def attend(seqs: Sequence[int], first: int, count: int, keys: int) -> None:
+        """Rows first..first+count-1 of each sequence in `seqs` (one batch), attending to its
+        rows 0..keys-1 causally (lower-right aligned: query row i sees key rows <= i)."""
+        nonlocal out
+        base = torch.tensor([starts[b] for b in seqs], device=q.device)[:, None]  # [S, 1]
+        q_rows = (base + first + torch.arange(count, device=q.device)).reshape(-1)  # [S * count]
+        kv_rows = (base + torch.arange(keys, device=q.device)).reshape(-1)  # [S * keys]
 
+        def gather(t: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+            return t[:, rows].reshape(t.shape[0], len(seqs), width, -1).transpose(0, 1)  # [S, H, width, d]
+
+        mask = None if first == 0 else torch.ones(count, keys, dtype=torch.bool, device=q.device).tril(first)
         o = torch.nn.functional.scaled_dot_product_attention(
-            gather(q), gather(k), gather(v), is_causal=True, scale=scaling, dropout_p=dropout
-        )  # [count, H, length, d]
-        out[:, rows] = o.transpose(0, 1).reshape(o.shape[1], count * length, -1)
+            gather(q, q_rows, count), gather(k, kv_rows, keys), gather(v, kv_rows, keys), attn_mask=mask,
+            is_causal=mask is None, scale=scaling, dropout_p=dropout,
+        )  # [S, H, count, d]
+        if out is None:  # sdpa's dtype: under autocast not q's
+            out = o.new_empty(q.shape)  # [H, N, d]
+        out[:, q_rows] = o.transpose(0, 1).reshape(o.shape[1], len(seqs) * count, -1)
+
+    by_prompt: Dict[int, List[int]] = {}
+    by_shape: Dict[Tuple[int, int], List[int]] = {}
+    for b, (t, n_b) in enumerate(zip(split, lengths)):
+        by_prompt.setdefault(t, []).append(b)
+        if n_b > t:
+            by_shape.setdefault((t, n_b), []).append(b)
+    for t, seqs in by_prompt.items():  # the prompts (whole sequences without prompt lengths), equal T together
+        attend(seqs, 0, t, t)
+    for (t, n_b), seqs in by_shape.items():  # the responses, equal (T, T + L) together
+        attend(seqs, t, n_b - t, n_b)
     return out.transpose(0, 1)[None].contiguous(), None
 
 
@@ -314,9 +349,19 @@ def _base_forward(model: Any) -> Any:
     return getattr(model, BASE_FORWARD, None) or base_model_of(model)
 
 
-def forward_hidden(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def prompt_lengths(span_cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[B] prompt tokens T of each packed sequence from its spans ([2B + 1]: the prompt span
+    holds T - 1 rows)."""
+    cu = span_cu_seqlens.long()
+    return cu[1::2] - cu[0:-1:2] + 1
+
+
+def forward_hidden(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   prompt_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Final hidden states [N, D] of packed rows: input_ids [N], position_ids [N]
-    (restarting at 0 at each sequence's first row, as `pack` makes them).
+    (restarting at 0 at each sequence's first row, as `pack` makes them); prompt_lengths
+    [B] (or None): the prompt tokens of each sequence, for sdpa_varlen, whose prompt rows
+    then equal the prompt's alone bit for bit (varlen_sdpa_attention).
 
     One row [1, N] through the base model with no attention mask and use_cache=False,
     so transformers treats it as packed sequences: row i's hidden state is the one of
@@ -325,8 +370,11 @@ def forward_hidden(model: Any, input_ids: torch.Tensor, position_ids: torch.Tens
     sequences would attend to each other. No logits are computed.
     """
     check_packing_support()
+    extra = {}
+    if prompt_lengths is not None and getattr(model.config, "_attn_implementation", None) == VARLEN_SDPA:
+        extra[PROMPT_LENGTHS] = prompt_lengths.tolist()
     out = _base_forward(model)(
-        input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=None, use_cache=False
+        input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=None, use_cache=False, **extra
     )
     return out.last_hidden_state[0]  # [N, D]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import textwrap
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -206,15 +207,27 @@ META_CHECKS = (
     ("model_fingerprint", "model weights", "model"),
     ("tokenizer_fingerprint", "tokenizer", None),
     ("template", "prompt template", None),
+    ("compute_dtype", "compute dtype (dtype=)", None),
+    ("attn_implementation", "attention (attn_implementation=)", None),
+    ("kernel_backend", "kernel backend (kernel_backend=)", None),
 )
+
+
+def shown(value: Any, width: int = 60) -> str:
+    """`value` quoted for a message, a long text shortened at a word boundary (" ..." marks the cut)."""
+    text = str(value)
+    return repr(textwrap.shorten(text, width, placeholder=" ...") if len(text) > width else text)
 
 
 def check_cache_meta(meta: Dict[str, Any], path: str, expect: Dict[str, str], rebuild: str) -> None:
     """RefCacheError naming the first of META_CHECKS (those in ``expect``) that differs."""
     for key, what, name_key in META_CHECKS:
+        if key in expect and key not in meta:
+            raise RefCacheError(f"reference cache {path} does not record its {what.split(' (')[0]} (an older erpo "
+                                f"built it), so it may not match this run's; rebuild it with: {rebuild}")
         if key in expect and meta.get(key) != expect.get(key):
-            built = f"{meta.get(name_key)} ({meta.get(key)})" if name_key else repr(meta.get(key))[:60]
-            now = f"{expect.get(name_key)} ({expect.get(key)})" if name_key else repr(expect.get(key))[:60]
+            built = f"{meta.get(name_key)} ({meta.get(key)})" if name_key else shown(meta.get(key))
+            now = f"{expect.get(name_key)} ({expect.get(key)})" if name_key else shown(expect.get(key))
             raise RefCacheError(
                 f"reference cache {path} is stale: built for {what} {built}, this run uses {now}; "
                 f"rebuild it with: {rebuild}"

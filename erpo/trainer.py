@@ -14,12 +14,14 @@ loop, writes metrics.jsonl, checkpoints and the plot.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
 import shlex
 import shutil
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -46,10 +48,10 @@ from .data import (
     step_indices,
     template_text,
 )
-from .models import (autocast, enable_gradient_checkpointing, load_model, load_tokenizer, resolve_compute_dtype,
-                     resolve_device)
-from .packing import (PackedSequences, forward_hidden, lm_head_options, pack, resolve_attn_implementation,
-                      set_attn_implementation)
+from .models import (autocast, check_vocabulary, enable_gradient_checkpointing, load_model, load_tokenizer,
+                     resolve_compute_dtype, resolve_device)
+from .packing import (PackedSequences, forward_hidden, lm_head_options, pack, prompt_lengths,
+                      resolve_attn_implementation, set_attn_implementation)
 from .divergence import DivergenceMonitor
 from .plot import CURVES_FILE, METRICS_FILE, plot_runs, read_metrics
 from .query_weights import QueryWeighter
@@ -62,17 +64,18 @@ from .ref_cache import (
     query_id,
     read_ref_cache,
     save_ref_cache,
+    shown,
     tokenizer_fingerprint,
     validate_ref_cache,
 )
 from .rewards import CORRECT_THRESHOLD, get_reward_fn
-from .rollout import Rollout, RolloutEngine, check_rollout_backend, make_engine
+from .rollout import Rollout, RolloutEngine, check_rollout_backend, eos_ids_of, make_engine
 from .tiny import resolve_model_dir, warmstart_dir
 
 # Logged every step (docs/method.md section 6); "policy_kl" too when a reference model is monitored.
 METRIC_KEYS = (
     "reward/mean", "reward/accuracy", "qkl/value", "qkl/delta_mean", "qkl/guarded_frac", "entropy/mean",
-    "response_length/mean", "pg/clipfrac", "weights/ess", "weights/min", "weights/max", "grad_norm",
+    "response_length/mean", "response_length/truncated_frac", "pg/clipfrac", "weights/ess", "weights/min", "weights/max", "grad_norm",
     "time/step_s", "throughput/tokens_per_s",
     "mismatch/logp_diff_mean", "mismatch/logp_diff_max", "mismatch/ratio_out_frac",
 )
@@ -134,9 +137,27 @@ def mean_metrics(updates: Sequence[Dict[str, float]]) -> Dict[str, float]:
     return {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
 
 
-def check_setup(cfg: TrainConfig, device: torch.device) -> None:
+def check_writable(path: str, key: str) -> None:
+    """ConfigError unless directory `path` can be made (when missing) and written in: its
+    nearest existing ancestor is a directory a file can be created in (tried: a read-only
+    file system refuses even root)."""
+    at = os.path.abspath(path)
+    while not os.path.exists(at):
+        at = os.path.dirname(at)
+    if not os.path.isdir(at):
+        raise ConfigError(f"{key}={path} is under {at}, a file, not a directory; choose another {key}=")
+    try:
+        fd, probe = tempfile.mkstemp(dir=at, prefix=".erpo-write-check-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigError(f"{key}={path}: {at} cannot be written ({exc.strerror}); choose a writable {key}=") from None
+
+
+def check_setup(cfg: TrainConfig, device: torch.device, writes_run_dir: bool = True) -> None:
     """ConfigError, before anything is loaded, for a kernel backend or an attention this
-    device cannot run, or an output path that cannot be written."""
+    device cannot run, or an output path that cannot be written (run_dir when
+    `writes_run_dir`, and the reference cache's directory when the cache is to be built)."""
     try:
         resolve_backend(cfg.kernel_backend, torch.empty(0, device=device))
     except ValueError as exc:
@@ -149,21 +170,40 @@ def check_setup(cfg: TrainConfig, device: torch.device) -> None:
         raise ConfigError(f"run_dir={cfg.run_dir} is a file, not a directory; choose another run_dir")
     if os.path.isdir(cfg.ref_cache_path):
         raise ConfigError(f"ref_cache={cfg.ref_cache_path} is a directory; give a file path (e.g. DIR/ref_cache.safetensors)")
+    if writes_run_dir:
+        check_writable(cfg.run_dir, "run_dir")
+    if cfg.overwrite or not os.path.isfile(cfg.ref_cache_path):
+        check_writable(os.path.dirname(os.path.abspath(cfg.ref_cache_path)), "ref_cache" if cfg.ref_cache else "run_dir")
 
 
-def reference_meta(model_dir: str, model: Any, tokenizer: Any, template: str) -> Dict[str, str]:
+def scoring_meta(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> Dict[str, str]:
+    """How the run computes log-probs, recorded in the reference cache (docs/method.md section 7):
+    the compute dtype, the packed forward's attention and the kernel backend. A cache computed
+    otherwise differs from the run's own l(q) at the starting weights by more than fp32 rounding."""
+    return {
+        "compute_dtype": str(dtype).replace("torch.", ""),
+        "attn_implementation": resolve_attn_implementation(cfg.attn_implementation, device),
+        "kernel_backend": resolve_backend(cfg.kernel_backend, torch.empty(0, device=device)),
+    }
+
+
+def reference_meta(model_dir: str, model: Any, tokenizer: Any, template: str,
+                   scoring: Dict[str, str]) -> Dict[str, str]:
     """What the reference cache is checked against (docs/method.md section 7): the
-    starting model's path and weights fingerprint, the tokenizer fingerprint, the template."""
+    starting model's path and weights fingerprint, the tokenizer fingerprint, the template,
+    and how it is scored (scoring_meta)."""
     return {
         "model": os.path.abspath(model_dir),
         "model_fingerprint": model_fingerprint(model),
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "template": template_text(template),
+        **scoring,
     }
 
 
-# Keys that decide which prompts the cache holds and under which model.
-_CACHE_KEYS = ("model", "dataset", "prompt_field", "answer_field", "template", "max_prompt_tokens")
+# Keys that decide which prompts the cache holds, under which model, and how they are scored.
+_CACHE_KEYS = ("model", "dataset", "prompt_field", "answer_field", "template", "max_prompt_tokens", "dtype",
+               "attn_implementation", "kernel_backend", "device")
 _DEMO_MODEL_KEYS = ("tiny_hidden_size", "tiny_layers", "warmstart_steps", "warmstart_lr", "warmstart_batch_size",
                     "warmstart_unboxed", "cache_dir")
 _DEMO_TASK_KEYS = ("task_max_operand", "task_train_size", "task_eval_size")
@@ -171,8 +211,8 @@ _DEMO_TASK_KEYS = ("task_max_operand", "task_train_size", "task_eval_size")
 
 def rebuild_command(cfg: TrainConfig) -> str:
     """`erpo ref-cache ...` with the keys (differing from the defaults) that rebuild this run's cache,
-    shell-quoted, ready to paste. The run's own cache (<run_dir>/ref_cache.safetensors) is replaced
-    (overwrite=true); a cache named by ref_cache= may be another run's, so `erpo ref-cache` asks."""
+    shell-quoted, ready to paste: the cache it reads (<run_dir>/ref_cache.safetensors, or the file
+    ref_cache= names) is replaced, so overwrite=true is part of it when that file exists."""
     default = TrainConfig()
     keys = list(_CACHE_KEYS)
     if cfg.is_demo_model:
@@ -183,7 +223,7 @@ def rebuild_command(cfg: TrainConfig) -> str:
         keys.append("seed")
     parts = [f"{k}={getattr(cfg, k)}" for k in keys if getattr(cfg, k) != getattr(default, k)]
     parts.append(f"ref_cache={cfg.ref_cache}" if cfg.ref_cache else f"run_dir={cfg.run_dir}")
-    if not cfg.ref_cache and os.path.isfile(cfg.ref_cache_path):
+    if os.path.isfile(cfg.ref_cache_path):
         parts.append("overwrite=true")
     return "erpo ref-cache " + " ".join(shlex.quote(p) for p in parts)
 
@@ -248,11 +288,11 @@ def check_world_size(cfg: TrainConfig, world: int) -> None:
                         f"--nproc-per-node")
 
 
-def setup_device(cfg: TrainConfig) -> Tuple[torch.device, torch.dtype]:
+def setup_device(cfg: TrainConfig, writes_run_dir: bool = True) -> Tuple[torch.device, torch.dtype]:
     """(device, compute dtype) of the run, after checking the kernel backend and output paths."""
     device = distributed.local_device(resolve_device(cfg))  # cuda:LOCAL_RANK under torchrun
     dtype = resolve_compute_dtype(cfg, device)
-    check_setup(cfg, device)
+    check_setup(cfg, device, writes_run_dir)
     return device, dtype
 
 
@@ -273,10 +313,20 @@ def setup_prompts(cfg: TrainConfig, examples: Sequence[Example], tokenizer_dir: 
     return tokenizer, prompt_ids
 
 
-def starting_model(model_dir: str, tokenizer: Any, template: str, device: torch.device) -> Tuple[Any, Dict[str, str]]:
-    """(the starting model in fp32, the reference meta the cache is checked against)."""
+def load_scoring_model(cfg: TrainConfig, model_dir: str, device: torch.device) -> Any:
+    """The model of `model_dir` in fp32 with the run's attention (the packed forward's)."""
     model = load_model(model_dir, device)
-    return model, reference_meta(model_dir, model, tokenizer, template)
+    set_attn_implementation(model, cfg.attn_implementation)
+    return model
+
+
+def starting_model(cfg: TrainConfig, model_dir: str, tokenizer: Any, device: torch.device,
+                   dtype: torch.dtype) -> Tuple[Any, Dict[str, str]]:
+    """(the starting model in fp32 with the run's attention, the reference meta the cache is
+    checked against): the cache is scored by the forward that trains."""
+    model = load_scoring_model(cfg, model_dir, device)
+    check_vocabulary(model, tokenizer, model_dir)
+    return model, reference_meta(model_dir, model, tokenizer, cfg.resolved_template, scoring_meta(cfg, device, dtype))
 
 
 def score_reference(cfg: TrainConfig, model: Any, prompt_ids: Sequence[Sequence[int]], meta: Dict[str, str],
@@ -312,6 +362,7 @@ class Trainer:
     input, before any training or any change to the run directory); train() runs."""
 
     def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print, engine: Optional[RolloutEngine] = None):
+        cfg.resolve_training_defaults()
         cfg.validate()
         self.cfg = cfg
         self.log = log if distributed.is_main() else (lambda _msg: None)  # rank 0 speaks for the run
@@ -399,7 +450,8 @@ class Trainer:
                     f"({meta.get('model_fingerprint')}), this run starts from {planned} (a warm start of other "
                     f"settings); rebuild it with: {self.rebuild}"
                 )
-        check_cache_meta(meta, self._cache_read_from, {"template": template_text(self.template)}, self.rebuild)
+        expect = {"template": template_text(self.template), **scoring_meta(cfg, self.device, self.compute_dtype)}
+        check_cache_meta(meta, self._cache_read_from, expect, self.rebuild)
 
     def _setup_model(self, saved: Dict[str, Any]) -> Optional[Any]:
         """Model directory, tokenizer, prompts and the reference meta; returns the starting
@@ -412,7 +464,8 @@ class Trainer:
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         check_micro_batch_budget(self.cfg, self.prompt_ids)
         if not self.resume_from:
-            initial, self.reference = starting_model(self.model_dir, self.tokenizer, self.template, self.device)
+            initial, self.reference = starting_model(self.cfg, self.model_dir, self.tokenizer, self.device,
+                                                     self.compute_dtype)
             return initial
         self.reference = dict(saved["reference"])
         if tokenizer_fingerprint(self.tokenizer) != self.reference["tokenizer_fingerprint"]:
@@ -427,7 +480,7 @@ class Trainer:
         self._cache_is_new = not os.path.isfile(read_from)
         if self._cache_is_new:
             if initial is None:  # resuming without a cache: the starting model must be the run's
-                initial = load_model(self.model_dir, self.device)
+                initial = load_scoring_model(cfg, self.model_dir, self.device)
                 if model_fingerprint(initial) != self.reference["model_fingerprint"]:
                     raise ErpoError(
                         f"resume={cfg.resume}: the reference cache {self.cache_path} is gone and {self.model_dir} no "
@@ -451,6 +504,7 @@ class Trainer:
         when needed, the loss settings and the rollout engine."""
         cfg = self.cfg
         self.model = load_model(self.resume_from, self.device) if self.resume_from else initial
+        check_vocabulary(self.model, self.tokenizer, self.resume_from or self.model_dir)
         self.model.eval()  # no dropout: the sampler and the loss see the same function
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
@@ -459,13 +513,24 @@ class Trainer:
             distributed.shard_model(self.model, self.compute_dtype)
         self.ref_model = None
         if (cfg.algorithm == "grpo" and cfg.beta > 0) or cfg.monitor_policy_kl:
+            self._check_moved_start()
             self.ref_model = load_model(self.model_dir, self.device, self.compute_dtype).eval()
             self.ref_model.requires_grad_(False)
             set_attn_implementation(self.ref_model, cfg.attn_implementation)
         self.loss_config = cfg.loss_config()
+        self.eos_ids = set(eos_ids_of(self.model, self.tokenizer))  # where a response ends before max_new_tokens
         self.engine = engine or make_engine(
             cfg, self.model, self.resume_from or self.model_dir, self.tokenizer, self.prompt_ids, self.compute_dtype
         )
+
+    def _check_moved_start(self) -> None:
+        """Resuming with the starting model at another path than the run's (moved, or named
+        anew): ErpoError unless it holds the run's starting weights (checked in fp32 on CPU)."""
+        if not self.resume_from or os.path.abspath(self.model_dir) == self.reference.get("model"):
+            return
+        if model_fingerprint(load_model(self.model_dir, torch.device("cpu"))) != self.reference["model_fingerprint"]:
+            raise ErpoError(f"resume={self.cfg.resume}: model={self.cfg.model} does not hold the run's starting weights "
+                            f"({self.reference.get('model')}); give that model's path")
 
     def _setup_optimizer(self) -> None:
         """AdamW and the learning-rate schedule (their state restored when resuming)."""
@@ -539,6 +604,8 @@ class Trainer:
             rollout = self.engine.generate(prompts, cfg.group_size, cfg.temperature, cfg.max_new_tokens)
         responses = rollout.responses  # [m][G] token lists
         t_rollout = time.perf_counter() - t0
+        truncated = torch.tensor([[float(len(r) >= cfg.max_new_tokens and r[-1] not in self.eos_ids) for r in group]
+                                  for group in responses])  # [m, G] 1 = cut off at max_new_tokens, no EOS
 
         # 2. rewards and 3. group advantages (section 4)
         rewards = torch.tensor([
@@ -555,6 +622,7 @@ class Trainer:
 
         step_s = time.perf_counter() - t0
         rewards = distributed.all_gather_items(rewards, cfg.mini_batches)  # [m, G] of every rank, in step order
+        truncated = distributed.all_gather_items(truncated, cfg.mini_batches)  # [m, G]
         num_rows = int(distributed.all_reduce_sum(torch.tensor(num_rows)))
         same = (rewards.max(dim=1).values == rewards.min(dim=1).values).float().mean()
         metrics = mean_metrics(updates)  # the step's value of each loss metric: the mean over its updates
@@ -563,6 +631,7 @@ class Trainer:
             "reward/std": float(rewards.std()),
             "reward/accuracy": float((rewards >= CORRECT_THRESHOLD).float().mean()),
             "reward/zero_std_frac": float(same),
+            "response_length/truncated_frac": float(truncated.mean()),
             "time/rollout_s": t_rollout,
             "time/step_s": step_s,
             "throughput/tokens_per_s": num_rows / step_s,
@@ -628,14 +697,14 @@ class Trainer:
         parts = []
         for micro in self._same_count(micros, self.model):
             input_ids, position_ids = mini.rows_of(micro)  # [n_k], [n_k]
-            # 5. forward to hidden states (no logits)
+            batch = mini.batch if micro is None else micro.batch
+            # 5. forward to hidden states (no logits); prompt rows as the reference cache computed them
             with autocast(self.device, self.compute_dtype):
-                hidden = forward_hidden(self.model, input_ids, position_ids)  # [n_k, D]
+                hidden = forward_hidden(self.model, input_ids, position_ids, prompt_lengths(batch.span_cu_seqlens))
             weight, bias = distributed.lm_head_for_call(self.model)  # [V, D] whole (FSDP: gathered), [V] or None
-            hidden, weight, bias = self._to_compute(hidden, weight, bias)
+            hidden, weight, bias = self._to_compute(hidden, weight, bias)  # hidden [n_k, D]
             # 6. the objective: fused log-probs of every row -> segment sums to query_logp
             #    -> Query-KL against ref_query_logp, clipped policy loss weighted by query_weights
-            batch = mini.batch if micro is None else micro.batch
             loss, metrics = erpo_loss(hidden, weight, batch, self.loss_config, bias=bias, backend=cfg.kernel_backend,
                                       normalizers=norm, validate=False, sync_metrics=False,  # no host sync
                                       **lm_head_options(self.model))
@@ -665,7 +734,7 @@ class Trainer:
             input_ids, position_ids = mini.rows_of(micro)  # [n_k], [n_k]
             batch = mini.batch if micro is None else micro.batch
             with autocast(self.device, self.compute_dtype):
-                hidden = forward_hidden(model, input_ids, position_ids)  # [n_k, D]
+                hidden = forward_hidden(model, input_ids, position_ids, prompt_lengths(batch.span_cu_seqlens))
             weight, bias = distributed.lm_head_for_call(model)  # [V, D] whole (FSDP: gathered), [V] or None
             hidden, weight, bias = self._to_compute(hidden, weight, bias)
             out.append(linear_token_logprobs(
@@ -727,16 +796,21 @@ class Trainer:
                        file=sys.stderr)
         checkpoint = ckpt.latest_checkpoint(cfg.run_dir)
         monitor = DivergenceMonitor()
+        warned_truncation = False
         try:
             for step in range(self.start_step + 1, last + 1):
                 metrics = self.step(step)
                 history.append(metrics)
                 if main:
-                    with open(metrics_path, "a", encoding="utf-8") as f:
-                        f.write(json.dumps(metrics) + "\n")
+                    self._write(step, lambda: self._append_metrics(metrics_path, metrics))
                 warnings, fatal = monitor.check(metrics)  # divergence: one line each, with what to try
                 if fatal:  # non-finite: stop before this step's checkpoint (every rank sees the same metrics)
                     raise ErpoError(warnings[0])
+                if metrics["response_length/truncated_frac"] == 1.0 and not warned_truncation:
+                    warned_truncation = True  # once a run: the length is a setting, not an episode
+                    warnings.append(f"step {step}: every response reached max_new_tokens={cfg.max_new_tokens} "
+                                    f"without ending; answers are cut off, so rewards may miss them (raise "
+                                    f"max_new_tokens=)")
                 for line in warnings:
                     self._warn(f"erpo: warning: {line}", bar)
                 if bar is not None:
@@ -744,14 +818,32 @@ class Trainer:
                     flags = {"warning": monitor.warning_tag} if monitor.warning_tag else {}
                     bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", qkl=f"{metrics['qkl/value']:.2e}", **flags)
                 if step == last or (cfg.save_every and step % cfg.save_every == 0):
-                    checkpoint = self.save(step)
+                    checkpoint = self._write(step, lambda: self.save(step))
         finally:
             if bar is not None:
                 bar.close()
         plot = plot_runs([cfg.run_dir]) if main and os.path.isfile(metrics_path) else None
-        summary = self._summary(history, time.perf_counter() - t_start, checkpoint, plot)
+        run_rows = read_metrics(cfg.run_dir) if main and history and os.path.isfile(metrics_path) else history
+        summary = self._summary(history, run_rows, time.perf_counter() - t_start, checkpoint, plot)
         self.log(summary["line"])
         return summary
+
+    @staticmethod
+    def _append_metrics(path: str, metrics: Dict[str, float]) -> None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(metrics) + "\n")
+
+    def _write(self, step: int, write: Callable[[], Any]) -> Any:
+        """write(): its result; an OSError (a full disk, a file system gone read-only) is an
+        ErpoError saying what survived: every checkpoint written before is complete."""
+        try:
+            return write()
+        except OSError as exc:
+            last = ckpt.latest_checkpoint(self.cfg.run_dir)
+            then = "free some space, then" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "once it can be written again,"
+            kept = (f"the last complete checkpoint, {last}, is intact; {then} continue with: erpo train "
+                    f"resume={self.cfg.run_dir}" if last else "no checkpoint was written yet")
+            raise ErpoError(f"step {step}: writing to {self.cfg.run_dir} failed ({exc.strerror or exc}); {kept}") from None
 
     def _warn(self, line: str, bar: Any) -> None:
         """A line in the log, printed above the progress bar when there is one."""
@@ -761,17 +853,20 @@ class Trainer:
         with bar.external_write_mode():
             self.log(line)
 
-    def _summary(self, history, seconds, checkpoint, plot) -> Dict[str, Any]:
+    def _summary(self, history, run_rows, seconds, checkpoint, plot) -> Dict[str, Any]:
+        """The closing line: the rewards of the whole run (run_rows: metrics.jsonl, steps 1..last,
+        the steps before a resume included), the time of this start's steps (history)."""
         cfg = self.cfg
         if not history:
             line = f"erpo: nothing to do: {cfg.run_dir} is already at step {self.start_step} of steps={cfg.steps}"
             return {"line": line, "steps": 0, "checkpoint": checkpoint, "plot": plot}
-        k = max(1, min(10, len(history) // 10))
-        first = sum(h["reward/mean"] for h in history[:k]) / k
-        final = sum(h["reward/mean"] for h in history[-k:]) / k
+        k = max(1, min(10, len(run_rows) // 10))
+        first = sum(h["reward/mean"] for h in run_rows[:k]) / k
+        final = sum(h["reward/mean"] for h in run_rows[-k:]) / k
+        these = f" (steps {history[0]['step']}-{history[-1]['step']} in this start)" if self.start_step else ""
         line = (
-            f"erpo: {cfg.algorithm} finished step {history[-1]['step']}/{cfg.steps} in {seconds:.0f}s: "
-            f"reward {first:.3f} -> {final:.3f} (mean of first/last {k} steps), "
+            f"erpo: {cfg.algorithm} finished step {history[-1]['step']}/{cfg.steps} in {seconds:.0f}s{these}: "
+            f"reward {first:.3f} -> {final:.3f} (mean of the run's first/last {k} steps), "
             f"Query-KL {history[-1]['qkl/value']:.2e}; run {cfg.run_dir} (metrics.jsonl, {CURVES_FILE}, "
             f"{os.path.relpath(checkpoint, cfg.run_dir) if checkpoint else 'no checkpoint'})"
         )
@@ -785,23 +880,24 @@ class Trainer:
 def build_cache_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> str:
     """`erpo ref-cache`: score every training query under cfg.model and write the cache
     (the set-up steps of `erpo train`, up to the reference cache)."""
+    cfg.resolve_training_defaults()
     cfg.validate()
     path = cfg.ref_cache_path
     if os.path.isfile(path) and not cfg.overwrite:  # before any model is built: it may be another run's
         try:
             meta = read_ref_cache(path, "").meta
-            built = f" (built for model {meta.get('model')}, template {str(meta.get('template'))[:40]!r})"
+            built = f" (built for model {meta.get('model')}, template {shown(meta.get('template'), 40)})"
         except RefCacheError:
             built = " (unreadable)"
         raise ErpoError(
             f"ref_cache {path} exists{built}; a run that uses it would no longer resume once it is replaced: "
             f"write the new one elsewhere with ref_cache=PATH, or replace it with overwrite=true"
         )
-    device, dtype = setup_device(cfg)
+    device, dtype = setup_device(cfg, writes_run_dir=not cfg.ref_cache)
     examples, _ = setup_data(cfg, training=False)
     model_dir = resolve_model_dir(cfg, examples, log)
     tokenizer, prompt_ids = setup_prompts(cfg, examples, model_dir)
-    model, meta = starting_model(model_dir, tokenizer, cfg.resolved_template, device)
+    model, meta = starting_model(cfg, model_dir, tokenizer, device, dtype)
     cache, seconds = score_reference(cfg, model.eval(), prompt_ids, meta, int(tokenizer.pad_token_id), device, dtype)
     save_ref_cache(cache, cfg.ref_cache_path)
     log(

@@ -143,6 +143,29 @@ def test_every_shipped_config_loads_and_validates():
     assert demo == TrainConfig(mini_batches=2)  # the embedded default, two updates per rollout batch
 
 
+def test_the_demos_run_dir_response_length_and_lr_are_the_demos_only():
+    """run_dir, max_new_tokens and lr default to auto: the demo's values (runs/demo, 8, 3e-4) for
+    the embedded demo alone; a model and data of one's own get their own run_dir and values for
+    a real model, stored in config.yaml as numbers (issue 19.9)."""
+    from erpo.cli import resolve_config
+    from erpo.config import DEMO_LR, DEMO_MAX_NEW_TOKENS, LR, MAX_NEW_TOKENS
+
+    demo = resolve_config([])
+    assert (demo.run_dir, demo.max_new_tokens, demo.lr) == (os.path.join("runs", "demo"), 8, 3e-4)
+    assert (DEMO_MAX_NEW_TOKENS, DEMO_LR) == (8, 3e-4)  # `make demo`'s numbers, as before
+    own = resolve_config(["model=/models/Qwen2.5-Math-1.5B", "dataset=data/math_train.jsonl"])
+    assert (own.run_dir, own.max_new_tokens, own.lr) == (
+        os.path.join("runs", "Qwen2.5-Math-1.5B-math_train"), MAX_NEW_TOKENS, LR)
+    ckpt_run = resolve_config(["model=runs/a/checkpoints/step-000100", "dataset=arithmetic"])
+    assert (ckpt_run.run_dir, ckpt_run.max_new_tokens, ckpt_run.lr) == (
+        os.path.join("runs", "a-step-000100-arithmetic"), DEMO_MAX_NEW_TOKENS, LR)
+    given = resolve_config(["model=/m", "run_dir=r", "max_new_tokens=5", "lr=0.1"])
+    assert (given.run_dir, given.max_new_tokens, given.lr) == ("r", 5, 0.1)
+    outside = resolve_config(["model=/models/Qwen2.5", "data=/data/math.jsonl"], "eval")
+    assert outside.eval_max_tokens == MAX_NEW_TOKENS
+    assert resolve_config(["model=tiny", "data=arithmetic"], "eval").eval_max_tokens == DEMO_MAX_NEW_TOKENS
+
+
 def test_mini_batches_must_divide_the_queries(capsys):
     one_line_error(capsys, ["train", "mini_batches=3"], "mini_batches=3 does not divide queries_per_step=16",
                    "use one of 1, 2, 4, 8, 16")
@@ -621,12 +644,16 @@ def test_resume_from_a_checkpoint_and_into_another_run_dir(capsys, done_run, tmp
 
 def test_stale_cache_fails_before_the_warm_start_and_ref_cache_keeps_other_runs_caches(capsys, done_run, tmp_path):
     """A run pointed at another run's cache with another template: stale, found before the demo's
-    warm start is trained; the suggested command is shell-quoted and, pasted, refuses to replace
-    the other run's cache (overwrite=true would); with a path of its own it builds the cache."""
+    warm start is trained; the suggested command is shell-quoted and, pasted, rebuilds the cache
+    ref_cache= names (overwrite=true: issue 19.5), after which the run trains; without
+    overwrite=true `erpo ref-cache` refuses to replace a cache; a path of its own is built."""
+    import shutil
+
     from erpo.ref_cache import read_ref_cache
 
     root, run, cache = done_run
-    theirs = os.path.join(run, "ref_cache.safetensors")
+    theirs = str(tmp_path / "theirs.safetensors")
+    shutil.copy(os.path.join(run, "ref_cache.safetensors"), theirs)
     before, warm_starts = open(theirs, "rb").read(), sorted(os.listdir(cache))
     capsys.readouterr()
     args = [*tiny_args(str(tmp_path / "b"), cache), "template=Q: {prompt}"]
@@ -634,13 +661,35 @@ def test_stale_cache_fails_before_the_warm_start_and_ref_cache_keeps_other_runs_
     assert sorted(os.listdir(cache)) == warm_starts   # no warm start was trained
     assert "warm start" not in capsys.readouterr().out
     command = shlex.split(err.split("rebuild it with: ")[1])
-    assert "template=Q: {prompt}" in command and f"ref_cache={theirs}" in command and "overwrite=true" not in command
-    one_line_error(capsys, command[1:], f"ref_cache {theirs} exists", "overwrite=true", "ref_cache=PATH")
+    assert "template=Q: {prompt}" in command and f"ref_cache={theirs}" in command and command[-1] == "overwrite=true"
+    one_line_error(capsys, command[1:-1], f"ref_cache {theirs} exists", "overwrite=true", "ref_cache=PATH")
     assert open(theirs, "rb").read() == before
     mine = str(tmp_path / "mine.safetensors")
-    assert main([a if not a.startswith("ref_cache=") else f"ref_cache={mine}" for a in command[1:]]) == 0
+    assert main([a if not a.startswith("ref_cache=") else f"ref_cache={mine}" for a in command[1:-1]]) == 0
     assert read_ref_cache(mine, "").meta["template"] == "Q: {prompt}"
     assert main(["train", *args, f"ref_cache={mine}"]) == 0
+    assert main(command[1:]) == 0   # pasted as suggested: replaced, and the run it was suggested to trains
+    assert read_ref_cache(theirs, "").meta["template"] == "Q: {prompt}"
+    assert main(["train", *args, f"ref_cache={theirs}", "run_dir=" + str(tmp_path / "c")]) == 0
+
+
+def test_a_stale_template_is_quoted_whole_words(capsys, done_run, tmp_path):
+    """The stale-cache message quotes a long template cut at a word, never mid-word (issue 19.5)."""
+    from erpo.data import R1_TEMPLATE
+
+    root, run, cache = done_run
+    model_dir = os.path.join(run, "checkpoints", "step-000002")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(4)))
+    args = [f"model={model_dir}", f"dataset={data}", "reward=exact_match", "group_size=2", "queries_per_step=2",
+            "max_new_tokens=4", "steps=1", "progress=false", f"run_dir={tmp_path}/run"]
+    assert main(["train", *args, "template=plain"]) == 0
+    err = one_line_error(capsys, ["train", *args, "template=r1", "overwrite=true"], "built for prompt template 'plain'")
+    quoted = err.split("this run uses ")[1].split("; rebuild it with")[0]
+    assert quoted.endswith(' ..."') and " ".join(R1_TEMPLATE.split()).startswith(quoted[1:-5]), quoted
+    assert R1_TEMPLATE.split()[len(quoted[1:-5].split()) - 1] == quoted[1:-5].split()[-1], quoted   # a whole word
+    command = shlex.split(err.split("rebuild it with: ")[1])
+    assert main(command[1:]) == 0 and main(["train", *args, "template=r1", "overwrite=true"]) == 0
 
 
 def test_env_piped_into_a_reader_that_stops_early_prints_no_traceback():
@@ -672,3 +721,174 @@ def test_objective_and_weight_keys_are_checked_by_their_objects(capsys, key, bad
             QueryWeighter.check_config(cfg)
     assert key in str(own.value)
     one_line_error(capsys, ["train", f"{key}={bad}"], str(own.value))
+
+
+def test_a_run_resumes_from_another_working_directory(capsys, done_run, tmp_path, monkeypatch):
+    """config.yaml stores absolute paths, so resume= works from anywhere; the same file under
+    another spelling is accepted; a run saved with relative paths (before) says how to name
+    them, and takes them anew only when they hold the run's data and weights (issue 19.8)."""
+    import shutil
+
+    import yaml
+
+    root, run, cache = done_run
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copytree(os.path.join(run, "checkpoints", "step-000002"), work / "m")
+    (work / "d.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n"
+                                          for a in range(4)))
+    args = ["template=plain", "reward=exact_match", "group_size=2", "queries_per_step=2", "max_new_tokens=4",
+            "progress=false", "algorithm=grpo", "beta=0.1"]   # grpo: the starting model is loaded again
+    monkeypatch.chdir(work)
+    assert main(["train", "model=m", "dataset=d.jsonl", "run_dir=r", "steps=1", *args]) == 0
+    with open(work / "r" / "config.yaml") as f:
+        saved = yaml.safe_load(f)
+    assert (saved["model"], saved["dataset"]) == (str(work / "m"), str(work / "d.jsonl"))
+    assert main(["train", "resume=r", "steps=2", "dataset=./d.jsonl", "model=../work/m"]) == 0   # other spellings
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", f"resume={work}/r", "steps=3"]) == 0   # from another directory
+    assert len(_metrics(str(work / "r"))) == 3
+
+    saved.update(model="m", dataset="d.jsonl")   # a run whose config.yaml holds the paths as typed
+    with open(work / "r" / "config.yaml", "w") as f:
+        yaml.safe_dump(saved, f)
+    capsys.readouterr()
+    one_line_error(capsys, ["train", f"resume={work}/r", "steps=4"], "the run's model 'm' does not exist from here",
+                   "give its path with model=PATH")
+    one_line_error(capsys, ["train", f"resume={work}/r", "steps=4", f"model={work}/m"],
+                   "the run's dataset 'd.jsonl' does not exist from here", "dataset=PATH")
+    (tmp_path / "other.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+2=", "answer": str(a + 2)}) + "\n"
+                                                  for a in range(4)))
+    one_line_error(capsys, ["train", f"resume={work}/r", "steps=4", f"model={work}/m", "dataset=other.jsonl"],
+                   "the training data differs from the run's")
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(work / "m")
+    with torch.no_grad():
+        next(other.parameters()).add_(0.5)
+    other.save_pretrained(tmp_path / "not-the-start")
+    one_line_error(capsys, ["train", f"resume={work}/r", "steps=4", f"model={tmp_path}/not-the-start",
+                            f"dataset={work}/d.jsonl"], "does not hold the run's starting weights")
+    assert main(["train", f"resume={work}/r", "steps=4", f"model={work}/m", f"dataset={work}/d.jsonl"]) == 0
+    assert len(_metrics(str(work / "r"))) == 4
+
+
+def _erpo_on_a_read_only_file_system(tmp_path, *args):
+    """`erpo ARGS` in a process that sees `tmp_path/ro` as a read-only file system (a tmpfs
+    mounted read-only in a user and mount namespace: refused to root too); (status, stderr)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "erpo", *args])
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(["unshare", "--map-root-user", "--mount", "sh", "-c",
+                           f"mount -t tmpfs -o ro tmpfs {shlex.quote(str(ro))} && exec {command}"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    return proc.returncode, proc.stderr.strip()
+
+
+def test_a_run_dir_that_cannot_be_written_is_refused_before_anything_is_computed(capsys, tmp_path):
+    """run_dir under a file, or on a read-only file system: one line, before the demo's warm
+    start or the reference cache is computed (issue 19.6)."""
+    (tmp_path / "file").write_text("")
+    cache = tmp_path / "cache"
+    one_line_error(capsys, ["train", *tiny_args(f"{tmp_path}/file/run", str(cache))],
+                   f"run_dir={tmp_path}/file/run is under {tmp_path}/file, a file, not a directory",
+                   "choose another run_dir=")
+    one_line_error(capsys, ["ref-cache", *tiny_args(str(tmp_path / "r"), str(cache)), f"ref_cache={tmp_path}/file/c"],
+                   "ref_cache=", "a file, not a directory")
+    assert not cache.exists()
+    code, err = _erpo_on_a_read_only_file_system(tmp_path, "train", *tiny_args(f"{tmp_path}/ro/run", str(cache)))
+    assert code == 2 and err.startswith("erpo: error: ") and "\n" not in err, err
+    assert f"run_dir={tmp_path}/ro/run: {tmp_path}/ro cannot be written (Read-only file system)" in err, err
+    assert not cache.exists()   # refused before the warm start
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_last_one_and_says_so(capsys, tmp_path, monkeypatch):
+    import errno
+
+    from erpo import checkpoint as ckpt
+
+    run = str(tmp_path / "run")
+    args = tiny_args(run, str(tmp_path / "cache"), steps=3, save_every=1)
+    real_save = torch.save
+
+    def full_disk(obj, path, *a, **k):
+        if ".tmp-step-000003" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    err = one_line_error(capsys, ["train", *args], "step 3: writing to", "failed (No space left on device)",
+                         f"the last complete checkpoint, {run}/checkpoints/step-000002, is intact",
+                         f"free some space, then continue with: erpo train resume={run}")
+    monkeypatch.undo()
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step-000001", "step-000002"]  # no part left
+    command = shlex.split(err.split("continue with: ")[1])
+    assert main(command[1:]) == 0 and len(_metrics(run)) == 3
+    assert ckpt.latest_checkpoint(run).endswith("step-000003")
+
+
+def test_sigterm_stops_as_ctrl_c_does(tmp_path):
+    """SIGTERM (what a scheduler sends) during training: the clean stop of Ctrl-C, one line
+    naming the last checkpoint and how to continue, exit status 143; continuing works (issue 19.9)."""
+    import signal
+    import time
+
+    run = str(tmp_path / "run")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "erpo", "train",
+                             *tiny_args(run, str(tmp_path / "cache"), steps=200, save_every=1)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 600
+    while not os.path.isdir(os.path.join(run, "checkpoints", "step-000001")) and time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=300)[1].strip()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("erpo: terminated (SIGTERM); the last "
+                                                                      "checkpoint is "), err
+    assert err.splitlines()[-1].endswith(f"continue with: erpo train resume={run}"), err
+    from erpo import checkpoint as ckpt
+
+    done = ckpt.read_state(ckpt.latest_checkpoint(run))["step"]
+    assert main(["train", f"resume={run}", f"steps={done + 1}"]) == 0
+    assert ckpt.read_state(ckpt.latest_checkpoint(run))["step"] == done + 1
+
+
+def test_a_model_without_its_tokenizer_is_one_line(capsys, done_run, tmp_path):
+    """A model directory without tokenizer files (transformers 5 builds an empty tokenizer from
+    config.json alone), and a tokenizer with more tokens than the model's embedding: one line
+    for erpo train and erpo eval; the fix the first names works (issue 19.6)."""
+    import shutil
+
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    root, run, cache = done_run
+    source = os.path.join(run, "checkpoints", "step-000002")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in os.listdir(source):
+        if name.startswith(("config", "generation", "model")):
+            shutil.copy(os.path.join(source, name), bare / name)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(4)))
+    train = ["train", f"dataset={data}", "template=plain", "reward=exact_match", "group_size=2", "queries_per_step=2",
+             "max_new_tokens=4", "steps=1", "progress=false"]
+    evaluate = ["eval", f"data={data}", "n=1", "temperatures=1.0", "limit=2", f"out={tmp_path}/eval"]
+    for argv in ([*train, f"model={bare}", f"run_dir={tmp_path}/r"], [*evaluate, f"model={bare}"]):
+        err = one_line_error(capsys, argv, f"model '{bare}' has no tokenizer files", "save_pretrained")
+    assert not os.path.exists(tmp_path / "r")
+    AutoTokenizer.from_pretrained(source).save_pretrained(str(bare))   # the fix, as the message writes it
+    assert "AutoTokenizer.from_pretrained(SOURCE).save_pretrained(" in err
+    assert main([*train, f"model={bare}", f"run_dir={tmp_path}/r"]) == 0
+
+    small = tmp_path / "small-vocab"
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    config = Qwen2Config(vocab_size=len(tokenizer) - 10, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=tokenizer.eos_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(str(small))
+    tokenizer.save_pretrained(str(small))
+    for argv in ([*train, f"model={small}", f"run_dir={tmp_path}/r2"], [*evaluate, f"model={small}"]):
+        one_line_error(capsys, argv, f"its tokenizer has {len(tokenizer)} tokens, the model's embedding "
+                                     f"{len(tokenizer) - 10} rows", "use the tokenizer the model was trained with")

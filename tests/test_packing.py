@@ -9,6 +9,7 @@ from erpo.packing import (
     forward_hidden_padded,
     lm_head_of,
     pack,
+    prompt_lengths,
     resolve_attn_implementation,
     row_layout,
     set_attn_implementation,
@@ -133,10 +134,12 @@ def test_packed_hidden_states_equal_padded_and_each_sequence_alone(attn):
     assert (joined - hidden).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("algorithm,attn", [("erpo", "sdpa_varlen"), ("grpo", "sdpa_varlen"), ("erpo", "sdpa")])
+@pytest.mark.parametrize("algorithm,attn", [("erpo", "sdpa_varlen"), ("grpo", "sdpa_varlen"), ("erpo", "sdpa"),
+                                            ("erpo", "sdpa_varlen+prompts"), ("grpo", "sdpa_varlen+prompts")])
 def test_training_step_packed_equals_padded(algorithm, attn):
     """The loss, its metrics and every parameter's gradient of one step are those of the
-    padded forward (fp32, 1e-5)."""
+    padded forward (fp32, 1e-5); +prompts: with the prompt lengths the trainer passes (each
+    prompt attended alone, its responses under a lower-right causal mask)."""
     from erpo_kernels.objective import LossConfig, erpo_loss
 
     p = pack(MIXED_PROMPTS, MIXED_RESPONSES, 0.7)
@@ -148,9 +151,10 @@ def test_training_step_packed_equals_padded(algorithm, attn):
     results = []
     for forward in ("packed", "padded"):
         model = tiny_model(layers=2, seed=4)
-        set_attn_implementation(model, attn)
+        set_attn_implementation(model, attn.split("+")[0])
         if forward == "packed":
-            hidden = forward_hidden(model, p.input_ids, p.position_ids)
+            lengths = prompt_lengths(p.span_cu_seqlens) if attn.endswith("+prompts") else None
+            hidden = forward_hidden(model, p.input_ids, p.position_ids, lengths)
         else:
             hidden = forward_hidden_padded(model, p.input_ids, p.seq_cu_seqlens)
         loss, metrics = erpo_loss(hidden, model.lm_head.weight, batch, config, backend="torch")
@@ -167,6 +171,38 @@ def test_training_step_packed_equals_padded(algorithm, attn):
         torch.testing.assert_close(grad_a[name], grad_b[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_prompt_rows_are_the_prompt_alone_bit_for_bit(dtype):
+    """With the prompt lengths (what the trainer passes), sdpa_varlen gives every prompt row the
+    hidden state of the prompt forwarded alone (the reference cache's forward), bit for bit,
+    whatever response follows and whatever else is packed, in every dtype (autocast on CPU):
+    l(q) at the starting weights is the cached l_0(q) exactly (issue 19.7). The response rows
+    are those of the whole sequence (1e-5 in fp32); under autocast sdpa's bf16 / fp16 output is
+    kept (it crashed, issue 19.2)."""
+    from erpo.models import autocast
+
+    model = tiny_model(vocab=101, hidden=64, layers=2)
+    set_attn_implementation(model, "sdpa_varlen")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 101, (30 + 7 * i,), generator=g).tolist() for i in range(4)]
+    responses = [[torch.randint(3, 101, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+                  for _ in range(3)] for _ in prompts]
+    alone, packed = pack(prompts, [[[]] for _ in prompts], 1.0), pack(prompts, responses, 1.0)
+    with torch.no_grad(), autocast(torch.device("cpu"), dtype):
+        ref = forward_hidden(model, alone.input_ids, alone.position_ids)
+        split = forward_hidden(model, packed.input_ids, packed.position_ids, prompt_lengths(packed.span_cu_seqlens))
+        whole = forward_hidden(model, packed.input_ids, packed.position_ids)
+        first = forward_hidden(model, packed.input_ids[:55], packed.position_ids[:55], torch.tensor([30]))
+    assert torch.equal(first[:30], ref[:30])   # a sequence cut short: its prompt rows still the prompt's
+    seq = packed.seq_cu_seqlens.tolist()
+    for q, prompt in enumerate(prompts):
+        a = int(alone.seq_cu_seqlens[q])
+        for b in range(3 * q, 3 * q + 3):   # every copy of the prompt
+            assert torch.equal(split[seq[b]:seq[b] + len(prompt)], ref[a:a + len(prompt)]), (q, b)
+    if dtype == torch.float32:
+        torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+
+
 def test_attn_implementation_choice(monkeypatch):
     import importlib.util
 
@@ -181,6 +217,9 @@ def test_attn_implementation_choice(monkeypatch):
     assert resolve_attn_implementation("auto", "cuda") == "flash_attention_2"
     with pytest.raises(ValueError, match="CUDA"):
         resolve_attn_implementation("flash_attention_2", "cpu")
+    with pytest.raises(ValueError, match="flex_attention trains on CUDA only .*use attn_implementation=auto"):
+        resolve_attn_implementation("flex_attention", "cpu")   # no backward on CPU (issue 19.6)
+    assert resolve_attn_implementation("flex_attention", "cuda") == "flex_attention"
     with pytest.raises(ValueError, match="attn_implementation"):
         resolve_attn_implementation("flash", "cpu")
 

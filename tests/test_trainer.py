@@ -118,7 +118,7 @@ def fixed_trainer(tmp_path, cache_dir, name, **overrides):
 def test_one_mini_batch_is_the_plain_update_bit_for_bit(tmp_path, cache_dir):
     """mini_batches=1, ppo_epochs=1: one step equals the update written out by hand."""
     from erpo.data import step_indices
-    from erpo.packing import forward_hidden, pack
+    from erpo.packing import forward_hidden, pack, prompt_lengths
     from erpo_kernels import erpo_loss
 
     trainer = fixed_trainer(tmp_path, cache_dir, "plain", mini_batches=1, ppo_epochs=1)
@@ -137,7 +137,7 @@ def test_one_mini_batch_is_the_plain_update_bit_for_bit(tmp_path, cache_dir):
     rows = trainer.cache_rows[idx]
     batch = packed.loss_batch(group_advantages(rewards).reshape(-1), trainer.cache.ref_query_logp[rows],
                               trainer.weighter.batch_weights(trainer.cache.score[rows]))
-    hidden = forward_hidden(model, packed.input_ids, packed.position_ids)
+    hidden = forward_hidden(model, packed.input_ids, packed.position_ids, prompt_lengths(packed.span_cu_seqlens))
     loss, _ = erpo_loss(hidden, model.lm_head.weight, batch, cfg.loss_config())
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -431,3 +431,102 @@ def test_ablations_and_options_run(tmp_path, cache_dir, overrides):
     if overrides.get("alpha") == 0.0:
         assert all(r["loss"] == pytest.approx(r["pg/loss"], abs=1e-7) for r in rows)  # no Query-KL term
     assert ("policy_kl" in rows[-1]) == bool(overrides.get("monitor_policy_kl"))
+
+
+# ---------------------------------------------------------------------- issue 19: dtypes, attention, the cache
+
+
+@pytest.mark.parametrize("attn", ["auto", "flash_attention_2", "flex_attention", "sdpa_varlen", "sdpa", "eager"])
+def test_every_attention_and_dtype_trains_on_cpu_or_is_refused(tmp_path, cache_dir, attn):
+    """Every attn_implementation x dtype `erpo train` accepts on CPU trains a step (bf16 and fp16
+    crashed in sdpa_varlen, issue 19.2); those CPU cannot train with are one ConfigError line
+    naming attn_implementation=auto, before anything is built (19.6)."""
+    from erpo.config import field_choices
+
+    assert attn in field_choices("attn_implementation") and len(field_choices("attn_implementation")) == 6
+    for dtype in field_choices("dtype"):
+        cfg = tiny(tmp_path, cache_dir, f"{attn}-{dtype}", steps=1, attn_implementation=attn, dtype=dtype)
+        if attn in ("flash_attention_2", "flex_attention"):
+            with pytest.raises(ConfigError, match=f"attn_implementation={attn} .*CUDA only.*attn_implementation=auto"):
+                Trainer(cfg, log=quiet)
+            assert not os.path.exists(cfg.run_dir)
+            continue
+        trainer = Trainer(cfg, log=quiet)
+        trainer.train()
+        (row,) = read_metrics(cfg.run_dir)
+        assert all(v == v for v in row.values()), (dtype, row)   # no NaN
+        assert trainer.cache.meta["compute_dtype"] == str(trainer.compute_dtype).replace("torch.", "")
+        assert trainer.cache.meta["attn_implementation"] == ("sdpa_varlen" if attn == "auto" else attn)
+
+
+def _unrewarded_run(tmp_path, cache_dir, name, **overrides):
+    """The demo model on prompts of 40-odd tokens whose answers it never gives: every reward 0."""
+    warm = Trainer(tiny(tmp_path, cache_dir, "warm-zero", steps=1), log=quiet)
+    data = tmp_path / "zero.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} plus {a + 5}, counted in letters? {a}+{a + 5}=",
+                                        "answer": "never"}) + "\n" for a in range(8)))
+    return tiny(tmp_path, cache_dir, name, model=warm.model_dir, dataset=str(data), template="plain",
+                reward="exact_match", lr=1e-3, warmup_steps=0, **overrides)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_at_the_starting_weights_the_query_kl_and_its_gradient_are_zero(tmp_path, cache_dir, dtype):
+    """The cache's l_0(q) is computed by the forward that trains (the run's dtype, attention and
+    kernel, each prompt's rows as the prompt alone), so at the starting weights l(q) equals it
+    bit for bit: with every reward 0 the Query-KL, its gradient and the update are exactly 0,
+    and AdamW has no rounding mismatch to blow up into full-size steps (issue 19.7; before, a
+    1e-5-nat mismatch moved the weights by lr per step)."""
+    cfg = _unrewarded_run(tmp_path, cache_dir, f"zero-{dtype}", steps=2, dtype=dtype)
+    trainer = Trainer(cfg, log=quiet)
+    start = copy.deepcopy(trainer.model)
+    trainer.train()
+    rows = read_metrics(cfg.run_dir)
+    assert all(r["reward/mean"] == 0.0 for r in rows)
+    for r in rows:
+        assert (r["qkl/delta_mean"], r["qkl/value"], r["loss"], r["grad_norm"]) == (0.0, 0.0, 0.0, 0.0), r
+    assert_same_params(start, trainer.model)
+
+
+def test_a_cache_scored_otherwise_is_not_reused(tmp_path, cache_dir):
+    """The cache records how it was scored: a bf16 cache is refused by an fp32 run (and an old
+    cache that records nothing), naming the command that rebuilds it (issue 19.7)."""
+    from erpo.ref_cache import RefCacheError, read_ref_cache, save_ref_cache
+
+    cfg = _unrewarded_run(tmp_path, cache_dir, "bf16", steps=1, dtype="bfloat16")
+    Trainer(cfg, log=quiet).train()
+    path = os.path.join(cfg.run_dir, "ref_cache.safetensors")
+    fp32 = _unrewarded_run(tmp_path, cache_dir, "fp32", steps=1, dtype="float32", ref_cache=path)
+    with pytest.raises(RefCacheError, match="built for compute dtype .* 'bfloat16', this run uses 'float32'; "
+                                            "rebuild it with: erpo ref-cache .*dtype=float32.*overwrite=true"):
+        Trainer(fp32, log=quiet)
+    old = read_ref_cache(path, "")
+    for key in ("compute_dtype", "attn_implementation", "kernel_backend"):
+        del old.meta[key]
+    save_ref_cache(old, path)
+    with pytest.raises(RefCacheError, match="does not record its compute dtype .*rebuild it with"):
+        Trainer(_unrewarded_run(tmp_path, cache_dir, "bf16-again", steps=1, dtype="bfloat16", ref_cache=path),
+                log=quiet)
+
+
+def test_training_warns_once_when_every_response_is_cut_off(tmp_path, cache_dir):
+    """max_new_tokens=1: every response is cut before its EOS; one warning line, once (issue 19.7)."""
+    lines = []
+    Trainer(tiny(tmp_path, cache_dir, "cut", steps=3, max_new_tokens=1), log=lines.append).train()
+    warned = [line for line in lines if "max_new_tokens" in line]
+    assert len(warned) == 1 and "\n" not in warned[0], lines
+    assert warned[0].startswith("erpo: warning: step 1: every response reached max_new_tokens=1 without ending")
+    rows = read_metrics(str(tmp_path / "cut"))
+    assert rows[0]["response_length/truncated_frac"] == 1.0
+    assert all(0.0 <= r["response_length/truncated_frac"] <= 1.0 for r in rows)
+
+
+def test_the_summary_of_a_resumed_run_covers_the_whole_run(tmp_path, cache_dir):
+    """After a resume the closing line's rewards are those of steps 1..N, not only the resumed ones (issue 19.9)."""
+    first = Trainer(tiny(tmp_path, cache_dir, "whole", steps=2, save_every=1), log=quiet)
+    first.train()
+    lines = []
+    Trainer(resolve_config([f"resume={first.cfg.run_dir}", "steps=4"]), log=lines.append).train()
+    rows = read_metrics(first.cfg.run_dir)
+    assert lines[-1].startswith("erpo: erpo finished step 4/4") and "(steps 3-4 in this start)" in lines[-1]
+    assert f"reward {rows[0]['reward/mean']:.3f} -> {rows[-1]['reward/mean']:.3f} (mean of the run's first/last 1 " \
+           f"steps)" in lines[-1], lines[-1]
