@@ -8,7 +8,8 @@ that step's checkpoint is written; the last checkpoint is still a good one.
 Warned about (once per episode, again only after the metric came back):
 - loss, Query-KL or gradient norm non-finite (fatal);
 - |loss| above LOSS_LIMIT, Query-KL above QKL_LIMIT, gradient norm (before clipping)
-  above GRAD_NORM_LIMIT or GRAD_NORM_JUMP times the median of the last steps;
+  above GRAD_NORM_LIMIT, or above both GRAD_NORM_JUMP times the median of the last steps
+  and GRAD_NORM_FLOOR;
 - every reward exactly 0 for ZERO_REWARD_STEPS steps in a row (no learning signal).
 """
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Dict, List, Tuple
 LOSS_LIMIT = 100.0  # |loss|: the clipped policy loss of std-normalised advantages is O(1)
 QKL_LIMIT = 1.0  # Query-KL (k3 of the prompt log-likelihood, nats): the demo stays below 0.2
 GRAD_NORM_LIMIT = 1e3  # gradient norm before clipping
-GRAD_NORM_JUMP = 100.0  # ... or this many times the median of the last GRAD_NORM_WINDOW steps
+GRAD_NORM_JUMP = 100.0  # ... or this many times the median of the last GRAD_NORM_WINDOW steps,
+GRAD_NORM_FLOOR = 1.0  # when above this too (the default clip): a norm of 5e-5 after norms of 0 is no explosion
 GRAD_NORM_WINDOW = 20
 ZERO_REWARD_STEPS = 10  # all rewards 0 for this many steps in a row
 
@@ -54,16 +56,17 @@ class DivergenceMonitor:
             return out, True
 
         window = self.grad_norms[-GRAD_NORM_WINDOW:]
-        jump = len(window) >= 5 and grad > GRAD_NORM_JUMP * max(statistics.median(window), 1e-12)
+        median = statistics.median(window) if window else math.nan
+        jump = len(window) >= 5 and grad > max(GRAD_NORM_JUMP * median, GRAD_NORM_FLOOR)
         self._flag(out, "loss", abs(loss) > LOSS_LIMIT,
                    f"step {step}: loss {loss:.3g} (|loss| above {LOSS_LIMIT:g}): the update is diverging; {try_stable}")
         self._flag(out, "qkl", qkl > QKL_LIMIT,
                    f"step {step}: Query-KL {qkl:.3g} (above {QKL_LIMIT:g}): the model's likelihood of the training "
                    f"prompts has moved far from the starting model's; {try_stable}")
         self._flag(out, "grad", grad > GRAD_NORM_LIMIT or jump,
-                   f"step {step}: grad norm {grad:.3g} before clipping (above {GRAD_NORM_LIMIT:g}, or "
-                   f"{GRAD_NORM_JUMP:g}x the recent median {statistics.median(window) if window else float('nan'):.3g}):"
-                   f" exploding gradients; {try_stable}")
+                   f"step {step}: grad norm {grad:.3g} before clipping (above {GRAD_NORM_LIMIT:g}, or above "
+                   f"{GRAD_NORM_FLOOR:g} and {GRAD_NORM_JUMP:g}x the recent median {median:.3g}): exploding "
+                   f"gradients; {try_stable}")
         self.grad_norms.append(grad)
 
         zero = float(metrics.get("reward/mean", 1.0)) == 0.0 and float(metrics.get("reward/std", 1.0)) == 0.0

@@ -49,6 +49,17 @@ def test_exploding_values_warn_once_with_what_to_try():
     assert len(lines) == 1 and "grad norm 200" in lines[0]
 
 
+def test_a_tiny_grad_norm_after_zero_ones_is_no_explosion():
+    """Norms of 0 (no reward signal, the Query-KL exactly 0), then 5e-5: not "exploding" (issue
+    19.7: the median 0 made any norm a jump); a jump must also exceed GRAD_NORM_FLOOR."""
+    mon = DivergenceMonitor()
+    for s in range(1, 11):
+        assert mon.check(_m(s, grad=0.0))[0] == []
+    assert mon.check(_m(11, grad=5e-5))[0] == [] and mon.check(_m(12, grad=0.9))[0] == []
+    lines, _ = mon.check(_m(13, grad=divergence.GRAD_NORM_FLOOR * 2))
+    assert len(lines) == 1 and "or above 1 and 100x the recent median 0" in lines[0], lines
+
+
 def test_all_zero_rewards_for_many_steps():
     mon = DivergenceMonitor()
     n = divergence.ZERO_REWARD_STEPS
