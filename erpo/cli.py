@@ -241,7 +241,7 @@ eval.md and eval.png in <out>/<name>/; with several models compare.md/png/json i
   k=             k of Pass@k, each <= n.  [default: every k from 1 to n]
   max_new_tokens= response length (default: the run's; outside any run %d, %d for data=arithmetic)
   batch_size=, limit= (the first N problems only)
-  save_samples=true  also write samples.jsonl: every completion, its question, gold answer and grade
+  save_samples=true  also write samples.jsonl: every completion, its question and prompt, gold answer, grade
   out=           report directory  [default: <run>/eval for one run, <their parent>/eval
                  for several, runs/eval for a model outside any run]
   overwrite=true replace reports there made with other settings (refused otherwise)

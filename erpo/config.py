@@ -274,7 +274,8 @@ class TrainConfig:
     eval_out: str = EVALUATION("", "where reports go; empty = <run_dir>/eval (runs/eval for a model outside any run)")
     eval_save_samples: bool = EVALUATION(
         False,
-        "also write samples.jsonl: every completion with its question, gold answer and grade",
+        "also write samples.jsonl: every completion with its question, the prompt the model saw, the gold answer "
+        "and the grade",
     )
 
     # ------------------------------------------------------------------ helpers

@@ -189,7 +189,7 @@ def _writable_out_root(cfg: TrainConfig) -> str:
 def _evaluate_model(cfg: TrainConfig, model_dir: str, name: str, examples: Sequence[Any], out: str,
                     device: torch.device, dtype: torch.dtype, log: Callable[[str], None]) -> EvalResult:
     """Evaluate one model on `examples`, write its report to `out` and log its table."""
-    from .data import encode_prompts
+    from .data import encode_prompts, render_prompt
     from .models import check_vocabulary, load_model, load_tokenizer
     from .rewards import get_reward_fn
 
@@ -209,7 +209,8 @@ def _evaluate_model(cfg: TrainConfig, model_dir: str, name: str, examples: Seque
                             "reward": cfg.eval_reward, "seconds": round(time.perf_counter() - t0, 2),
                             "model_path": os.path.abspath(model_dir), "data_path": _data_path(cfg)})
     written = write_report(result, out, title=name, questions=[ex.prompt for ex in examples],
-                           answers=[ex.answer for ex in examples])
+                           answers=[ex.answer for ex in examples],
+                           prompts=[render_prompt(cfg.eval_template, ex.prompt, tokenizer) for ex in examples])
     every = " (every Pass@k in eval.md)" if len(result.k_values) > 8 else ""
     log(f"\n{name} ({result.settings['seconds']:.0f}s)\n\n{format_table(result, brief=True)}\n"
         f"-> {out}/{', '.join(p.name for p in written.values())}{every}")

@@ -95,11 +95,12 @@ def _eval_figure(result: EvalResult, title: str):
 
 
 def write_report(result: EvalResult, out_dir: str | Path, title: str = "",
-                 questions: Sequence[str] | None = None, answers: Sequence[str] | None = None) -> dict[str, Path]:
+                 questions: Sequence[str] | None = None, answers: Sequence[str] | None = None,
+                 prompts: Sequence[str] | None = None) -> dict[str, Path]:
     """Write eval.json, eval.md (table: a row per temperature, a mean row, greedy Pass@1)
     and eval.png (accuracy vs temperature) into ``out_dir``, each atomically; with kept
-    samples also samples.jsonl, a line per completion (with its problem's question and
-    gold answer when given).
+    samples also samples.jsonl, a line per completion (with its problem's question, the
+    prompt the model saw (the template applied) and the gold answer when given).
 
     Returns {"json": path, "md": path, "png": path} (and "samples").
     """
@@ -119,6 +120,8 @@ def write_report(result: EvalResult, out_dir: str | Path, title: str = "",
             extra = {}
             if questions is not None:
                 extra["question"] = questions[sample["problem"]]
+            if prompts is not None:
+                extra["prompt"] = prompts[sample["problem"]]
             if answers is not None:
                 extra["answer"] = answers[sample["problem"]]
             lines.append(json.dumps({**sample, **extra}) + "\n")

@@ -336,6 +336,12 @@ def test_eval_short_keys_end_to_end(capsys, done_run, tmp_path):
         samples = [json.loads(line) for line in f]
     assert len(samples) == 2 * (1 + 2)
     assert {s["question"] for s in samples} == {s["question"] for s in samples if s["temperature"] == 0.0}
+    # with the prompt the model saw, its template applied (issue 19.9)
+    assert main(["eval", f"model={run}", "n=1", "temperatures=1.0", "limit=2", "template=Q: {prompt} A:",
+                 "save_samples=true", f"out={tmp_path}/tpl", "progress=false", "overwrite=true"]) == 0
+    with open(os.path.join(tmp_path, "tpl", "run-step-000002", "samples.jsonl")) as f:
+        templated = [json.loads(line) for line in f]
+    assert templated and all(s["prompt"] == f"Q: {s['question']} A:" for s in templated), templated
     assert sum(s["correct"] for s in samples if s["temperature"] == 1.0) == sum(cut["rows"][0]["n_correct"])
     for r in result["rows"]:   # the per-problem counts agree with the summary numbers
         assert len(r["n_correct"]) == 4 and all(0 <= c <= 3 for c in r["n_correct"])

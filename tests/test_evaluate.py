@@ -122,10 +122,12 @@ def test_kept_samples_and_samples_jsonl(tmp_path):
     greedy = sorted((s["problem"], s["correct"]) for s in result.samples if s["temperature"] == 0.0)
     assert greedy == list(enumerate(PatternSampler.GREEDY))
 
-    paths = write_report(result, tmp_path, questions=[f"q{i}" for i in range(4)], answers=answers)
+    paths = write_report(result, tmp_path, questions=[f"q{i}" for i in range(4)], answers=answers,
+                         prompts=[f"Q: q{i} A:" for i in range(4)])
     lines = [json.loads(line) for line in paths["samples"].read_text().splitlines()]
     assert len(lines) == len(result.samples)
     assert all(line["question"] == f"q{line['problem']}" and line["answer"] == "right" for line in lines)
+    assert all(line["prompt"] == f"Q: q{line['problem']} A:" for line in lines)   # the template applied
     assert "samples" not in json.loads(paths["json"].read_text())   # eval.json stays small
     write_report(evaluate_sampler(PatternSampler(), answers, **kw), tmp_path)   # a later report without samples
     assert not (tmp_path / "samples.jsonl").exists()                           # leaves no stale ones beside it
