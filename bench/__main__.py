@@ -4,9 +4,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from .measure import RESULTS_DIR, RunOptions
+
+# Where a measurement goes unless it is asked to be recorded (--record) or sent elsewhere (--out-dir):
+# untracked (.gitignore), so measuring never rewrites the project's results files.
+LOCAL_RESULTS_DIR = RESULTS_DIR / "local"
 
 
 def _csv(text: Optional[str]) -> Optional[List[str]]:
@@ -22,15 +27,39 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the small preset (a few minutes)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up runs before measuring")
     p.add_argument("--repeats", type=int, default=None, help="timed runs (the median is reported)")
-    p.add_argument("--out-dir", default=str(RESULTS_DIR), help="where <machine>.json and the plot go")
+    p.add_argument("--out-dir", default=None,
+                   help="where <machine>.json and the plot go (default: bench/results/local, untracked; with "
+                        "--record: bench/results)")
+    p.add_argument("--record", action="store_true",
+                   help="append the run to the project's record, bench/results/<machine>.json (tracked by git)")
     p.add_argument("--machine", default=None, help="results file name (default: derived from the device)")
     p.add_argument("--budget-s", type=float, default=None, help="start no new case after this many seconds")
     p.add_argument("--worker-timeout-s", type=float, default=1800.0, help="CPU: limit of one measurement")
     p.add_argument("--no-report", action="store_true", help="do not regenerate the plots (the README table is only written by `bench report`)")
 
 
+def _out_dir(args: argparse.Namespace) -> str:
+    """--out-dir, else bench/results with --record, else the untracked LOCAL_RESULTS_DIR."""
+    if args.out_dir and args.record:
+        raise SystemExit("erpo: error: --record writes into bench/results; give it or --out-dir, not both")
+    return args.out_dir or str(RESULTS_DIR if args.record else LOCAL_RESULTS_DIR)
+
+
+def _recorded_where(opts: RunOptions) -> None:
+    """Say where the run went and, for an untracked one, how to record it."""
+    from .measure import machine_name
+    from .report import results_path
+
+    path = results_path(opts.out_dir, machine_name(opts.device, opts.machine))
+    if Path(opts.out_dir).resolve() == LOCAL_RESULTS_DIR.resolve():
+        print(f"[bench] results in {path} (untracked); record them with: python -m bench merge {path}")
+    else:
+        print(f"[bench] results in {path}")
+
+
 def _options(args: argparse.Namespace, cuda: tuple, cpu: tuple) -> RunOptions:
     """The run's options; (warm-up, repeats) default to `cuda` or `cpu` by device."""
+    args.out_dir = _out_dir(args)
     warm, reps = cuda if args.device == "cuda" else cpu
     if args.warmup is None:
         args.warmup = warm
@@ -150,6 +179,7 @@ def _kernels(args: argparse.Namespace) -> int:
     if bad:
         raise SystemExit(f"unknown pass(es) {bad}; known: {list(kernels.PASSES)}")
     kernels.run(cases, peers, passes, opts)
+    _recorded_where(opts)
     return 0
 
 
@@ -218,6 +248,7 @@ def _step(args: argparse.Namespace) -> int:
         cases = step.preset_cases(args.device, args.quick)
     variants = _csv(args.variants) + [f"{step.MICRO_PREFIX}{k}" for k in (_ints(args.micro_batch_tokens) or [])]
     step.run(cases, variants, opts)
+    _recorded_where(opts)
     return 0
 
 

@@ -240,3 +240,37 @@ def test_measuring_never_writes_the_readme(tmp_path, monkeypatch):
     assert written == []
     assert main(["report", "--out-dir", str(tmp_path)]) == 0
     assert written == [report.README]
+
+
+def test_a_measurement_goes_to_an_untracked_file_unless_recorded(tmp_path, monkeypatch, capsys):
+    """`python -m bench kernels` (and step) write into bench/results/local/ (gitignored), never the
+    tracked bench/results/ files, and say how to record the run; --record (or --out-dir) chooses
+    the tracked record; the printed merge command folds the run in (issue 19.9)."""
+    import argparse
+    import hashlib
+    import shlex
+
+    import bench.__main__ as cli
+    from bench.measure import RESULTS_DIR
+
+    def tracked():
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in RESULTS_DIR.iterdir() if p.is_file()}
+
+    assert cli.LOCAL_RESULTS_DIR == RESULTS_DIR / "local"
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(RESULTS_DIR / "local" / "x.json")], cwd=REPO)
+    assert ignored.returncode == 0   # git ignores it
+    before = tracked()
+    monkeypatch.setattr(cli, "LOCAL_RESULTS_DIR", tmp_path / "local")
+    assert cli.main(["kernels", "--device", "cpu", "--n", "8", "--v", "50", "--d", "8", "--peers", "erpo",
+                     "--passes", "forward", "--warmup", "0", "--repeats", "1", "--budget-s", "0",
+                     "--machine", "mine", "--no-report"]) == 0
+    assert tracked() == before and (tmp_path / "local" / "mine.json").exists()
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(f"[bench] results in {tmp_path}/local/mine.json (untracked); record them with: "), line
+    merge = shlex.split(line.split("record them with: ")[1])
+    assert merge[:4] == ["python", "-m", "bench", "merge"]
+    assert cli.main([*merge[3:], "--out-dir", str(tmp_path / "record")]) == 0
+    assert json.loads((tmp_path / "record" / "mine.json").read_text())["runs"]
+    args = argparse.Namespace(out_dir=None, record=True)
+    assert cli._out_dir(args) == str(RESULTS_DIR)
+    assert cli._out_dir(argparse.Namespace(out_dir="x", record=False)) == "x"
