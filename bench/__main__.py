@@ -224,9 +224,10 @@ def _cost(args: argparse.Namespace, argv: List[str]) -> int:
     targets = _targets(args.targets)
     import datetime as _dt
 
+    meta = dict(command="cost", commit=commit_hash(), versions=versions(),  # the code counted: taken first
+                timestamp=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     run = cs.run(subjects, targets)
-    run.update(command="cost", commit=commit_hash(), versions=versions(),
-               timestamp=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    run.update(meta)
     print("\n".join(report.cost_tables(run)))
     if not args.no_save:
         path = report.append_cost_run(run, args.out_dir)

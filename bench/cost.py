@@ -384,11 +384,13 @@ def _triton_hooks(sink: _Sink) -> Iterator[None]:
     shims = {"log1p": lambda x: tl.log(1.0 + x), "tanh": lambda x: 2.0 * tl.sigmoid(2.0 * x) - 1.0}
     saved_libdevice = {n: getattr(libdevice, n) for n in shims}
 
+    stack = contextlib.ExitStack()
     hooks = {"create_masked_load": masked_load, "create_masked_store": masked_store, "create_dot": dot,
              "create_atomic_rmw": atomic("create_atomic_rmw"), "create_atomic_cas": atomic("create_atomic_cas"),
              "cast_impl": cast_impl, "create_fp_to_fp": fp_to_fp, "set_grid_idx": set_grid_idx,
              "set_grid_dim": set_grid_dim}
     try:
+        stack.enter_context(np.errstate(all="ignore"))  # a peer's garbage values (bf16 arithmetic) warn, not count
         for n, h in hooks.items():
             setattr(b, n, h)
         interp.GridExecutor.__call__ = call
@@ -398,6 +400,7 @@ def _triton_hooks(sink: _Sink) -> Iterator[None]:
             setattr(libdevice, n, f)
         yield
     finally:
+        stack.close()
         for n, f in saved_libdevice.items():
             setattr(libdevice, n, f)
         interp._patch_lang = orig_patch_lang
@@ -454,6 +457,10 @@ class _TorchOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        impl = _custom_op_impl(func)
+        if impl is not None:  # a torch.library custom op: count what it runs (its ATen ops, its kernels), not it
+            with self:
+                return impl(*args, **kwargs)
         try:
             out = func(*args, **kwargs)
         except NotImplementedError:
@@ -503,6 +510,19 @@ class _TorchOps(TorchDispatchMode):
                 dt = min(floats, key=lambda d: torch.finfo(d).bits) if floats else None
                 rec.flops[_torch_dtype_name(dt)] = flops
         return rec
+
+
+def _custom_op_impl(func) -> Optional[Callable]:
+    """The Python function behind a torch.library.custom_op (None for ATen and other ops)."""
+    if getattr(func, "namespace", "aten") in ("aten", "prims"):
+        return None
+    try:
+        from torch._library.custom_ops import _maybe_get_opdef
+
+        opdef = _maybe_get_opdef(func)
+    except (ImportError, AttributeError):
+        return None
+    return getattr(opdef, "_init_fn", None) if opdef is not None else None
 
 
 def _storage_key(t: torch.Tensor):

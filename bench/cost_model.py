@@ -180,7 +180,14 @@ class Fit:
             for q in sorted(set(p) | set(c)):
                 if p.get(q, 0) != c.get(q, 0):
                     bad.append(f"{g} {q}: fit {p.get(q, 0)} counted {c.get(q, 0)}")
-        res = {"shape": list(shape), "exact": not bad, "mismatches": bad[:10], "n_mismatches": len(bad)}
+        def total(c: Counts, prefix: Tuple[str, ...]) -> float:
+            return float(sum(v for q in c.values() for k, v in q.items() if k.startswith(prefix)))
+
+        errs = {}
+        for what, prefix in (("bytes", ("loaded", "stored")), ("flops", ("flops:",))):
+            want = total(counted, prefix)
+            errs[f"{what}_rel_err"] = abs(total(pred, prefix) - want) / want if want else 0.0
+        res = {"shape": list(shape), "exact": not bad, "mismatches": bad[:10], "n_mismatches": len(bad), **errs}
         self.checks.append(res)
         return res
 

@@ -576,7 +576,8 @@ def cost_tables(run: Dict[str, Any], hw: str = "H200") -> List[str]:
                 both, fwd = r["passes"]["both"][hw]["ms"], r["passes"]["forward"][hw]["ms"]
                 ratio = f" ({both / r['floors_ms'][hw]['4-GEMM']:.2f}x floor)" if op == "linear_token_logprobs" else ""
                 cells.append(f"{both:.1f} ms{ratio} | {fwd:.1f} ms")
-            out.append(f"| {name}{'' if s.get('exact') else ' (fit not exact)'} | " + " | ".join(cells) + " |")
+            inexact = "" if s.get("exact") else f" (fit off by {s.get('held_out_rel_err', float('nan')):.0e} held out)"
+            out.append(f"| {name}{inexact} | " + " | ".join(cells) + " |")
         out.append("")
     notes = [f"`{s['name']}` ({s['op']}): {s['label']}" + (f"; counted on {s['gpu_path']}" if s.get("gpu_path") else "")
              + (f"; {s['status']}: {s['reason']}" if s["status"] != "ok" else "") for s in subs]

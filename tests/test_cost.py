@@ -309,3 +309,17 @@ def test_bench_calibrate_records_times_beside_the_model(tmp_path):
     n, d, v = 8192, 4096, 151936
     assert calibrate.gemm_model_ms((n, d, v), "gemm-fwd", hw) == pytest.approx(
         max(2 * n * d * v / hw.peaks["bf16"], 2 * (n * d + v * d + n * v) / hw.hbm_bytes_per_s) * 1e3)
+
+
+@torch.library.custom_op("erpo_cost_test::copy", mutates_args=())
+def _copy_op(x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty_like(x)
+    COPY[(triton.cdiv(x.numel(), 128),)](x, y, x.numel(), BLOCK=128)
+    return y * 2
+
+
+def test_a_custom_op_is_counted_by_what_it_runs():
+    x = torch.randn(300)
+    recs = cost.count_launches(lambda: _copy_op(x))
+    assert [r.name for r in recs if r.loaded or r.stored] == ["_copy", "aten.mul"]  # not the op itself on top
+    torch.testing.assert_close(_copy_op(x), 2 * x)
