@@ -25,8 +25,9 @@ setup(
             "matplotlib",
             "pyarrow",
         ],
-        # the peers the benchmark compares against (each optional at run time)
-        "bench": ["liger-kernel", "cut-cross-entropy", "matplotlib"],
+        # the peers the benchmark compares against (each optional at run time), at the versions whose
+        # code paths bench/cost_subjects.py counts (e.g. Liger's chunk rule)
+        "bench": ["liger-kernel==0.8.5", "cut-cross-entropy==25.1.1", "matplotlib"],
         "dev": ["pytest", "pytest-timeout", "hypothesis"],
         # erpo.integrations.trl: our kernel inside TRL's GRPOTrainer, and ERPOTrainer (tested with this TRL)
         "trl": ["trl==1.16.0"],
