@@ -417,29 +417,27 @@ def fit_subject(subject: Subject, target: Shape, cache: Dict[Tuple, Fit], log=pr
 PASSES = ("forward", "backward", "both")
 
 
-def _pass_counts(counts: Counts, pass_name: str) -> Counts:
-    if pass_name == "both":
-        return counts
-    return {g: q for g, q in counts.items() if g.split("/")[-2] == pass_name}
-
-
 def evaluate(fit: Fit, target: Shape) -> Dict:
-    """Counts and modelled times of a fitted subject at `target`, per pass and hardware."""
+    """Counts and modelled times of a fitted subject at `target`: per launch group its counts and,
+    per hardware, its model; per pass and hardware the total."""
     from .cost_model import HARDWARE, gemm_floor_s, model_times
 
     counts = fit.at(target)
-    out: Dict = {"shape": dict(zip("NDV", target)), "passes": {}}
-    for p in PASSES:
-        c = _pass_counts(counts, p)
-        entry: Dict = {}
-        for hw_name, hw in HARDWARE.items():
-            groups = model_times(c, hw)
-            entry[hw_name] = {"ms": sum(g.seconds for g in groups) * 1e3,
-                              "groups": [g.as_dict() for g in sorted(groups, key=lambda g: -g.seconds)]}
-        out["passes"][p] = entry
-    out["floors_ms"] = {hw_name: {f"{k}-GEMM": gemm_floor_s(target, k, hw) * 1e3 for k in (1, 2, 3, 4)}
-                        for hw_name, hw in HARDWARE.items()}
-    return out
+    models = {hw_name: {g.group: g for g in model_times(counts, hw)} for hw_name, hw in HARDWARE.items()}
+    groups = []
+    for name in sorted(counts, key=lambda g: -models["H200"][g].seconds):
+        g = models["H200"][name]
+        groups.append({"group": name, "launches": g.launches, "programs": g.programs, "loaded": g.loaded,
+                       "stored": g.stored, "flops": g.flops,
+                       "model": {hw: {k: v for k, v in models[hw][name].as_dict().items()
+                                      if k in ("hbm_bytes", "flop_ms", "byte_ms", "ms", "dominant", "bytes_rule")}
+                                 for hw in HARDWARE}})
+    passes = {p: {hw: {"ms": sum(g["model"][hw]["ms"] for g in groups
+                                 if p == "both" or g["group"].split("/")[-2] == p)} for hw in HARDWARE}
+              for p in PASSES}
+    floors = {hw_name: {f"{k}-GEMM": gemm_floor_s(target, k, hw) * 1e3 for k in (1, 2, 3, 4)}
+              for hw_name, hw in HARDWARE.items()}
+    return {"shape": dict(zip("NDV", target)), "passes": passes, "floors_ms": floors, "groups": groups}
 
 
 def run(subjects: List[Subject], targets: List[Shape], log=print) -> Dict:

@@ -529,7 +529,8 @@ def append_cost_run(run: Dict[str, Any], out_dir: str | os.PathLike = RESULTS_DI
     p = Path(out_dir) / COST_FILE
     runs = cost_runs(out_dir) if p.exists() else []
     run.setdefault("run_id", uuid.uuid4().hex[:12])
-    _write(p, {"command": "cost", "runs": runs + [run]})
+    p.parent.mkdir(parents=True, exist_ok=True)  # compact: a run holds every launch group of every subject
+    atomic_write(str(p), (json.dumps({"command": "cost", "runs": runs + [run]}, separators=(",", ":")) + "\n").encode())
     return p
 
 
@@ -586,15 +587,16 @@ def cost_tables(run: Dict[str, Any], hw: str = "H200") -> List[str]:
         if s["name"] != "erpo" or s["status"] != "ok":
             continue
         for r in s["results"]:
-            groups = [g for g in r["passes"]["both"][hw]["groups"] if g["ms"] >= 0.005]
+            groups = [g for g in r["groups"] if g["model"][hw]["ms"] >= 0.005]
             out += [f"`erpo` {s['op']} at {_shape_label(r['shape'], s['op'])}, per launch group ({hw}):", "",
                     "| group | launches | programs | loaded | stored | HBM bytes (rule) | FLOPs | ms | bound by |",
                     "|---|---|---|---|---|---|---|---|---|"]
             for g in groups:
                 fl = ", ".join(f"{v / 1e12:.3g} T {k}" for k, v in g["flops"].items()) or "-"
+                m = g["model"][hw]
                 out.append(f"| {g['group']} | {g['launches']} | {g['programs']} | {_gb(g['loaded'])} | "
-                           f"{_gb(g['stored'])} | {_gb(g['hbm_bytes'])} ({g['bytes_rule']}) | {fl} | "
-                           f"{g['ms']:.2f} | {g['dominant']} |")
+                           f"{_gb(g['stored'])} | {_gb(m['hbm_bytes'])} ({m['bytes_rule']}) | {fl} | "
+                           f"{m['ms']:.2f} | {m['dominant']} |")
             out.append("")
     return out
 

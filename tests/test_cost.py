@@ -273,10 +273,12 @@ def test_bench_cost_command_and_its_generated_section(tmp_path):
     (s,) = run["subjects"]
     assert (s["name"], s["status"], s["exact"]) == ("erpo", "ok", True)
     (r,) = s["results"]
-    g = {x["group"]: x for x in r["passes"]["both"]["H200"]["groups"]}
+    g = {x["group"]: x for x in r["groups"]}
     fwd = g["forward/_token_logprobs_fwd_kernel"]
     assert fwd["programs"] == 64 and fwd["loaded"] >= 64 * 4480 * 2  # one program per row, reads each logit
-    assert r["passes"]["both"]["H200"]["ms"] == pytest.approx(sum(x["ms"] for x in g.values()))
+    assert r["passes"]["both"]["H200"]["ms"] == pytest.approx(sum(x["model"]["H200"]["ms"] for x in g.values()))
+    assert r["passes"]["forward"]["H100"]["ms"] == pytest.approx(
+        sum(x["model"]["H100"]["ms"] for k, x in g.items() if "forward/" in k))
     assert run["commit"] and run["versions"]["triton"]
     doc = tmp_path / "doc.md"
     doc.write_text(f"# t\n{report.COST_START}\nold\n{report.COST_END}\nend\n")
