@@ -271,7 +271,7 @@ def _join_ranks(cfg: TrainConfig, command: str) -> bool:
         return False
     from . import distributed
     from .models import resolve_device
-    from .trainer import check_world_size
+    from .start import check_world_size
 
     check_world_size(cfg, world)
     distributed.init(resolve_device(cfg).type)
@@ -344,7 +344,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             trainer.train()
             _leave_ranks(launched)
         elif args.command == "ref-cache":
-            from .trainer import build_cache_command
+            from .start import build_cache_command
 
             build_cache_command(cfg)
         elif args.command == "eval":

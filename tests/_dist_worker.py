@@ -136,7 +136,8 @@ def train(out_dir: str, *overrides: str) -> dict:
     (so a one-process run can replay the same global batch)."""
     from erpo import distributed as D
     from erpo.cli import resolve_config
-    from erpo.trainer import Trainer, check_world_size
+    from erpo.start import check_world_size
+    from erpo.trainer import Trainer
 
     cfg = resolve_config(list(overrides), "train")
     check_world_size(cfg, D.env_world_size())

@@ -15,7 +15,8 @@ from erpo.cli import resolve_config
 from erpo.config import ConfigError, TrainConfig
 from erpo.errors import ErpoError
 from erpo.rollout import Rollout
-from erpo.trainer import METRIC_KEYS, Trainer, group_advantages, rebuild_command
+from erpo.start import rebuild_command
+from erpo.trainer import METRIC_KEYS, Trainer, group_advantages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
