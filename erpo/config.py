@@ -234,7 +234,13 @@ class TrainConfig:
     progress: bool = RUN(True, "show a progress bar")
     cache_dir: str = RUN(".cache/erpo", "where the demo model's warm start is cached")
 
-    task_max_operand: int = DEMO(49, "arithmetic task: a + b with a, b in [0, task_max_operand]")
+    task: str = DEMO(
+        "add",
+        "the embedded task (dataset=arithmetic): add (a + b, the demo) or mixed (+, - and * of 1- to 3-digit "
+        "operands in six difficulty levels, train and held-out problems in equal parts per level)",
+        choices=("add", "mixed"),
+    )
+    task_max_operand: int = DEMO(49, "task=add: a + b with a, b in [0, task_max_operand]")
     task_train_size: int = DEMO(1500, "arithmetic training problems")
     task_eval_size: int = DEMO(200, "arithmetic held-out problems (eval)")
     tiny_hidden_size: int = DEMO(64, "demo model width")

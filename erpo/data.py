@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -58,6 +59,57 @@ def arithmetic_split(max_operand: int, train_size: int, eval_size: int, seed: in
     side = max_operand + 1
     problems = [Example(f"{k // side}+{k % side}=", str(k // side + k % side)) for k in order[: eval_size + train_size]]
     return problems[eval_size:], problems[:eval_size]
+
+
+# The harder family (task=mixed): six difficulty levels "<digits of a><op><digits of b>"; a
+# d-digit operand lies in [10^(d-1), 10^d - 1], a - b has a >= b. The demo model's warm start
+# (2000 steps) solves a few to a third of each level at temperature 1, and many more in 8
+# tries: room for RL to learn, and for high temperatures to lose.
+MIXED_LEVELS = ("2+1", "2-1", "2+2", "2-2", "2*1", "3+2")
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def difficulty_of(prompt: str) -> str:
+    """The level of a mixed-task question: "123-45=" -> "3-2"."""
+    match = re.fullmatch(r"(\d+)([+*-])(\d+)=", prompt)
+    if match is None:
+        raise ValueError(f"prompt: {prompt!r} is not a question of the embedded task (a<op>b=)")
+    return f"{len(match.group(1))}{match.group(2)}{len(match.group(3))}"
+
+
+def _level_problems(level: str, count: int, g: torch.Generator) -> List[Example]:
+    """`count` distinct problems of one level, in the order of a permutation drawn from `g`."""
+    da, op, db = int(level[0]), level[1], int(level[2])
+    lo_a, lo_b = 10 ** (da - 1), 10 ** (db - 1)
+    side = 10 ** db - lo_b  # values of b
+    out: List[Example] = []
+    for k in torch.randperm((10 ** da - lo_a) * side, generator=g).tolist():
+        a, b = lo_a + k // side, lo_b + k % side
+        if op == "-" and a < b:
+            continue
+        out.append(Example(f"{a}{op}{b}=", str(_OPS[op](a, b))))
+        if len(out) == count:
+            return out
+    raise ConfigError(f"task=mixed: level {level} has fewer than {count} distinct problems; lower task_train_size "
+                      f"or task_eval_size")
+
+
+def mixed_split(train_size: int, eval_size: int, seed: int) -> Tuple[List[Example], List[Example]]:
+    """Disjoint (train, eval) sets of the mixed task: each level of MIXED_LEVELS gives
+    train_size // 6 training and eval_size // 6 held-out problems (the held-out split has
+    every difficulty in equal parts, so accuracy can be read per level), drawn with `seed`."""
+    levels = len(MIXED_LEVELS)
+    if eval_size < levels or train_size < levels:
+        raise ConfigError(f"task=mixed needs task_train_size and task_eval_size of at least {levels} (one problem "
+                          f"per difficulty level), got {train_size} and {eval_size}")
+    g = torch.Generator().manual_seed(derived_seed(seed, "mixed-task"))
+    train: List[Example] = []
+    held_out: List[Example] = []
+    for level in MIXED_LEVELS:
+        problems = _level_problems(level, eval_size // levels + train_size // levels, g)
+        held_out += problems[: eval_size // levels]
+        train += problems[eval_size // levels:]
+    return train, held_out
 
 
 # ---------------------------------------------------------------------- files
@@ -162,7 +214,10 @@ def load_examples(cfg: TrainConfig, split: str = "train") -> List[Example]:
     if split == "eval" and cfg.eval_dataset and cfg.eval_dataset != "arithmetic":
         return read_examples(cfg.eval_dataset, cfg.prompt_field, cfg.answer_field, key="eval_dataset")
     if cfg.is_demo_task or (split == "eval" and cfg.eval_dataset == "arithmetic"):
-        train, held_out = arithmetic_split(cfg.task_max_operand, cfg.task_train_size, cfg.task_eval_size, cfg.seed)
+        if cfg.task == "mixed":
+            train, held_out = mixed_split(cfg.task_train_size, cfg.task_eval_size, cfg.seed)
+        else:
+            train, held_out = arithmetic_split(cfg.task_max_operand, cfg.task_train_size, cfg.task_eval_size, cfg.seed)
         return train if split == "train" else held_out
     return read_examples(cfg.dataset, cfg.prompt_field, cfg.answer_field)
 

@@ -85,8 +85,12 @@ def report_settings(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def _data_path(cfg: TrainConfig) -> str:
+    """The evaluation data as reports record it: a file's absolute path, or the embedded
+    task (arithmetic; arithmetic:mixed for task=mixed)."""
     data = cfg.eval_dataset or cfg.dataset
-    return os.path.abspath(data) if os.path.isfile(data) else data
+    if os.path.isfile(data):
+        return os.path.abspath(data)
+    return f"{data}:{cfg.task}" if data == "arithmetic" and cfg.task != "add" else data
 
 
 def _planned_settings(cfg: TrainConfig, model_dir: str, n_problems: int, max_new_tokens: int) -> dict[str, Any]:

@@ -114,7 +114,7 @@ _DEMO_MODEL_KEYS = ("tiny_hidden_size", "tiny_layers", "warmstart_steps", "warms
                     "warmstart_unboxed", "cache_dir")
 
 
-_DEMO_TASK_KEYS = ("task_max_operand", "task_train_size", "task_eval_size")
+_DEMO_TASK_KEYS = ("task", "task_max_operand", "task_train_size", "task_eval_size")
 
 
 def rebuild_command(cfg: TrainConfig) -> str:

@@ -535,8 +535,10 @@ class Trainer:
             keep=self.cfg.keep_checkpoints,
         )
 
-    def train(self, until_step: Optional[int] = None) -> Dict[str, Any]:
-        """Run steps start+1 .. cfg.steps (or until_step); returns a summary dict."""
+    def train(self, until_step: Optional[int] = None, plot: bool = True) -> Dict[str, Any]:
+        """Run steps start+1 .. cfg.steps (or until_step); returns a summary dict. A later
+        call continues from the last step run (train(until_step=k), then train(): the same
+        run as one train()). plot=False: no curves.png (erpo study plots its own)."""
         cfg = self.cfg
         last = min(cfg.steps, until_step) if until_step else cfg.steps
         metrics_path = os.path.join(cfg.run_dir, METRICS_FILE)
@@ -574,10 +576,11 @@ class Trainer:
                     bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", qkl=f"{metrics['qkl/value']:.2e}", **flags)
                 if step == last or (cfg.save_every and step % cfg.save_every == 0):
                     checkpoint = self._write(step, lambda: self.save(step))
+                self.start_step = step
         finally:
             if bar is not None:
                 bar.close()
-        plot = plot_runs([cfg.run_dir]) if main and os.path.isfile(metrics_path) else None
+        plot = plot_runs([cfg.run_dir]) if plot and main and os.path.isfile(metrics_path) else None
         run_rows = read_metrics(cfg.run_dir) if main and history and os.path.isfile(metrics_path) else history
         summary = self._summary(history, run_rows, time.perf_counter() - t_start, checkpoint, plot)
         self.log(summary["line"])

@@ -1,11 +1,14 @@
-"""Local datasets: JSONL, JSON and Parquet files with prompt and answer fields."""
+"""Local datasets: JSONL, JSON and Parquet files with prompt and answer fields; the embedded
+tasks (task=add, the demo default, and the harder task=mixed)."""
 import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from erpo.data import DataError, read_examples
+from erpo.config import ConfigError, TrainConfig
+from erpo.data import (MIXED_LEVELS, DataError, arithmetic_split, difficulty_of, load_examples, mixed_split,
+                       read_examples)
 
 ROWS = [{"question": "1+2=", "gold": 3, "extra": "x"}, {"question": "4+4=", "gold": "8", "extra": None}]
 
@@ -61,3 +64,46 @@ def test_null_field_is_reported_as_null_not_missing(tmp_path, ext):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[::2]) if ext == "jsonl" else json.dumps(rows[::2]))
     with pytest.raises(DataError, match=r"record 1 has 'prompt': null"):
         read_examples(str(path), "prompt", "answer")
+
+
+# ---------------------------------------------------------------------- the mixed task
+
+
+def test_mixed_split_levels_answers_and_disjointness():
+    train, held_out = mixed_split(60, 12, seed=3)
+    assert len(train) == 60 and len(held_out) == 12
+    for ex in train + held_out:
+        a, op, b = ex.prompt[:-1].partition(next(c for c in "+-*" if c in ex.prompt))
+        assert ex.prompt.endswith("=") and int(ex.answer) == eval(ex.prompt[:-1]) >= 0  # noqa: S307 (digits and one op)
+        assert difficulty_of(ex.prompt) == f"{len(a)}{op}{len(b)}"
+    assert [difficulty_of(ex.prompt) for ex in held_out] == [lv for lv in MIXED_LEVELS for _ in range(2)]
+    assert [difficulty_of(ex.prompt) for ex in train] == [lv for lv in MIXED_LEVELS for _ in range(10)]
+    assert not {ex.prompt for ex in train} & {ex.prompt for ex in held_out}
+    assert len({ex.prompt for ex in train}) == 60
+    assert mixed_split(60, 12, seed=3) == (train, held_out)  # a pure function of the seed
+    assert mixed_split(60, 12, seed=4)[1] != held_out
+
+
+def test_task_key_selects_the_family_and_add_stays_the_default():
+    """task=add (the default, configs/demo.yaml) is the a+b split exactly as before; task=mixed the new family."""
+    cfg = TrainConfig()
+    assert cfg.task == "add"
+    assert (load_examples(cfg, "train"), load_examples(cfg, "eval")) == arithmetic_split(49, 1500, 200, 0)
+    mixed = TrainConfig(task="mixed", task_train_size=600, task_eval_size=60)
+    assert (load_examples(mixed, "train"), load_examples(mixed, "eval")) == mixed_split(600, 60, 0)
+    with pytest.raises(ConfigError, match="task='mul' is not one of add, mixed"):
+        TrainConfig(task="mul").validate()
+    with pytest.raises(ConfigError, match="task=mixed needs task_train_size and task_eval_size of at least 6"):
+        mixed_split(600, 5, 0)
+    with pytest.raises(ConfigError, match="level 2\\+1 has fewer than .* lower task_train_size"):
+        mixed_split(6 * 900, 6, 0)  # 90 x 9 problems of 2+1 only
+
+
+def test_eval_reports_and_the_cache_command_name_the_task():
+    from erpo.eval_command import _planned_settings
+    from erpo.start import rebuild_command
+
+    add, mixed = TrainConfig(), TrainConfig(task="mixed")
+    assert _planned_settings(add, "m", 6, 8)["data"] == "arithmetic"  # reports made before the key read the same
+    assert _planned_settings(mixed, "m", 6, 8)["data"] == "arithmetic:mixed"
+    assert " task=mixed " in rebuild_command(mixed) and "task=" not in rebuild_command(add)

@@ -531,3 +531,40 @@ def test_the_summary_of_a_resumed_run_covers_the_whole_run(tmp_path, cache_dir):
     assert lines[-1].startswith("erpo: erpo finished step 4/4") and "(steps 3-4 in this start)" in lines[-1]
     assert f"reward {rows[0]['reward/mean']:.3f} -> {rows[-1]['reward/mean']:.3f} (mean of the run's first/last 1 " \
            f"steps)" in lines[-1], lines[-1]
+
+
+@pytest.mark.parametrize("algorithm", ["erpo", "grpo"])
+def test_monitor_policy_kl_changes_no_update(tmp_path, cache_dir, algorithm):
+    """monitor_policy_kl=true only adds a no-grad reference forward and the policy_kl metric:
+    the weights after 3 steps (2 updates each, the second off-policy) are bit-identical to
+    those of the same run without it, and so is every other logged metric. grpo with beta=0
+    (no KL term, hence no reference model of its own) is monitored the same way."""
+    extra = {"beta": 0.0} if algorithm == "grpo" else {}
+    runs = {}
+    for monitor in (False, True):
+        cfg = tiny(tmp_path, cache_dir, f"{algorithm}-monitor-{monitor}", steps=3, mini_batches=2,
+                   algorithm=algorithm, monitor_policy_kl=monitor, **extra)
+        trainer = Trainer(cfg, log=quiet)
+        assert (trainer.ref_model is not None) == monitor
+        trainer.train()
+        runs[monitor] = (trainer.model, untimed(read_metrics(cfg.run_dir)))
+    assert_same_params(runs[False][0], runs[True][0])
+    plain, monitored = runs[False][1], runs[True][1]
+    assert all("policy_kl" not in r for r in plain) and all(r["policy_kl"] >= 0 for r in monitored)
+    assert monitored[-1]["policy_kl"] > 0  # the policy moved away from the reference
+    assert [{k: v for k, v in r.items() if k != "policy_kl"} for r in monitored] == plain
+
+
+def test_train_until_step_then_train_continues(tmp_path, cache_dir):
+    """train(until_step=2) and then train() on the same Trainer are the 4-step run of one
+    train(): the second call starts at step 3 (weights and every metric bit-identical);
+    plot=False draws no curves.png."""
+    whole = Trainer(tiny(tmp_path, cache_dir, "whole", steps=4), log=quiet)
+    whole.train()
+    split = Trainer(tiny(tmp_path, cache_dir, "split", steps=4), log=quiet)
+    assert split.train(until_step=2, plot=False)["plot"] is None
+    assert not os.path.exists(os.path.join(split.cfg.run_dir, "curves.png"))  # plot=False: none drawn
+    assert split.train()["steps"] == 2
+    assert [r["step"] for r in read_metrics(split.cfg.run_dir)] == [1, 2, 3, 4]
+    assert untimed(read_metrics(split.cfg.run_dir)) == untimed(read_metrics(whole.cfg.run_dir))
+    assert_same_params(whole.model, split.model)
