@@ -2,6 +2,8 @@
 
     python -m bench kernels --device cpu|cuda [--quick]   # ops vs PyTorch and the peers
     python -m bench step    --device cpu|cuda [--quick]   # one GRPO/ERPO training step
+    python -m bench cost                                   # counted GPU cost model of ours and the peers (CPU)
+    python -m bench calibrate --device cuda                # the linear op and lm_head GEMMs timed beside the model
     python -m bench report                                 # README table + plots from bench/results/*.json
     python -m bench merge FILE.json                        # fold a results file (e.g. from a GPU run) in
 
@@ -15,4 +17,4 @@ Definitions used everywhere (and written into every results file):
           minus the resident set size just before it.
 """
 
-__all__ = ["kernels", "step", "report", "peers", "measure"]
+__all__ = ["kernels", "step", "report", "peers", "measure", "cost", "cost_model", "cost_subjects", "calibrate"]

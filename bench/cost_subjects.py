@@ -444,9 +444,12 @@ def run(subjects: List[Subject], targets: List[Shape], log=print) -> Dict:
     """Fit and evaluate every subject (absent or failing ones are recorded with the reason)."""
     from .cost_model import BYTES_RULE, HARDWARE
 
+    import time
+
     cache: Dict[Tuple, Fit] = {}
     entries = []
     for s in subjects:
+        t0 = time.monotonic()
         entry: Dict = {"name": s.name, "op": s.op, "label": s.label, "version": s.version(), "gpu_path": s.gpu_path}
         why = s.absent_reason()
         if why:
@@ -471,7 +474,8 @@ def run(subjects: List[Subject], targets: List[Shape], log=print) -> Dict:
                      fits=[{"shapes": [list(x) for x in f.shapes], "terms": f.terms, "fit_exact": f.fit_exact,
                             "checks": f.checks} for f in {id(f): f for f in fits}.values()])
         entries.append(entry)
-        log(f"{s.name} ({s.op}): fitted" + ("" if exact else f" (NOT exact on the held-out shapes: totals off by "
+        entry["count_s"] = round(time.monotonic() - t0, 1)
+        log(f"{s.name} ({s.op}): fitted in {entry['count_s']:.0f} s" + ("" if exact else f" (NOT exact on the held-out shapes: totals off by "
                                                   f"{worst:.1e})") + "; "
             + "; ".join(f"{r['shape']['N']}x{r['shape']['D']}x{r['shape']['V']}: "
                         f"{r['passes']['both']['H200']['ms']:.1f} ms" for r in results))

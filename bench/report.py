@@ -5,6 +5,8 @@ A results file is bench/results/<machine>.json = {"machine": name, "runs": [run,
 the plots use, for each (op, peer, shape, dtype, pass) or (model, tokens, variant), the
 newest record of each machine. Nothing in them is typed by hand: `python -m bench report`, and
 only it, rewrites the README between the markers below (measuring never edits documentation).
+The cost model's runs (`bench cost`) are bench/results/cost.json; their tables go into
+docs/benchmarks.md between the cost markers, and one summary line into the README section.
 """
 from __future__ import annotations
 
@@ -21,6 +23,11 @@ from .measure import REPO, RESULTS_DIR, RunOptions
 
 README = REPO / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+# the cost model (`bench cost`): its runs, and the tables it generates into docs/benchmarks.md
+COST_FILE = "cost.json"  # bench/results/cost.json: {"command": "cost", "runs": [run, ...]}
+BENCH_DOC = REPO / "docs" / "benchmarks.md"
+COST_START, COST_END = "<!-- cost:start -->", "<!-- cost:end -->"
+COST_ORDER = ("erpo", "erpo-reference", "liger", "cce", "trl-chunked")
 PEER_ORDER = ("eager", "eager-ce", "compile", "trl", "trl-chunked", "trl-triton", "liger", "cce", "flash-attn", "erpo-inplace")
 PASS_LABEL = {"forward": "fwd", "backward": "bwd", "both": "fwd+bwd"}
 # The CPU target of the benchmark issue (measured, never asserted).
@@ -369,17 +376,8 @@ def markdown(results: Dict[str, Dict[str, Any]], cost_run: Optional[Dict[str, An
 
 
 def write_readme(text: str, readme: Path = README) -> bool:
-    """Replace what lies between the markers; False (and nothing written) when they are missing."""
-    if not readme.exists():
-        return False
-    body = readme.read_text()
-    a, b = body.find(START), body.find(END)
-    if a < 0 or b < a:
-        return False
-    new = body[: a + len(START)] + "\n" + text + body[b:]
-    if new != body:
-        readme.write_text(new)
-    return True
+    """Replace what lies between the README's markers; False (and nothing written) when they are missing."""
+    return write_between(readme, START, END, text)
 
 
 # ----------------------------------------------------------------------------- plots
@@ -509,10 +507,6 @@ def _r(x: Optional[float]) -> str:
 
 # ----------------------------------------------------------------------------- the cost model (bench cost)
 
-COST_FILE = "cost.json"  # bench/results/cost.json: {"command": "cost", "runs": [run, ...]}
-BENCH_DOC = REPO / "docs" / "benchmarks.md"
-COST_START, COST_END = "<!-- cost:start -->", "<!-- cost:end -->"
-COST_ORDER = ("erpo", "erpo-reference", "liger", "cce", "trl-chunked")
 
 
 def cost_runs(out_dir: str | os.PathLike = RESULTS_DIR) -> List[Dict[str, Any]]:
