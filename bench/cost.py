@@ -21,12 +21,17 @@ A Triton record (`kind="triton"`) holds, with every mask respected (only active 
     args             the same per kernel argument, plus `program_distinct`: distinct bytes per
                      program summed over the programs (equal to `distinct` when no two programs
                      touch the same bytes: the argument is private to its programs)
-A torch record (`kind="torch"`) holds one ATen op: loaded = the bytes of its tensor inputs,
-stored = the bytes of its outputs (0 for views), flops from torch.utils.flop_counter by input
-dtype; distinct = loaded + stored (an op is taken to read its inputs and write its outputs once).
+A torch record (`kind="torch"`) holds one ATen op: loaded = the bytes of its tensor inputs (a
+gather: the gathered elements; copy_/fill_/out=: not the destination), stored = the bytes of its
+outputs (0 for views), flops from torch.utils.flop_counter by the narrowest floating input dtype;
+distinct = loaded + stored (an op is taken to read its inputs and write its outputs once). A
+torch.library custom op is counted by what it runs (its ATen ops and kernels), not as one op;
+a CUDA-only ATen op a peer's GPU branch calls (addmm with out_dtype) is computed by an
+equivalent on CPU and counted as called.
 
 Counting changes no result, except that a bf16 tl.dot (wrong in triton 3.9's interpreter,
-which multiplies the raw bit patterns) is computed from the bf16 values, as a GPU does.
+which multiplies the raw bit patterns) is computed from the bf16 values, as a GPU does, and
+that the interpreter's libdevice stubs used by peers (log1p, tanh) get triton.language math.
 """
 from __future__ import annotations
 
@@ -39,7 +44,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
 
 
 # ----------------------------------------------------------------------------- records
@@ -264,153 +268,170 @@ class _Sink:
 _WIDENED = "erpo_cost_widened_from"  # TensorHandle attribute: the fp16/bf16 dtype an fp32 value came from
 
 
-@contextlib.contextmanager
-def _triton_hooks(sink: _Sink) -> Iterator[None]:
-    """Patch the interpreter's builder (load, store, dot, atomics, casts, grid) and its launcher
-    for the duration of the block; everything is restored on exit."""
+class _InterpreterHooks:
+    """Hooks on triton 3.9's interpreter: its builder's load, store, dot, atomics and casts, its grid
+    index (program boundaries), its launcher (one record per launch, the arguments' spans) and its
+    per-call re-patching of triton.language (skipped once a launch has patched it: speed only)."""
+
+    BUILDER = ("create_masked_load", "create_masked_store", "create_dot", "create_atomic_rmw", "create_atomic_cas",
+               "cast_impl", "create_fp_to_fp", "set_grid_idx", "set_grid_dim")
+    # libdevice is a stub in the interpreter (every function returns None): the few that peers use get
+    # the same math from triton.language, so that their kernels run (values only; counts are unchanged)
+    LIBDEVICE = {"log1p": lambda x: _tl().log(1.0 + x), "tanh": lambda x: 2.0 * _tl().sigmoid(2.0 * x) - 1.0}
+
+    def __init__(self, sink: _Sink):
+        from triton.runtime import interpreter
+
+        self.sink, self.interp, self.tl = sink, interpreter, _tl()
+        self.builder = interpreter.interpreter_builder
+        self.orig = {n: getattr(self.builder, n) for n in self.BUILDER}
+        self.langs_of: Dict[Any, frozenset] = {}
+
+    # --- builder hooks (called by the interpreter with the builder's arguments)
+
+    def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        self._access(ptrs, np.asarray(mask.data, dtype=bool), store=False)
+        return self.orig["create_masked_load"](ptrs, mask, other, cache_policy, is_volatile)
+
+    def create_masked_store(self, ptrs, value, mask, cache_policy):
+        self._access(ptrs, np.asarray(mask.data, dtype=bool), store=True)
+        return self.orig["create_masked_store"](ptrs, value, mask, cache_policy)
+
+    def create_atomic_rmw(self, rmw_op, ptr, val, mask, sem, scope):
+        self._atomic(ptr, np.asarray(mask.data, dtype=bool))
+        return self.orig["create_atomic_rmw"](rmw_op, ptr, val, mask, sem, scope)
+
+    def create_atomic_cas(self, ptr, cmp, val, sem, scope):
+        self._atomic(ptr, None)
+        return self.orig["create_atomic_cas"](ptr, cmp, val, sem, scope)
+
+    def cast_impl(self, src, dst_type):
+        return self._widened(self.orig["cast_impl"](src, dst_type), src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        return self._widened(self.orig["create_fp_to_fp"](src, dst_type, rounding_mode), src, dst_type)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        tl = self.tl
+        m, k = a.data.shape[-2:]
+        batch = int(np.prod(a.data.shape[:-2])) if a.data.ndim > 2 else 1
+        key = _dtype_name(a.dtype.scalar)
+        wa, wb = a.attr.get(_WIDENED), b.attr.get(_WIDENED)
+        if a.dtype.scalar == tl.float32 and wa is not None and wa == wb:
+            key = f"{wa}>fp32"
+        launch = self.sink.launch
+        if launch is not None:
+            launch.rec.flops[key] = launch.rec.flops.get(key, 0) + 2 * batch * m * b.data.shape[-1] * k
+        # the interpreter multiplies raw bf16 bits: give it the values
+        a, b = (self.interp.TensorHandle(_bf16_to_f32(x.data), tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+                for x in (a, b))
+        return self.orig["create_dot"](a, b, d, input_precision, max_num_imprecise_acc)
+
+    def set_grid_idx(self, x, y, z):
+        launch = self.sink.launch
+        if launch is not None:
+            if launch.started:
+                launch.end_program()
+            launch.started = True
+        return self.orig["set_grid_idx"](x, y, z)
+
+    def set_grid_dim(self, nx, ny, nz):
+        if self.sink.launch is not None:
+            self.sink.launch.rec.grid = (nx, ny, nz)
+            self.sink.launch.rec.programs = nx * ny * nz
+        return self.orig["set_grid_dim"](nx, ny, nz)
+
+    def _access(self, ptrs, mask: Optional[np.ndarray], store: bool) -> None:
+        if self.sink.launch is not None:
+            self.sink.launch.access(ptrs.data, mask, _elem_bytes(ptrs), store=store)
+
+    def _atomic(self, ptr, mask: Optional[np.ndarray]) -> None:
+        """An atomic reads and writes its active lanes."""
+        if self.sink.launch is not None:
+            self._access(ptr, mask, store=False)
+            self._access(ptr, mask, store=True)
+            self.sink.launch.rec.atomics += int(mask.sum()) if mask is not None else int(ptr.data.size)
+
+    def _widened(self, result, src, dst_type):
+        if src.dtype.scalar in (self.tl.bfloat16, self.tl.float16) and dst_type.scalar == self.tl.float32:
+            result.attr[_WIDENED] = _dtype_name(src.dtype.scalar)
+        return result
+
+    # --- launcher hooks
+
+    def executor_call(self, orig_call, executor, *args, **kwargs):
+        if self.sink.launch is not None:  # a launch inside a launch: not expected, counted in the outer one
+            return orig_call(executor, *args, **kwargs)
+        self.sink.launch = _LaunchState(executor.fn.__name__)
+        try:
+            orig_call(executor, *args, **kwargs)
+            self.sink.add(self.sink.launch.finish())
+        finally:
+            self.sink.launch = None
+
+    def init_args(self, orig_init, executor, args_dev, kwargs):
+        args_hst, kwargs_hst = orig_init(executor, args_dev, kwargs)
+        if self.sink.launch is not None:
+            named = list(zip(executor.arg_names, args_hst)) + list(kwargs_hst.items())
+            self.sink.launch.set_args([(n, a) for n, a in named if isinstance(a, torch.Tensor)])
+        return args_hst, kwargs_hst
+
+    def patch_lang(self, orig_patch_lang, fn):
+        langs = self.langs_of.get(fn)
+        if langs is None:
+            tl = self.tl
+            langs = self.langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        launch = self.sink.launch
+        if launch is not None and langs <= launch.patched:
+            return _NoScope()
+        scope = orig_patch_lang(fn)
+        if launch is not None:
+            launch.patched |= langs
+        return scope
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Everything patched for the block, restored on exit."""
+        from triton.language.extra import libdevice
+
+        interp, b = self.interp, self.builder
+        saved_builder = {n: b.__dict__.get(n, _MISSING) for n in self.BUILDER}
+        saved_libdevice = {n: getattr(libdevice, n) for n in self.LIBDEVICE}
+        saved = (interp.GridExecutor.__call__, interp.GridExecutor._init_args_hst, interp._patch_lang)
+        orig_call, orig_init, orig_patch = saved
+        try:
+            for n in self.BUILDER:
+                setattr(b, n, getattr(self, n))
+            interp.GridExecutor.__call__ = lambda ex, *a, **k: self.executor_call(orig_call, ex, *a, **k)
+            interp.GridExecutor._init_args_hst = lambda ex, a, k: self.init_args(orig_init, ex, a, k)
+            interp._patch_lang = lambda fn: self.patch_lang(orig_patch, fn)
+            for n, f in self.LIBDEVICE.items():
+                setattr(libdevice, n, f)
+            with np.errstate(all="ignore"):  # a peer's garbage values (bf16 arithmetic) warn; counts do not care
+                yield
+        finally:
+            interp.GridExecutor.__call__, interp.GridExecutor._init_args_hst, interp._patch_lang = saved
+            for n, f in saved_libdevice.items():
+                setattr(libdevice, n, f)
+            for n, v in saved_builder.items():
+                if v is _MISSING:
+                    b.__dict__.pop(n, None)
+                else:
+                    setattr(b, n, v)
+
+
+def _tl():
+    import triton.language as tl
+
+    return tl
+
+
+def _triton_hooks(sink: _Sink) -> contextlib.AbstractContextManager:
+    """The interpreter's hooks for the block (see _InterpreterHooks)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("bench.cost counts Triton kernels in the interpreter: set TRITON_INTERPRET=1 "
                            "before triton (or erpo_kernels) is imported")
-    from triton.runtime import interpreter as interp
-    import triton.language as tl
-
-    b = interp.interpreter_builder
-    names = ("create_masked_load", "create_masked_store", "create_dot", "create_atomic_rmw", "create_atomic_cas",
-             "cast_impl", "create_fp_to_fp", "set_grid_idx", "set_grid_dim")
-    saved = {n: b.__dict__.get(n, _MISSING) for n in names}
-    orig = {n: getattr(b, n) for n in names}
-    orig_call = interp.GridExecutor.__call__
-    orig_patch_lang = interp._patch_lang
-    langs_of: Dict[Any, frozenset] = {}
-    orig_init = interp.GridExecutor._init_args_hst
-
-    def masked_load(ptrs, mask, other, cache_policy, is_volatile):
-        if sink.launch is not None:
-            sink.launch.access(ptrs.data, np.asarray(mask.data, dtype=bool), _elem_bytes(ptrs), store=False)
-        return orig["create_masked_load"](ptrs, mask, other, cache_policy, is_volatile)
-
-    def masked_store(ptrs, value, mask, cache_policy):
-        if sink.launch is not None:
-            sink.launch.access(ptrs.data, np.asarray(mask.data, dtype=bool), _elem_bytes(ptrs), store=True)
-        return orig["create_masked_store"](ptrs, value, mask, cache_policy)
-
-    def atomic(name):
-        def hook(*args):
-            ptr = args[1] if name == "create_atomic_rmw" else args[0]
-            mask = np.asarray(args[3].data, dtype=bool) if name == "create_atomic_rmw" else None
-            if sink.launch is not None:
-                for store in (False, True):
-                    sink.launch.access(ptr.data, mask, _elem_bytes(ptr), store=store)
-                sink.launch.rec.atomics += int(mask.sum()) if mask is not None else int(ptr.data.size)
-            return orig[name](*args)
-        return hook
-
-    def widen(result, src, dst_type):
-        s = src.dtype.scalar
-        if s in (tl.bfloat16, tl.float16) and dst_type.scalar == tl.float32:
-            result.attr[_WIDENED] = _dtype_name(s)
-        return result
-
-    def cast_impl(src, dst_type):
-        return widen(orig["cast_impl"](src, dst_type), src, dst_type)
-
-    def fp_to_fp(src, dst_type, rounding_mode):
-        return widen(orig["create_fp_to_fp"](src, dst_type, rounding_mode), src, dst_type)
-
-    def dot(a, b_, d, input_precision, max_num_imprecise_acc):
-        m, k = a.data.shape[-2:]
-        n = b_.data.shape[-1]
-        batch = int(np.prod(a.data.shape[:-2])) if a.data.ndim > 2 else 1
-        da, db = a.dtype.scalar, b_.dtype.scalar
-        key = _dtype_name(da)
-        wa, wb = a.attr.get(_WIDENED), b_.attr.get(_WIDENED)
-        if da == tl.float32 and wa is not None and wa == wb:
-            key = f"{wa}>fp32"
-        if sink.launch is not None:
-            sink.launch.rec.flops[key] = sink.launch.rec.flops.get(key, 0) + 2 * batch * m * n * k
-        if da == tl.bfloat16 or db == tl.bfloat16:  # the interpreter multiplies raw bf16 bits: use the values
-            a, b_ = (interp.TensorHandle(_bf16_to_f32(x.data), tl.float32) if x.dtype.scalar == tl.bfloat16 else x
-                     for x in (a, b_))
-        return orig["create_dot"](a, b_, d, input_precision, max_num_imprecise_acc)
-
-    def set_grid_idx(x, y, z):
-        if sink.launch is not None:
-            if sink.launch.started:
-                sink.launch.end_program()
-            sink.launch.started = True
-        return orig["set_grid_idx"](x, y, z)
-
-    def set_grid_dim(nx, ny, nz):
-        if sink.launch is not None:
-            sink.launch.rec.grid = tuple(g for g in (nx, ny, nz))
-            sink.launch.rec.programs = nx * ny * nz
-        return orig["set_grid_dim"](nx, ny, nz)
-
-    def init_args(self, args_dev, kwargs):
-        args_hst, kwargs_hst = orig_init(self, args_dev, kwargs)
-        if sink.launch is not None:
-            named = [(n, a) for n, a in zip(self.arg_names, args_hst)] + list(kwargs_hst.items())
-            sink.launch.set_args([(n, a) for n, a in named if isinstance(a, torch.Tensor)])
-        return args_hst, kwargs_hst
-
-    def patch_lang(fn):
-        # Every jit function called inside a kernel re-patches triton.language (the interpreter's
-        # InterpretedFunction.__call__ discards the scope): skip it when this launch did it already.
-        # Speed only; the launch's own patch is made and restored as usual.
-        langs = langs_of.get(fn)
-        if langs is None:
-            langs = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
-        if sink.launch is not None and langs <= sink.launch.patched:
-            return _NoScope()
-        scope = orig_patch_lang(fn)
-        if sink.launch is not None:
-            sink.launch.patched |= langs
-        return scope
-
-    def call(self, *args, **kwargs):
-        if sink.launch is not None:  # a launch inside a launch: not expected, count it in the outer one
-            return orig_call(self, *args, **kwargs)
-        sink.launch = _LaunchState(self.fn.__name__)
-        try:
-            orig_call(self, *args, **kwargs)
-            sink.add(sink.launch.finish())
-        finally:
-            sink.launch = None
-
-    from triton.language.extra import libdevice
-
-    # libdevice is a stub in the interpreter (every function returns None): the few that peers use get
-    # the same math from triton.language, so that their kernels run (values only; counts are unchanged)
-    shims = {"log1p": lambda x: tl.log(1.0 + x), "tanh": lambda x: 2.0 * tl.sigmoid(2.0 * x) - 1.0}
-    saved_libdevice = {n: getattr(libdevice, n) for n in shims}
-
-    stack = contextlib.ExitStack()
-    hooks = {"create_masked_load": masked_load, "create_masked_store": masked_store, "create_dot": dot,
-             "create_atomic_rmw": atomic("create_atomic_rmw"), "create_atomic_cas": atomic("create_atomic_cas"),
-             "cast_impl": cast_impl, "create_fp_to_fp": fp_to_fp, "set_grid_idx": set_grid_idx,
-             "set_grid_dim": set_grid_dim}
-    try:
-        stack.enter_context(np.errstate(all="ignore"))  # a peer's garbage values (bf16 arithmetic) warn, not count
-        for n, h in hooks.items():
-            setattr(b, n, h)
-        interp.GridExecutor.__call__ = call
-        interp.GridExecutor._init_args_hst = init_args
-        interp._patch_lang = patch_lang
-        for n, f in shims.items():
-            setattr(libdevice, n, f)
-        yield
-    finally:
-        stack.close()
-        for n, f in saved_libdevice.items():
-            setattr(libdevice, n, f)
-        interp._patch_lang = orig_patch_lang
-        interp.GridExecutor.__call__ = orig_call
-        interp.GridExecutor._init_args_hst = orig_init
-        for n, v in saved.items():
-            if v is _MISSING:
-                b.__dict__.pop(n, None)
-            else:
-                setattr(b, n, v)
+    return _InterpreterHooks(sink).installed()
 
 
 _MISSING = object()

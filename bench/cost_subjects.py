@@ -159,13 +159,16 @@ def _erpo_linear(hidden, weight, targets):
 
 
 def _erpo_linear_plan(target: Shape) -> FitPlan:
-    """Residue classes of the tiles: rows by lcm(block_n, merge block), D by block_d, V by the
-    forward's vocabulary chunk (split_tiles x block_v)."""
+    """Residue classes of every tile and chunk of the kernels' Tiles (rows: block_n, gemm_n and the
+    merge block; D: block_d, gemm_d; V: block_v, gemm_v and the vocabulary chunk, split_tiles x
+    block_v), with at least two vocabulary chunks (a single chunk may take another path)."""
     ltl = importlib.import_module("erpo_kernels.linear_token_logprobs")  # the module (the package exports the function)
-    tiles = ltl.DEFAULT_TILES[DTYPE]
-    mn = math.lcm(tiles.block_n, getattr(ltl, "MERGE_BLOCK", 1))
-    mv = math.lcm(tiles.block_v, tiles.block_v * getattr(tiles, "split_tiles", 1))
-    return _residue_plan("erpo", target, (mn, tiles.block_d, mv))
+    t = ltl.DEFAULT_TILES[DTYPE]
+    size = lambda name: getattr(t, name, 1)  # noqa: E731 (tiles a design may not have)
+    mn = math.lcm(t.block_n, size("gemm_n"), getattr(ltl, "MERGE_BLOCK", 1))
+    md = math.lcm(t.block_d, size("gemm_d"))
+    mv = math.lcm(t.block_v, size("gemm_v"), t.block_v * size("split_tiles"))
+    return _residue_plan("erpo", target, (mn, md, mv), base=(1, 1, mv + 1))
 
 
 def _erpo_token(logits, targets):
