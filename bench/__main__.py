@@ -115,6 +115,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("--targets", default=None, help="comma list of NxDxV (default: issue 18's three shapes)")
     c.add_argument("--out-dir", default=str(RESULTS_DIR), help="where cost.json goes")
     c.add_argument("--no-save", action="store_true", help="print only")
+    c.add_argument("--jobs", type=int, default=None, help="worker processes counting shapes (default: CPUs, at most 8)")
 
     cal = sub.add_parser("calibrate", help="GPU: the linear op and the bare lm_head GEMMs timed beside the cost model")
     _common(cal)
@@ -226,7 +227,8 @@ def _cost(args: argparse.Namespace, argv: List[str]) -> int:
 
     meta = dict(command="cost", commit=commit_hash(), versions=versions(),  # the code counted: taken first
                 timestamp=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
-    run = cs.run(subjects, targets)
+    jobs = args.jobs or min(8, os.cpu_count() or 1)
+    run = cs.run(subjects, targets, jobs=jobs)
     run.update(meta)
     print("\n".join(report.cost_tables(run)))
     if not args.no_save:

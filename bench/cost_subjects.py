@@ -391,21 +391,32 @@ SUBJECTS: List[Subject] = [
 ]
 
 
-def fit_subject(subject: Subject, target: Shape, cache: Dict[Tuple, Fit], log=print) -> Fit:
-    """The subject's fit for `target` (shared by targets whose plans have the same key)."""
+def _count_job(name: str, op: str, target: Shape, shape: Shape) -> Counts:
+    """count() in a worker process (the subject and its plan looked up again there)."""
+    subject = next(s for s in SUBJECTS if s.name == name and s.op == op)
+    return count(subject, shape, subject.fit_plan(target))
+
+
+def fit_subject(subject: Subject, target: Shape, cache: Dict[Tuple, Fit], log=print, jobs: int = 1) -> Fit:
+    """The subject's fit for `target` (shared by targets whose plans have the same key); with
+    jobs > 1 the shapes are counted in that many worker processes."""
     plan = subject.fit_plan(target)
     key = (subject.name, subject.op, plan.key)
     if key in cache:
         return cache[key]
-    counted: Dict[Shape, Counts] = {}
-    seen: Dict[Tuple[int, int], Counts] = {}
-    for shape in plan.fit + plan.check:
-        if not subject.uses_d and (shape[0], shape[2]) in seen:
-            counted[shape] = seen[(shape[0], shape[2])]
-            continue
-        counted[shape] = count(subject, shape, plan)
-        seen[(shape[0], shape[2])] = counted[shape]
-        log(f"  counted {subject.name} {subject.op} at N={shape[0]} D={shape[1]} V={shape[2]}")
+    # a subject that ignores D is counted once per (N, V)
+    todo = list(dict.fromkeys(s if subject.uses_d else (s[0], plan.fit[0][1], s[2]) for s in plan.fit + plan.check))
+    if jobs > 1 and len(todo) > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(todo)),
+                                                    mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = dict(zip(todo, pool.map(_count_job, *zip(*[(subject.name, subject.op, target, s) for s in todo]))))
+    else:
+        done = {s: count(subject, s, plan) for s in todo}
+    log(f"  counted {subject.name} {subject.op} at {len(todo)} shapes (N, D, V): {todo}")
+    counted = {s: done[s if subject.uses_d else (s[0], plan.fit[0][1], s[2])] for s in plan.fit + plan.check}
     fit = fit_exact({s: counted[s] for s in plan.fit}, plan.features)
     for s in plan.check:
         fit.check(s, counted[s])
@@ -443,7 +454,7 @@ def evaluate(fit: Fit, target: Shape) -> Dict:
     return {"shape": dict(zip("NDV", target)), "passes": passes, "floors_ms": floors, "groups": groups}
 
 
-def run(subjects: List[Subject], targets: List[Shape], log=print) -> Dict:
+def run(subjects: List[Subject], targets: List[Shape], log=print, jobs: int = 1) -> Dict:
     """Fit and evaluate every subject (absent or failing ones are recorded with the reason)."""
     from .cost_model import BYTES_RULE, HARDWARE
 
@@ -463,7 +474,7 @@ def run(subjects: List[Subject], targets: List[Shape], log=print) -> Dict:
         try:
             results, fits = [], []
             for t in targets:
-                fit = fit_subject(s, t, cache, log=log)
+                fit = fit_subject(s, t, cache, log=log, jobs=jobs)
                 fits.append(fit)
                 results.append(evaluate(fit, t))
         except Exception as e:  # noqa: BLE001 (a peer that cannot run here is reported, not dropped)

@@ -268,7 +268,7 @@ def test_bench_cost_command_and_its_generated_section(tmp_path):
     from bench.__main__ import main
 
     assert main(["cost", "--subjects", "erpo", "--ops", "token_logprobs", "--targets", "64x1x4480",
-                 "--out-dir", str(tmp_path)]) == 0
+                 "--out-dir", str(tmp_path), "--jobs", "1"]) == 0
     (run,) = report.cost_runs(tmp_path)
     (s,) = run["subjects"]
     assert (s["name"], s["status"], s["exact"]) == ("erpo", "ok", True)
@@ -286,6 +286,12 @@ def test_bench_cost_command_and_its_generated_section(tmp_path):
     text = doc.read_text()
     assert "Model, not a measurement" in text and "| `erpo` | " in text and "old" not in text
     assert text.endswith(f"{report.COST_END}\nend\n")
+    # what a worker process of --jobs N runs: the same counts
+    from bench import cost_subjects as cs
+
+    sub = next(x for x in cs.SUBJECTS if x.name == "erpo" and x.op == "token_logprobs")
+    plan = sub.fit_plan((64, 1, 4480))
+    assert cs._count_job("erpo", "token_logprobs", (64, 1, 4480), plan.fit[0]) == cs.count(sub, plan.fit[0], plan)
     with pytest.raises(SystemExit, match="NxDxV"):
         main(["cost", "--targets", "64x1", "--out-dir", str(tmp_path)])
 
