@@ -17,7 +17,6 @@ import dataclasses
 import errno
 import json
 import os
-import shutil
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -30,8 +29,7 @@ from erpo_kernels.objective import (LossNormalizers, MicroBatch, PackedLossBatch
 
 from . import checkpoint as ckpt
 from . import distributed
-from .atomic import atomic_write
-from .config import TrainConfig, save_config
+from .config import TrainConfig
 from .errors import ErpoError
 from .data import derived_seed, step_indices, template_text
 from .models import autocast, check_vocabulary, enable_gradient_checkpointing, load_model
@@ -44,13 +42,12 @@ from .ref_cache import (
     check_cache_meta,
     model_fingerprint,
     read_ref_cache,
-    save_ref_cache,
     tokenizer_fingerprint,
     validate_ref_cache,
 )
 from .rewards import CORRECT_THRESHOLD, get_reward_fn
 from .rollout import Rollout, RolloutEngine, check_rollout_backend, eos_ids_of, make_engine
-from .run_plan import check_run_dir
+from .run_plan import apply_plan, plan_run
 from .start import (check_micro_batch_budget, check_world_size, load_scoring_model, lr_lambda, rebuild_command,
                     score_reference, score_reference_sharded, scoring_meta, setup_data, setup_device, setup_prompts,
                     starting_model)
@@ -122,123 +119,79 @@ class Trainer:
         self.cfg = cfg
         self.log = log if distributed.is_main() else (lambda _msg: None)  # rank 0 speaks for the run
         check_world_size(cfg, distributed.world_size())
-        self.earlier_run = check_run_dir(cfg)
         self.device, self.compute_dtype = setup_device(cfg)
         check_rollout_backend(cfg.rollout_backend, self.device)
         self.template = cfg.resolved_template
         self.reward_fn = get_reward_fn(cfg.resolved_reward)
         self.examples, self.data_fingerprint = setup_data(cfg)
-        saved = self._setup_resume()
-        self._check_reference_cache_early(saved)
-        initial = self._setup_model(saved)
-        initial = self._setup_reference_cache(initial)
+        self.plan = plan_run(cfg, self.data_fingerprint)  # where this start begins, what it keeps, copies, deletes
+        self._check_reference_cache_early()
+        initial = self._setup_model()
+        initial, new_cache = self._setup_reference_cache(initial)
         self._setup_policy(initial, engine)
         self._setup_optimizer()
         distributed.barrier()  # every rank has read the run dir before rank 0 changes it
-        if distributed.is_main():
-            self._prepare_run_dir()
+        if distributed.is_main():  # only now, every check passed, is the run dir touched
+            apply_plan(self.plan, cfg, new_cache, self.log)
         distributed.barrier()
 
     # ------------------------------------------------------------------ set-up steps
 
-    def _setup_resume(self) -> Dict[str, Any]:
-        """Where we start from: step 0, or (resume=RUN) its latest checkpoint, or
-        (resume=RUN/checkpoints/step-N) that one, whose saved state is returned after checking
-        that the training data is the run's. A run_dir other than RUN forks: the new run
-        continues from the checkpoint and RUN is left as it is."""
-        cfg = self.cfg
-        self.start_step = 0
-        self.resume_from: Optional[str] = None
-        self.source_run: Optional[str] = None
-        self.fork = False
-        self.later_checkpoints: List[str] = []
-        if not cfg.resume:
-            return {}
-        self.source_run, self.resume_from = ckpt.resume_point(cfg.resume)
-        self.fork = self.source_run != os.path.normpath(cfg.run_dir)
-        if self.resume_from is None:
-            raise ErpoError(
-                f"resume={cfg.resume}: no checkpoint there yet (expected {cfg.resume}/checkpoints/step-N); "
-                f"start it over with: erpo train run_dir={cfg.resume} overwrite=true"
-            )
-        saved = ckpt.read_state(self.resume_from)
-        self.start_step = int(saved["step"])
-        if saved.get("data_fingerprint") != self.data_fingerprint:
-            raise ErpoError(
-                f"resume={cfg.resume}: the training data differs from the run's (fingerprint "
-                f"{saved.get('data_fingerprint')} -> {self.data_fingerprint}); restore it or start a new run"
-            )
-        if not self.fork:  # continuing in place from an older checkpoint replaces the later ones
-            self.later_checkpoints = [p for s, p in ckpt.checkpoint_dirs(cfg.run_dir) if s > self.start_step]
-        if self.later_checkpoints and not cfg.overwrite:
-            raise ErpoError(
-                f"resume={cfg.resume}: {cfg.run_dir} has later checkpoints "
-                f"({', '.join(os.path.basename(p) for p in self.later_checkpoints)}) that continuing there would "
-                f"replace; continue in a new run with run_dir=NEW (this one is kept), or delete them with overwrite=true"
-            )
-        return saved
-
-    def _check_reference_cache_early(self, saved: Dict[str, Any]) -> None:
+    def _check_reference_cache_early(self) -> None:
         """Where the reference cache is read from, and its staleness checked before the
         starting model is built (model=tiny trains a warm start first): against the
         checkpoint's reference when resuming; for a new run its template, and for a warm
         start not trained yet the model directory it will have."""
-        cfg = self.cfg
-        self.cache_path = cfg.ref_cache_path
+        cfg, plan = self.cfg, self.plan
         self.rebuild = rebuild_command(cfg)
-        read_from = self.cache_path
-        if self.fork and not cfg.ref_cache and not os.path.isfile(read_from):  # the forked run's own cache
-            read_from = os.path.join(self.source_run, os.path.basename(self.cache_path))
-        self._cache_copy_from = read_from if read_from != self.cache_path and os.path.isfile(read_from) else None
-        self._cache_read_from = self._cache_copy_from or self.cache_path
-        if not os.path.isfile(self._cache_read_from):
+        if not plan.cache_exists:
             return
-        meta = read_ref_cache(self._cache_read_from, self.rebuild).meta
-        if self.resume_from:
-            check_cache_meta(meta, self._cache_read_from, saved["reference"], self.rebuild)
+        meta = read_ref_cache(plan.cache_source, self.rebuild).meta
+        if plan.resuming:
+            check_cache_meta(meta, plan.cache_source, plan.saved_state["reference"], self.rebuild)
             return
         if cfg.is_demo_model:
             planned = os.path.abspath(warmstart_dir(cfg, self.examples, self.template))
             if not os.path.isdir(planned) and meta.get("model") != planned:
                 raise RefCacheError(
-                    f"reference cache {self._cache_read_from} is stale: built for model weights {meta.get('model')} "
+                    f"reference cache {plan.cache_source} is stale: built for model weights {meta.get('model')} "
                     f"({meta.get('model_fingerprint')}), this run starts from {planned} (a warm start of other "
                     f"settings); rebuild it with: {self.rebuild}"
                 )
         expect = {"template": template_text(self.template), **scoring_meta(cfg, self.device, self.compute_dtype)}
-        check_cache_meta(meta, self._cache_read_from, expect, self.rebuild)
+        check_cache_meta(meta, plan.cache_source, expect, self.rebuild)
 
-    def _setup_model(self, saved: Dict[str, Any]) -> Optional[Any]:
+    def _setup_model(self) -> Optional[Any]:
         """Model directory, tokenizer, prompts and the reference meta; returns the starting
         (pre-RL) model when loaded (a fresh run), None when resuming."""
         # the demo model's warm start: trained and cached by rank 0, read from the cache by the others
         self.model_dir = distributed.main_first(lambda: resolve_model_dir(self.cfg, self.examples, self.log))
-        self.tokenizer, self.prompt_ids = setup_prompts(
-            self.cfg, self.examples, self.resume_from or self.model_dir
-        )
+        checkpoint = self.plan.checkpoint
+        self.tokenizer, self.prompt_ids = setup_prompts(self.cfg, self.examples, checkpoint or self.model_dir)
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         check_micro_batch_budget(self.cfg, self.prompt_ids)
-        if not self.resume_from:
+        if not checkpoint:
             initial, self.reference = starting_model(self.cfg, self.model_dir, self.tokenizer, self.device,
                                                      self.compute_dtype)
             return initial
-        self.reference = dict(saved["reference"])
+        self.reference = dict(self.plan.saved_state["reference"])
         if tokenizer_fingerprint(self.tokenizer) != self.reference["tokenizer_fingerprint"]:
             raise ErpoError(f"resume={self.cfg.resume}: the checkpoint's tokenizer does not match the run's")
         return None
 
-    def _setup_reference_cache(self, initial: Optional[Any]) -> Optional[Any]:
+    def _setup_reference_cache(self, initial: Optional[Any]) -> Tuple[Optional[Any], Optional[Any]]:
         """The reference cache (validated, or built from the starting model when missing)
-        and the query weighter over its scores; returns the starting model if loaded."""
+        and the query weighter over its scores; returns the starting model if loaded, and
+        the cache when it was built (for apply_plan to write), else None."""
         cfg = self.cfg
-        read_from = self._cache_read_from  # located in _check_reference_cache_early
-        self._cache_is_new = not os.path.isfile(read_from)
-        if self._cache_is_new:
+        read_from = self.plan.cache_source
+        new = not self.plan.cache_exists
+        if new:
             if initial is None:  # resuming without a cache: the starting model must be the run's
                 initial = load_scoring_model(cfg, self.model_dir, self.device)
                 if model_fingerprint(initial) != self.reference["model_fingerprint"]:
                     raise ErpoError(
-                        f"resume={cfg.resume}: the reference cache {self.cache_path} is gone and {self.model_dir} no "
+                        f"resume={cfg.resume}: the reference cache {self.plan.cache_path} is gone and {self.model_dir} no "
                         f"longer holds the run's starting weights, so it cannot be rebuilt; restore either"
                     )
             score = score_reference_sharded if distributed.world_size() > 1 else score_reference
@@ -252,14 +205,15 @@ class Trainer:
             describe=lambda i: f"({self.examples[i].prompt[:40]!r})", rebuild=self.rebuild,
         )  # [M] cache row of each training query
         self.weighter = QueryWeighter.from_config(cfg, self.cache.score[self.cache_rows])
-        return initial
+        return initial, self.cache if new else None
 
     def _setup_policy(self, initial: Optional[Any], engine: Optional[RolloutEngine]) -> None:
         """The policy (the starting weights, or the checkpoint's), a frozen reference model
         when needed, the loss settings and the rollout engine."""
         cfg = self.cfg
-        self.model = load_model(self.resume_from, self.device) if self.resume_from else initial
-        check_vocabulary(self.model, self.tokenizer, self.resume_from or self.model_dir)
+        checkpoint = self.plan.checkpoint
+        self.model = load_model(checkpoint, self.device) if checkpoint else initial
+        check_vocabulary(self.model, self.tokenizer, checkpoint or self.model_dir)
         self.model.eval()  # no dropout: the sampler and the loss see the same function
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
@@ -275,13 +229,13 @@ class Trainer:
         self.loss_config = cfg.loss_config()
         self.eos_ids = set(eos_ids_of(self.model, self.tokenizer))  # where a response ends before max_new_tokens
         self.engine = engine or make_engine(
-            cfg, self.model, self.resume_from or self.model_dir, self.tokenizer, self.prompt_ids, self.compute_dtype
+            cfg, self.model, checkpoint or self.model_dir, self.tokenizer, self.prompt_ids, self.compute_dtype
         )
 
     def _check_moved_start(self) -> None:
         """Resuming with the starting model at another path than the run's (moved, or named
         anew): ErpoError unless it holds the run's starting weights (checked in fp32 on CPU)."""
-        if not self.resume_from or os.path.abspath(self.model_dir) == self.reference.get("model"):
+        if not self.plan.resuming or os.path.abspath(self.model_dir) == self.reference.get("model"):
             return
         if model_fingerprint(load_model(self.model_dir, torch.device("cpu"))) != self.reference["model_fingerprint"]:
             raise ErpoError(f"resume={self.cfg.resume}: model={self.cfg.model} does not hold the run's starting weights "
@@ -294,51 +248,14 @@ class Trainer:
             self.model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        if self.resume_from:
-            state = ckpt.load_optimizer_state(self.resume_from)
+        checkpoint = self.plan.checkpoint
+        if checkpoint:
+            state = ckpt.load_optimizer_state(checkpoint)
             if distributed.is_sharded(self.model):
-                distributed.load_optimizer(self.model, self.optimizer, os.path.join(self.resume_from, ckpt.OPTIM_DIR))
+                distributed.load_optimizer(self.model, self.optimizer, os.path.join(checkpoint, ckpt.OPTIM_DIR))
             else:
                 self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-
-    def _prepare_run_dir(self) -> None:
-        """Called last in __init__, after every check passed: only now is the run dir touched."""
-        cfg = self.cfg
-        run = cfg.run_dir
-        os.makedirs(run, exist_ok=True)
-        metrics = os.path.join(run, METRICS_FILE)
-        if self.resume_from and not self.fork:
-            ckpt.clean_stale_temps(run)
-            for p in self.later_checkpoints:  # overwrite=true, checked in _setup_resume
-                self.log(f"erpo: overwrite=true: deleting {p} (after the checkpoint this run continues from)")
-                shutil.rmtree(p)
-            if os.path.isfile(metrics):  # drop what was logged after the checkpoint
-                keep = [row for row in read_metrics(run) if row["step"] <= self.start_step]
-                atomic_write(metrics, "".join(json.dumps(row) + "\n" for row in keep).encode("utf-8"))
-        else:
-            if self.earlier_run:  # overwrite=true, checked in __init__
-                self.log(f"erpo: overwrite=true: deleting the earlier run in {run} and starting over")
-                for p in self.earlier_run:
-                    shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-            if self.fork:  # the new run holds its history up to the checkpoint, and the checkpoint
-                source = self.source_run
-                rows = read_metrics(source) if os.path.isfile(os.path.join(source, METRICS_FILE)) else []
-                keep = [row for row in rows if row["step"] <= self.start_step]
-                atomic_write(metrics, "".join(json.dumps(row) + "\n" for row in keep).encode("utf-8"))
-                os.makedirs(os.path.join(run, ckpt.CHECKPOINTS), exist_ok=True)
-                ckpt.link_tree(self.resume_from,
-                               os.path.join(run, ckpt.CHECKPOINTS, os.path.basename(self.resume_from)))
-                self.log(f"erpo: {run} continues from {self.resume_from} (step {self.start_step}); {source} is "
-                         f"left as it is")
-        if self._cache_is_new:
-            save_ref_cache(self.cache, self.cache_path)
-        elif self._cache_copy_from:
-            with open(self._cache_copy_from, "rb") as f:
-                atomic_write(self.cache_path, f.read())
-        # overwrite is an instruction for this start, not a setting of the run: a config
-        # file copied from the run must not delete it
-        save_config(dataclasses.replace(cfg, overwrite=False), os.path.join(run, "config.yaml"))
 
     # ------------------------------------------------------------------ one step
 
@@ -546,16 +463,16 @@ class Trainer:
         t_start = time.perf_counter()
         bar = None
         main = distributed.is_main()  # rank 0 writes metrics, the plot and the progress bar
-        if cfg.progress and last > self.start_step and main:
+        if cfg.progress and last > self.plan.start_step and main:
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.steps, initial=self.start_step, desc="erpo", unit="step", dynamic_ncols=True,
+            bar = tqdm(total=cfg.steps, initial=self.plan.start_step, desc="erpo", unit="step", dynamic_ncols=True,
                        file=sys.stderr)
         checkpoint = ckpt.latest_checkpoint(cfg.run_dir)
         monitor = DivergenceMonitor()
         warned_truncation = False
         try:
-            for step in range(self.start_step + 1, last + 1):
+            for step in range(self.plan.start_step + 1, last + 1):
                 metrics = self.step(step)
                 history.append(metrics)
                 if main:
@@ -616,12 +533,12 @@ class Trainer:
         the steps before a resume included), the time of this start's steps (history)."""
         cfg = self.cfg
         if not history:
-            line = f"erpo: nothing to do: {cfg.run_dir} is already at step {self.start_step} of steps={cfg.steps}"
+            line = f"erpo: nothing to do: {cfg.run_dir} is already at step {self.plan.start_step} of steps={cfg.steps}"
             return {"line": line, "steps": 0, "checkpoint": checkpoint, "plot": plot}
         k = max(1, min(10, len(run_rows) // 10))
         first = sum(h["reward/mean"] for h in run_rows[:k]) / k
         final = sum(h["reward/mean"] for h in run_rows[-k:]) / k
-        these = f" (steps {history[0]['step']}-{history[-1]['step']} in this start)" if self.start_step else ""
+        these = f" (steps {history[0]['step']}-{history[-1]['step']} in this start)" if self.plan.start_step else ""
         line = (
             f"erpo: {cfg.algorithm} finished step {history[-1]['step']}/{cfg.steps} in {seconds:.0f}s{these}: "
             f"reward {first:.3f} -> {final:.3f} (mean of the run's first/last {k} steps), "

@@ -244,7 +244,7 @@ def test_resume_is_bit_exact(tmp_path, cache_dir, updates):
     cfg = resolve_config([f"resume={first.cfg.run_dir}", "steps=4"])
     assert cfg.run_dir == first.cfg.run_dir and cfg.steps == 4 and cfg.lr == first.cfg.lr
     second = Trainer(cfg, log=quiet)
-    assert second.start_step == 2
+    assert second.plan.start_step == 2
     second.train()
 
     assert_same_params(full.model, second.model)
@@ -285,7 +285,7 @@ def test_interrupted_save_leaves_the_last_checkpoint_intact(tmp_path, cache_dir,
     assert len(read_metrics(cfg.run_dir)) == 3  # step 3 was logged before the save died
 
     resumed = Trainer(resolve_config([f"resume={cfg.run_dir}"]), log=quiet)
-    assert resumed.start_step == 2
+    assert resumed.plan.start_step == 2
     assert len(read_metrics(cfg.run_dir)) == 2  # what followed the checkpoint is dropped
     assert not any(n.startswith(".tmp") for n in os.listdir(root))
     resumed.train()
@@ -302,11 +302,11 @@ def test_resume_rebuilds_a_deleted_cache_only_from_the_same_start(tmp_path, cach
     run = Trainer(tiny(tmp_path, cache_dir, "gone", steps=1, model=model_dir), log=quiet)
     run.train()
     built = run.cache.ref_query_logp.clone()
-    os.remove(run.cache_path)
+    os.remove(run.plan.cache_path)
     again = Trainer(resolve_config([f"resume={run.cfg.run_dir}", "steps=2"]), log=quiet)
-    assert torch.equal(again.cache.ref_query_logp, built) and os.path.isfile(run.cache_path)
+    assert torch.equal(again.cache.ref_query_logp, built) and os.path.isfile(run.plan.cache_path)
 
-    os.remove(run.cache_path)
+    os.remove(run.plan.cache_path)
     from transformers import AutoModelForCausalLM
 
     other = AutoModelForCausalLM.from_pretrained(model_dir)
