@@ -46,7 +46,8 @@ clean:
 # own venv: verl needs transformers<5.11. verl is installed without its dependencies
 # (they would pull wandb, tensorboard, ...), then the packages its import paths need; torch
 # is the local CPU wheel (pip then reports verl's unused requirements, wandb, tensorboard,
-# pybind11, pylatexenc, as "not installed": expected). Built for x86-64 Linux (the wheel's
+# pybind11, pylatexenc, as "not installed": expected; cachetools is for verl's agent loop, which
+# `python -m erpo.integrations.verl ref-cache` runs). Built for x86-64 Linux (the wheel's
 # platform); elsewhere skipped.
 VERL_VENV := .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
@@ -54,7 +55,7 @@ VERL_STAMP := $(VERL_VENV)/.erpo-verl-installed
 VERL_PIP := nice -n 10 $(VERL_PY) -m pip install -q --disable-pip-version-check
 VERL_IMPORTS := omegaconf hydra-core codetiming packaging dill orjson cloudpickle pyarrow pandas \
 	"transformers>=5.5.3,<5.11,!=5.6.0" tensordict==0.10.0 importlib_metadata "pyvers<0.2" ray datasets \
-	pillow accelerate psutil uvicorn fastapi peft safetensors tokenizers pyyaml pytest pytest-timeout
+	pillow accelerate psutil uvicorn fastapi peft safetensors tokenizers pyyaml pytest pytest-timeout cachetools
 VERL_PLATFORM := $(shell uname -s)-$(shell uname -m)
 
 .PHONY: test-verl

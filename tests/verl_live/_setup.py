@@ -177,3 +177,57 @@ def packed_batch(data, rows: "Rows", tau: float, advantages, ref_query_logp, que
     return PackedLossBatch(targets=targets, inv_temperature=inv_t, span_cu_seqlens=cu, group_index=group_index,
                            advantages=advantages.to(dtype), ref_query_logp=ref_query_logp.to(dtype),
                            query_weights=query_weights.to(dtype), old_logp=old)
+
+
+# A ChatML template (Qwen2.5's layout) with Qwen3's enable_thinking switch: a chat-template
+# kwarg (data.apply_chat_template_kwargs) that changes the prompt the rollout receives.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def chat_model_dir(root: str, seed: int = 1) -> str:
+    """A 2-layer Qwen2 with a Qwen2 tokenizer verl loads as it loads Qwen's: byte-level BPE
+    (one token per byte, no merges), <|endoftext|> (pad), <|im_start|>, <|im_end|> (EOS),
+    and CHAT_TEMPLATE."""
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    path = os.path.join(root, "chat")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        vocab[special] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                         additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def write_train_parquet(path: str, questions: Sequence[str], system: Optional[str] = None) -> str:
+    """A verl training file (the columns of verl's examples/data_preprocess): data_source,
+    prompt (chat messages), ability, reward_model, extra_info."""
+    import pandas as pd
+
+    rows = []
+    for i, q in enumerate(questions):
+        messages = ([{"role": "system", "content": system}] if system and i % 2 else []) + [{"role": "user", "content": q}]
+        rows.append({"data_source": "tiny/arith", "prompt": messages, "ability": "math",
+                     "reward_model": {"style": "rule", "ground_truth": str(i)}, "extra_info": {"split": "train", "index": i}})
+    pd.DataFrame(rows).to_parquet(path)
+    return path

@@ -89,3 +89,20 @@ def test_untied_fsdp2_lm_head_is_a_dtensor_that_verls_torch_backend_trips_on(ref
         theirs = make_worker(model_dir, backend="torch", remove_padding=True)
         with pytest.raises(Exception, match="DTensor"):
             _run(theirs, TAU)
+
+
+def test_the_forward_takes_its_kernel_backend_from_fused_kernel_options(reference):
+    """+actor_rollout_ref.model.fused_kernel_options.kernel_backend reaches the kernel of every
+    forward (read by the engine wrap at each micro-batch); a bad value is refused naming the key."""
+    model_dir = reference[False][0]
+    with original_forward():
+        ours = make_worker(model_dir, backend="erpo", remove_padding=True)
+        options = ours.engine.model_config.fused_kernel_options
+        options["kernel_backend"] = "triton"  # this venv has no triton: the kernel's own refusal shows it got there
+        with pytest.raises(ValueError, match="backend='triton' needs the triton package"):
+            _run(ours, TAU)
+        options["kernel_backend"] = "fast"
+        with pytest.raises(ValueError, match="fused_kernel_options.kernel_backend must be auto, triton or torch"):
+            _run(ours, TAU)
+        options["kernel_backend"] = "torch"
+        _run(ours, TAU)

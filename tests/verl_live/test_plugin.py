@@ -38,6 +38,7 @@ def test_docs_config_lines_compose_with_verls_trainer_config(tmp_path):
     overrides = [line.replace("CACHE", cache) for line in (
         "actor_rollout_ref.model.use_fused_kernels=True",
         "actor_rollout_ref.model.fused_kernel_options.impl_backend=erpo",
+        "+actor_rollout_ref.model.fused_kernel_options.kernel_backend=torch",
         "actor_rollout_ref.actor.policy_loss._target_=erpo.integrations.verl.ERPOPolicyLossConfig",
         "actor_rollout_ref.actor.policy_loss.loss_mode=erpo",
         "+actor_rollout_ref.actor.policy_loss.alpha=0.05",
@@ -54,7 +55,7 @@ def test_docs_config_lines_compose_with_verls_trainer_config(tmp_path):
     assert isinstance(pl, ERPOPolicyLossConfig)
     assert (pl.loss_mode, pl.alpha, pl.ref_cache, pl.query_weighting, pl.weight_temperature) == (
         "erpo", 0.05, cache, "softmax", 0.5)
-    assert cfg.actor_rollout_ref.model.fused_kernel_options.impl_backend == "erpo"
+    assert dict(cfg.actor_rollout_ref.model.fused_kernel_options) == {"impl_backend": "erpo", "kernel_backend": "torch"}
 
 
 def test_config_rejects_bad_values(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import torch
 
 from _setup import (PROMPTS, RESPONSES, Rows, full_params, make_batch, make_worker, original_forward, packed_batch,
@@ -19,13 +20,14 @@ def test_worker_steps_equal_hand_written_erpo_steps(tmp_path, tmp_path_factory):
 
     from erpo.integrations.verl import ERPOPolicyLossConfig
     from erpo.packing import forward_hidden
-    from erpo.ref_cache import build_ref_cache, query_id, save_ref_cache
+    from erpo.ref_cache import RefCacheError, build_ref_cache, query_id, save_ref_cache
     from erpo_kernels import LossConfig, erpo_loss
 
     model_dir = tiny_model_dir(str(tmp_path_factory.getbasetemp()), tied=False)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").float()
     # the reference cache: l_0(q) of the training prompts under the starting model, once
-    cache = build_ref_cache(model, PROMPTS, {"model": "tiny"}, backend="torch")
+    built_by = {"model": model_dir, "verl_command": "python -m erpo.integrations.verl ref-cache ..."}  # as ref-cache
+    cache = build_ref_cache(model, PROMPTS, built_by, backend="torch")
     path = str(tmp_path / "ref_cache.safetensors")
     save_ref_cache(cache, path)
     settings = ERPOPolicyLossConfig(alpha=ALPHA, ref_cache=path, query_weighting="softmax", weight_temperature=0.05,
@@ -51,6 +53,10 @@ def test_worker_steps_equal_hand_written_erpo_steps(tmp_path, tmp_path_factory):
             out = worker.train_batch(to_engine(batch, TAU))
             metrics.append(out["metrics"])
         trained = full_params(worker)
+        # a cache built for another model stops the step (the actor's model.path against the cache's)
+        save_ref_cache(build_ref_cache(model, PROMPTS, dict(built_by, model="/elsewhere/model"), backend="torch"), path)
+        with pytest.raises(RefCacheError, match=f"built for the model /elsewhere/model, this actor starts from {model_dir}"):
+            worker.train_batch(to_engine(batch, TAU))
 
     # by hand: the same steps with erpo's own pieces on the same packed batch
     data = to_engine(batch, TAU)

@@ -11,6 +11,10 @@ importing it calls `install()`. Nothing changes until a run asks for it:
     +actor_rollout_ref.actor.policy_loss.alpha=0.01
     +actor_rollout_ref.actor.policy_loss.ref_cache=/path/ref_cache.safetensors
 
+and, once before training, with the same overrides (erpo.integrations.verl.cache_command):
+
+    python -m erpo.integrations.verl ref-cache <the overrides you train with>
+
 What install() changes, and why it has to be a wrap (verl has no extension point here):
 
 - impl_backend=erpo. verl's `apply_monkey_patch` calls
@@ -22,7 +26,8 @@ What install() changes, and why it has to be a wrap (verl has no extension point
   lm_head weight is gathered with `erpo.distributed.gather_for_call` (its gradient is
   reduce-scattered into the shard). Prompt rows are scored at temperature 1, response
   rows at 1 / T: `FSDPEngineWithLMHead.prepare_model_inputs` is wrapped to pass the
-  prompt rows of each micro-batch (a bool mask, `erpo_prompt_rows`) to the forward.
+  prompt rows of each micro-batch (a bool mask, `erpo_prompt_rows`) and the kernel backend
+  (fused_kernel_options.kernel_backend, `erpo_kernel_backend`) to the forward.
 - loss_mode=erpo. verl's registered policy losses see only the padded response tensors,
   so the Query-KL (which needs the prompt rows of the same forward) lives in the actor's
   loss function: `verl.workers.utils.losses.ppo_loss` (and the name bound in
@@ -68,10 +73,10 @@ import torch
 from erpo_kernels import linear_token_logprobs, segment_sum, weighted_k3
 from erpo_kernels.weighted_k3 import MAX_GUARD
 
-from ..distributed import gather_for_call
-from ..packing import lm_head_options
-from ..query_weights import SCHEMES, QueryWeighter
-from ..ref_cache import RefCache, RefCacheError, query_id, read_ref_cache
+from ...distributed import gather_for_call
+from ...packing import lm_head_options
+from ...query_weights import SCHEMES, QueryWeighter
+from ...ref_cache import RefCache, RefCacheError, query_id, read_ref_cache
 
 __all__ = [
     "BACKEND",
@@ -79,6 +84,7 @@ __all__ = [
     "add_mini_batch_fields",
     "compute_policy_loss_erpo",
     "erpo_ppo_loss",
+    "forward_kernel_backend",
     "forward_with_erpo_backend",
     "install",
     "query_fields",
@@ -89,6 +95,10 @@ BACKEND = "erpo"  # fused_kernel_options.impl_backend
 LOSS_MODE = "erpo"  # policy_loss.loss_mode
 IGNORE_INDEX = -100
 PROMPT_ROWS = "erpo_prompt_rows"  # model keyword: [B, L] / [1, nnz] bool, rows that score a prompt token
+KERNEL_BACKEND = "erpo_kernel_backend"  # model keyword: fused_kernel_options.kernel_backend
+KERNEL_BACKENDS = ("auto", "triton", "torch")
+# builds the reference cache from a run's own overrides (erpo.integrations.verl.cache_command)
+REF_CACHE_COMMAND = "python -m erpo.integrations.verl ref-cache"
 # ERPO's per-sequence fields of a mini-batch (add_mini_batch_fields)
 WEIGHTS_KEY = "erpo_query_weights"  # [B] w_B(q) of each sequence's query
 REF_KEY = "erpo_ref_query_logp"  # [B] l_0(q)
@@ -109,7 +119,8 @@ class ERPOPolicyLossConfig(PolicyLossConfig):
 
     alpha: Query-KL coefficient (0: the weights-only ablation, GRPO's numbers with
         query_weighting=none). ref_cache: the reference-cache file (l_0(q) of every training
-        prompt under the starting model; erpo.ref_cache.build_ref_cache). query_weighting:
+        prompt under the starting model, written by `python -m erpo.integrations.verl ref-cache`).
+        query_weighting:
         prevalence, softmax or none; bins, gamma, weight_temperature, w_min, w_max: the
         weights' keys (erpo.query_weights.QueryWeighter).
         kl_guard: c of the K3 guard. kernel_backend: auto (Triton on CUDA), triton or torch.
@@ -137,12 +148,13 @@ class ERPOPolicyLossConfig(PolicyLossConfig):
             raise ValueError(f"policy_loss.alpha must be finite and >= 0, got {self.alpha}")
         if not 0.0 < float(self.kl_guard) <= MAX_GUARD:
             raise ValueError(f"policy_loss.kl_guard must lie in (0, {MAX_GUARD:g}], got {self.kl_guard}")
-        if self.kernel_backend not in ("auto", "triton", "torch"):
+        if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"policy_loss.kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}")
         if self.loss_mode == LOSS_MODE and float(self.alpha) > 0 and not self.ref_cache:
             raise ValueError("policy_loss.alpha > 0 needs the reference cache: set "
-                             "+actor_rollout_ref.actor.policy_loss.ref_cache=PATH (or alpha=0)")
-        if self.ref_cache and os.path.isdir(self.ref_cache):
+                             "+actor_rollout_ref.actor.policy_loss.ref_cache=PATH (or alpha=0) and build it with "
+                             f"{REF_CACHE_COMMAND} <the overrides you train with>")
+        if self.ref_cache and os.path.isdir(os.path.expanduser(self.ref_cache)):
             raise ValueError(f"policy_loss.ref_cache={self.ref_cache} is a directory; give the cache file's path")
         if self.loss_mode == LOSS_MODE:
             # the engine module is imported here, not at `import verl`: importing it detects the platform
@@ -164,10 +176,13 @@ def _erpo_settings(policy_loss: Any) -> ERPOPolicyLossConfig:
 # ----------------------------------------------------------------------------- the fused forward
 
 
-def _kernel_backend() -> str:
-    backend = os.environ.get("ERPO_VERL_KERNEL_BACKEND", "auto")
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"ERPO_VERL_KERNEL_BACKEND must be auto, triton or torch, got {backend!r}")
+def forward_kernel_backend(fused_kernel_options: Any) -> str:
+    """The kernel backend of impl_backend=erpo's forward: fused_kernel_options.kernel_backend
+    (actor_rollout_ref.model.fused_kernel_options; auto when unset), checked."""
+    backend = (fused_kernel_options or {}).get("kernel_backend", "auto")
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"actor_rollout_ref.model.fused_kernel_options.kernel_backend must be auto, triton or torch, "
+                         f"got {backend!r}")
     return backend
 
 
@@ -188,6 +203,7 @@ def forward_with_erpo_backend(
     temperature: float = 1.0,
     shift_labels: Optional[torch.Tensor] = None,
     erpo_prompt_rows: Optional[torch.Tensor] = None,
+    erpo_kernel_backend: str = "auto",
     **unused: Any,
 ):
     """verl's fused forward contract (dense_common.forward_with_torch_backend) with our kernel.
@@ -195,6 +211,7 @@ def forward_with_erpo_backend(
     input_ids [B, L] (padded, with attention_mask) or [1, nnz] (remove-padding, with
     shift_labels); row t scores token t + 1 (verl's rolled labels). erpo_prompt_rows: bool
     like input_ids, rows scored at temperature 1 (the others at 1 / temperature).
+    erpo_kernel_backend: auto, triton or torch (the engine wrap passes the config's).
     Returns verl's CausalLMOutputForPPO with log_probs and entropy [B, L] fp32 (0 on
     padding rows).
     """
@@ -218,7 +235,7 @@ def forward_with_erpo_backend(
         flat = flat.to(weight.dtype)
     log_probs, entropy = linear_token_logprobs(
         flat, weight, targets, bias=bias, inv_temperature=inv_t, ignore_index=IGNORE_INDEX, return_entropy=True,
-        backend=_kernel_backend(), **lm_head_options(self),
+        backend=erpo_kernel_backend, **lm_head_options(self),
     )
     rows = hidden.shape[:-1]  # (B, L)
     return CausalLMOutputForPPO(
@@ -342,22 +359,40 @@ def prompt_token_lists(data: Any) -> List[List[int]]:
     return [row[width - int(n):].tolist() for row, n in zip(prompts.cpu(), prompt_lengths(data).cpu())]
 
 
-_CACHES: Dict[str, RefCache] = {}
-_REBUILD = "erpo.ref_cache.build_ref_cache over the training prompts under the starting model (docs/verl.md)"
+_CACHES: Dict[Tuple[str, int, int], RefCache] = {}  # (path, mtime_ns, size) -> the cache read from it
+_BUILD = f"{REF_CACHE_COMMAND} <the overrides you train with> (docs/verl.md)"
 
 
 def _cache(settings: ERPOPolicyLossConfig) -> RefCache:
-    path = settings.ref_cache
-    if not path:
+    """The cache file of settings.ref_cache, read once per version of the file."""
+    if not settings.ref_cache:
         raise ValueError("erpo: query weights and the Query-KL need the reference cache: set "
                          "+actor_rollout_ref.actor.policy_loss.ref_cache=PATH")
-    if path not in _CACHES:
-        _CACHES[path] = read_ref_cache(path, _REBUILD)
-    return _CACHES[path]
+    path = os.path.expanduser(settings.ref_cache)
+    if not os.path.isfile(path):
+        return read_ref_cache(path, _BUILD)  # the error naming the command
+    state = os.stat(path)
+    key = (path, state.st_mtime_ns, state.st_size)
+    if key not in _CACHES:
+        _CACHES.clear()
+        _CACHES[key] = read_ref_cache(path, _BUILD)
+    return _CACHES[key]
 
 
-def query_fields(qids: Sequence[int], cache: RefCache, settings: ERPOPolicyLossConfig) -> Dict[str, torch.Tensor]:
-    """ERPO's per-sequence fields of a mini-batch from its sequences' query ids (all ranks').
+def missing_prompt_error(qid: int, n_tokens: Optional[int], cache: RefCache, settings: ERPOPolicyLossConfig) -> str:
+    """The error of a training prompt the cache lacks, naming the command that rebuilds it."""
+    built = cache.meta.get("verl_command")
+    size = f", {n_tokens} tokens" if n_tokens is not None else ""
+    return (f"erpo: a training prompt (id {qid:016x}{size}) is not in the reference cache {settings.ref_cache}"
+            f"{f' (built by: {built})' if built else ''}: this run's rollout prompts are not the ones it was built "
+            f"from (another data file, chat template, prompt length or tokenizer?); rebuild it with the overrides this "
+            f"run trains with: {REF_CACHE_COMMAND} <the overrides> --overwrite")
+
+
+def query_fields(qids: Sequence[int], cache: RefCache, settings: ERPOPolicyLossConfig,
+                 lengths: Optional[Sequence[int]] = None) -> Dict[str, torch.Tensor]:
+    """ERPO's per-sequence fields of a mini-batch from its sequences' query ids (all ranks';
+    lengths: their prompts' token counts, quoted when one is missing).
 
     Returns [B] float64 tensors: WEIGHTS_KEY w_B(q) (mean 1 over the mini-batch's distinct
     queries, clipped; ones with query_weighting=none), REF_KEY l_0(q), and COEF_KEY
@@ -367,8 +402,9 @@ def query_fields(qids: Sequence[int], cache: RefCache, settings: ERPOPolicyLossC
     distinct = list(dict.fromkeys(qids))
     missing = cache.missing(distinct)
     if missing:
-        raise RefCacheError(f"erpo: a training prompt (id {distinct[missing[0]]:016x}) is not in the reference cache "
-                            f"{settings.ref_cache}; rebuild it with {_REBUILD}")
+        qid = distinct[missing[0]]
+        n_tokens = lengths[list(qids).index(qid)] if lengths is not None else None
+        raise RefCacheError(missing_prompt_error(qid, n_tokens, cache, settings))
     rows = cache.rows(distinct)
     w_q = settings.weighter(cache).batch_weights(cache.score[rows].double())  # [m] float64
     where = {q: i for i, q in enumerate(distinct)}
@@ -381,20 +417,29 @@ def query_fields(qids: Sequence[int], cache: RefCache, settings: ERPOPolicyLossC
     }
 
 
-def add_mini_batch_fields(data: Any, settings: ERPOPolicyLossConfig, group: Any = None) -> None:
+def add_mini_batch_fields(data: Any, settings: ERPOPolicyLossConfig, group: Any = None,
+                          model_path: Optional[str] = None) -> None:
     """Put ERPO's per-sequence fields (query_fields) into a verl mini-batch (one optimizer
     step's data on this rank) in place; the mini-batch is the union of every rank's in the
     data-parallel `group` (its query ids are all-gathered, so every rank computes the same
-    weights)."""
+    weights). model_path: the actor's actor_rollout_ref.model.path, checked against the
+    model a `ref-cache` cache was built for."""
     import torch.distributed as dist
 
-    qids = [query_id(p) for p in prompt_token_lists(data)]
+    cache = _cache(settings)
+    built_for = cache.meta.get("model") if cache.meta.get("verl_command") else None
+    if model_path is not None and built_for is not None and str(model_path) != built_for:
+        raise RefCacheError(f"erpo: the reference cache {settings.ref_cache} was built for the model {built_for}, this "
+                            f"actor starts from {model_path}; rebuild it with the overrides this run trains with: "
+                            f"{REF_CACHE_COMMAND} <the overrides> --overwrite")
+    prompts = prompt_token_lists(data)
+    qids = [(query_id(p), len(p)) for p in prompts]
     parts = [qids]
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         parts = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, qids, group=group)
     everyone = [q for part in parts for q in part]
-    fields = query_fields(everyone, _cache(settings), settings)
+    fields = query_fields([q for q, _ in everyone], cache, settings, [n for _, n in everyone])
     rank = dist.get_rank(group) if len(parts) > 1 else 0
     start = sum(len(part) for part in parts[:rank])
     for key, value in fields.items():
@@ -510,7 +555,8 @@ def _wrap_once(owner: Any, name: str, make: Any) -> None:
 
 
 def _install_engine_wrap() -> None:
-    """Wrap FSDPEngineWithLMHead.prepare_model_inputs to pass the prompt rows to our forward."""
+    """Wrap FSDPEngineWithLMHead.prepare_model_inputs to pass the prompt rows and the kernel
+    backend to our forward."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
@@ -519,6 +565,7 @@ def _install_engine_wrap() -> None:
             model_inputs, output_args = original(self, micro_batch)
             fused = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False)
             if fused and getattr(_unwrapped(self.module), "_verl_fused_kernels_backend", None) == BACKEND:
+                model_inputs[KERNEL_BACKEND] = forward_kernel_backend(self.model_config.fused_kernel_options)
                 rows = _prompt_rows(self, micro_batch, model_inputs)
                 if rows is not None:
                     model_inputs[PROMPT_ROWS] = rows
@@ -538,7 +585,8 @@ def _install_train_batch_wrap() -> None:
         def train_batch(self, data, loss_function):
             settings = _settings_of(loss_function)
             if settings is not None and (settings.query_weighting != "none" or float(settings.alpha) > 0):
-                add_mini_batch_fields(data, settings, self.get_data_parallel_group())
+                model_path = getattr(getattr(self, "model_config", None), "path", None)
+                add_mini_batch_fields(data, settings, self.get_data_parallel_group(), model_path)
             return original(self, data, loss_function)
 
         return train_batch
