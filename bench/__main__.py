@@ -122,6 +122,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     cal.add_argument("--targets", default=None, help="comma list of NxDxV (default: issue 18's three shapes)")
     cal.add_argument("--subjects", default=None, help="comma list (default: every installed linear-op subject)")
 
+    ro = sub.add_parser("rollout", help="rollout tokens/s of the HF and vLLM engines on one tiny model (needs vLLM)")
+    ro.add_argument("--repeats", type=int, default=3, help="timed rollouts per engine (the median is reported)")
+    ro.add_argument("--hidden", type=int, default=128, help="the tiny model's width (4 heads: 128 -> head_dim 32)")
+    ro.add_argument("--layers", type=int, default=2, help="the tiny model's depth")
+    ro.add_argument("--queries", type=int, default=16, help="m, prompts per rollout")
+    ro.add_argument("--group", type=int, default=8, help="G, responses per prompt")
+    ro.add_argument("--max-new-tokens", type=int, default=32)
+    ro.add_argument("--tau", type=float, default=1.0, help="sampling temperature")
+    ro.add_argument("--out-dir", default=None,
+                    help="where rollout-<machine>.json goes (default: bench/results/local, untracked; with --record: "
+                         "bench/results)")
+    ro.add_argument("--record", action="store_true",
+                    help="write bench/results/rollout-<machine>.json (tracked) and docs/vllm.md's table")
+    ro.add_argument("--machine", default=None, help="results file name (default: derived from the device)")
+
     r = sub.add_parser("report", help="regenerate the README table and the plots from bench/results/*.json")
     r.add_argument("--out-dir", default=str(RESULTS_DIR))
     r.add_argument("--print", action="store_true", help="also print the generated section")
@@ -148,6 +163,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _cost(args, argv)
     if args.command == "calibrate":
         return _calibrate(args)
+    if args.command == "rollout":
+        return _rollout(args)
     return _step(args)
 
 
@@ -252,6 +269,19 @@ def _step(args: argparse.Namespace) -> int:
     variants = _csv(args.variants) + [f"{step.MICRO_PREFIX}{k}" for k in (_ints(args.micro_batch_tokens) or [])]
     step.run(cases, variants, opts)
     _recorded_where(opts)
+    return 0
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import rollout
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    opts = RunOptions(device=device, warmup=1, repeats=args.repeats, out_dir=_out_dir(args), machine=args.machine,
+                      args=vars(args), make_report=False)
+    rollout.run(opts, args.hidden, args.layers, args.queries, args.group, args.max_new_tokens, args.tau,
+                write_doc=args.record)
     return 0
 
 

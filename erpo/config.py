@@ -123,13 +123,15 @@ class TrainConfig:
     )
     rollout_backend: str = ROLLOUT(
         "hf",
-        "rollout engine: hf (transformers generate on the trained model) or vllm (a colocated vLLM engine, "
-        "CUDA only: pip install 'erpo[vllm]'; asleep between rollouts, weights reloaded after every optimizer step)",
+        "rollout engine: hf (transformers generate on the trained model) or vllm (a colocated vLLM engine, weights "
+        "reloaded after every optimizer step: pip install 'erpo[vllm]' on CUDA, asleep between rollouts; on a CPU "
+        "vLLM's CPU build, docs/vllm.md)",
         choices="erpo.rollout:ROLLOUT_BACKENDS",
     )
     rollout_batch_size: int = ROLLOUT(0, "hf: sequences per generate call; 0 = all m * G at once")
     vllm_gpu_memory_utilization: float = ROLLOUT(
-        0.3, "vllm: the fraction of GPU memory the engine may take (weights and KV cache) while it generates"
+        0.3, "vllm: the fraction of GPU memory the engine may take (weights and KV cache) while it generates "
+        "(CUDA; on a CPU the KV cache is sized to the rollout)"
     )
 
     lr: float = OPTIMISATION(

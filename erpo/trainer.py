@@ -120,7 +120,7 @@ class Trainer:
         self.log = log if distributed.is_main() else (lambda _msg: None)  # rank 0 speaks for the run
         check_world_size(cfg, distributed.world_size())
         self.device, self.compute_dtype = setup_device(cfg)
-        check_rollout_backend(cfg.rollout_backend, self.device)
+        check_rollout_backend(cfg, self.device)
         self.template = cfg.resolved_template
         self.reward_fn = get_reward_fn(cfg.resolved_reward)
         self.examples, self.data_fingerprint = setup_data(cfg)
@@ -229,7 +229,8 @@ class Trainer:
         self.loss_config = cfg.loss_config()
         self.eos_ids = set(eos_ids_of(self.model, self.tokenizer))  # where a response ends before max_new_tokens
         self.engine = engine or make_engine(
-            cfg, self.model, checkpoint or self.model_dir, self.tokenizer, self.prompt_ids, self.compute_dtype
+            cfg, self.model, checkpoint or self.model_dir, self.tokenizer, self.prompt_ids, self.compute_dtype,
+            log=self.log,
         )
 
     def _check_moved_start(self) -> None:

@@ -13,17 +13,24 @@ call erpo's vLLM engine makes against that version's API, read from its source:
              logprobs: [{token_id: Logprob(logprob, rank, decoded_token)}], finish_reason, ...)
     the model's load_weights(weights: Iterable[tuple[str, Tensor]]) -> set[str]
 
+    vllm.platforms.current_platform: device_name, is_cpu(), is_sleep_mode_available() (a CUDA machine's)
+
 and behaves like the engine in what erpo relies on: sleep(level=2) drops the weights (the
 engine's copy becomes NaN) and the KV cache, generating while asleep is an error, writing
 weights while they are asleep is an error, and generation samples from the engine's own
 copy of the model (so a stale or partial weight sync shows in the samples and log-probs).
 Sampling uses transformers' generate (erpo.rollout.generate_ids_with_logprobs), so the
 returned log-probs are processed log-probs: log softmax(logits / tau).
+
+It stands in for vLLM on CUDA only, which cannot run here: the sleep / wake order, the
+external launcher, load_weights through apply_model. vLLM's CPU build runs live in
+tests/vllm_live (make test), which checks the sampler, the weight sync and training.
 """
 from __future__ import annotations
 
 import copy
 import os
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -37,6 +44,20 @@ ENGINE_ARGS = {
     "generation_config": str, "enable_prefix_caching": bool, "max_num_seqs": int, "max_num_batched_tokens": int,
     "max_logprobs": int, "disable_log_stats": bool,
 }
+class CudaPlatform:
+    """vllm.platforms.current_platform on a CUDA machine (the parts erpo reads)."""
+
+    device_name = "cuda"
+
+    def is_cpu(self) -> bool:
+        return False
+
+    def is_sleep_mode_available(self) -> bool:
+        return True
+
+
+platforms = types.SimpleNamespace(current_platform=CudaPlatform())
+
 LOGPROBS_MODES = ("raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs")
 EXECUTOR_BACKENDS = ("ray", "mp", "uni", "external_launcher")
 WAKE_TAGS = ("weights", "kv_cache", "scheduling")

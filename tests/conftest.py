@@ -14,6 +14,10 @@ import pytest  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+# The live vLLM suite runs in its own venv (make test: .venv-vllm, vLLM's CPU build) by naming
+# the directory: `python -m pytest tests/vllm_live`; `pytest tests` leaves it out.
+collect_ignore = ["vllm_live"]
+
 
 @pytest.fixture
 def device() -> str:

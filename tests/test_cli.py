@@ -133,14 +133,17 @@ def test_every_shipped_config_loads_and_validates():
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
     paths = sorted(os.path.join(root, name) for name in os.listdir(root) if name.endswith(".yaml"))
     assert [os.path.basename(p) for p in paths] == [
-        "demo.yaml", "qwen2.5-math-1.5b-1gpu.yaml", "qwen2.5-math-7b-8gpu.yaml"]
+        "demo-vllm.yaml", "demo.yaml", "qwen2.5-math-1.5b-1gpu.yaml", "qwen2.5-math-7b-8gpu.yaml"]
     for path in paths:
         cfg, given = load_config(path)
         cfg.validate()
         with open(path, encoding="utf-8") as f:
             assert "Memory" in f.read()  # each states its (measured or estimated) memory per GPU
-    demo, _ = load_config(paths[0])
+    demo, _ = load_config(os.path.join(root, "demo.yaml"))
     assert demo == TrainConfig(mini_batches=2)  # the embedded default, two updates per rollout batch
+    demo_vllm, _ = load_config(os.path.join(root, "demo-vllm.yaml"))  # the same with vLLM, head_dim 32
+    assert demo_vllm == TrainConfig(mini_batches=2, rollout_backend="vllm", tiny_hidden_size=128,
+                                    run_dir="runs/demo-vllm")
 
 
 def test_the_demos_run_dir_response_length_and_lr_are_the_demos_only():

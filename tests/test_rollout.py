@@ -1,6 +1,7 @@
-"""Rollout engines (erpo/rollout.py): the HF engine's rollout log-probs, and the vLLM engine
-checked call by call against vLLM 0.33.0's API with the fake module tests/_fake_vllm.py
-(no live vLLM runs in this repository)."""
+"""Rollout engines (erpo/rollout.py): the HF engine's rollout log-probs, and the vLLM engine on
+CUDA checked call by call against vLLM 0.33.0's API with the fake module tests/_fake_vllm.py:
+what a CUDA engine does and the CPU one cannot show (sleep mode, the external launcher,
+load_weights in place). vLLM's CPU build runs live in tests/vllm_live (make test)."""
 import os
 import sys
 
@@ -10,6 +11,7 @@ import torch
 import _fake_vllm as fake
 from erpo.packing import forward_hidden, lm_head_of, pack
 from erpo.rollout import (
+    INSTALL_HINT,
     VLLM_VERSION,
     HFRolloutEngine,
     Rollout,
@@ -101,7 +103,8 @@ def make_vllm_engine(**kw):
 
 
 def test_vllm_engine_construction(served):
-    engine = make_vllm_engine()
+    said = []
+    engine = make_vllm_engine(log=said.append)
     llm = engine.llm
     assert llm.model_path == "/models/policy" and llm.in_process
     kw = llm.init_kwargs
@@ -111,6 +114,8 @@ def test_vllm_engine_construction(served):
     assert kw["dtype"] == "float32" and kw["max_model_len"] == 16 and kw["gpu_memory_utilization"] == 0.25
     assert kw["seed"] == 3 and kw["tensor_parallel_size"] == 1
     assert "distributed_executor_backend" not in kw  # one process: vLLM's default executor
+    assert "kv_cache_memory_bytes" not in kw and "enforce_eager" not in kw  # CPU-build settings only
+    assert said == []  # sleep mode is there: nothing to say
 
 
 def test_vllm_engine_under_torchrun_uses_the_external_launcher(served, monkeypatch):
@@ -120,21 +125,6 @@ def test_vllm_engine_under_torchrun_uses_the_external_launcher(served, monkeypat
     kw = make_vllm_engine().llm.init_kwargs
     assert kw["distributed_executor_backend"] == "external_launcher"
     assert kw["seed"] == 3 + 2  # one engine per rank, each its own sampling stream
-
-
-def test_vllm_sampling_params_match_ours_exactly(served):
-    engine = make_vllm_engine()
-    torch.manual_seed(0)
-    engine.generate(PROMPTS, 3, 0.7, 5)
-    (name, params), = [c for c in engine.llm.calls if c[0] == "generate"]
-    assert isinstance(params, fake.SamplingParams)
-    assert params.n == 3 and params.temperature == 0.7 and params.max_tokens == 5
-    assert params.top_p == 1.0 and params.top_k in (0, -1) and params.min_p == 0.0  # no truncation
-    assert params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
-    assert params.min_tokens == 0 and params.ignore_eos is False and params.stop_token_ids == [1]
-    assert params.logprobs == 0  # the sampled token's log-prob only
-    assert params.logit_bias is None and params.allowed_token_ids is None and params.bad_words is None
-    assert params.stop is None and params.detokenize is False and isinstance(params.seed, int)
 
 
 def test_vllm_engine_sleep_wake_and_weight_sync(served):
@@ -213,18 +203,22 @@ def test_vllm_missing_is_one_error_line(monkeypatch, capsys, tmp_path):
     rc = main(["train", "rollout_backend=vllm", f"run_dir={tmp_path / 'run'}", "progress=false"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
-    assert err == [f"erpo: error: rollout_backend=vllm needs vLLM, which is not installed: "
-                   f"pip install 'erpo[vllm]' (vllm=={VLLM_VERSION}; needs a CUDA machine)"]
+    assert err == [f"erpo: error: rollout_backend=vllm needs vLLM, which is not installed: {INSTALL_HINT}"]
+    assert f"vllm=={VLLM_VERSION}" in INSTALL_HINT and "docs/vllm.md" in INSTALL_HINT
     assert not (tmp_path / "run").exists()
 
 
-def test_vllm_needs_cuda(monkeypatch):
-    from erpo.config import ConfigError
+def test_vllm_build_must_match_the_device(monkeypatch):
+    """vLLM for CUDA (the fake's platform) on a CPU run is a ConfigError naming the CPU build;
+    rollout_backend=hf never looks for vLLM."""
+    from erpo.config import ConfigError, TrainConfig
 
     monkeypatch.setitem(sys.modules, "vllm", fake)
-    with pytest.raises(ConfigError, match="CUDA only"):
-        check_rollout_backend("vllm", torch.device("cpu"))
-    check_rollout_backend("hf", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="vLLM's CPU build"):
+        check_rollout_backend(TrainConfig(rollout_backend="vllm"), torch.device("cpu"))
+    check_rollout_backend(TrainConfig(rollout_backend="vllm"), torch.device("cuda"))
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    check_rollout_backend(TrainConfig(), torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------- mismatch metrics and TIS in the trainer
