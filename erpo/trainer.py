@@ -125,6 +125,7 @@ class Trainer:
         self.reward_fn = get_reward_fn(cfg.resolved_reward)
         self.examples, self.data_fingerprint = setup_data(cfg)
         self.plan = plan_run(cfg, self.data_fingerprint)  # where this start begins, what it keeps, copies, deletes
+        self.start_step = self.plan.start_step  # the last step trained: train() continues after it
         self._check_reference_cache_early()
         initial = self._setup_model()
         initial, new_cache = self._setup_reference_cache(initial)
@@ -464,16 +465,16 @@ class Trainer:
         t_start = time.perf_counter()
         bar = None
         main = distributed.is_main()  # rank 0 writes metrics, the plot and the progress bar
-        if cfg.progress and last > self.plan.start_step and main:
+        if cfg.progress and last > self.start_step and main:
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.steps, initial=self.plan.start_step, desc="erpo", unit="step", dynamic_ncols=True,
+            bar = tqdm(total=cfg.steps, initial=self.start_step, desc="erpo", unit="step", dynamic_ncols=True,
                        file=sys.stderr)
         checkpoint = ckpt.latest_checkpoint(cfg.run_dir)
         monitor = DivergenceMonitor()
         warned_truncation = False
         try:
-            for step in range(self.plan.start_step + 1, last + 1):
+            for step in range(self.start_step + 1, last + 1):
                 metrics = self.step(step)
                 history.append(metrics)
                 if main:
@@ -534,12 +535,12 @@ class Trainer:
         the steps before a resume included), the time of this start's steps (history)."""
         cfg = self.cfg
         if not history:
-            line = f"erpo: nothing to do: {cfg.run_dir} is already at step {self.plan.start_step} of steps={cfg.steps}"
+            line = f"erpo: nothing to do: {cfg.run_dir} is already at step {self.start_step} of steps={cfg.steps}"
             return {"line": line, "steps": 0, "checkpoint": checkpoint, "plot": plot}
         k = max(1, min(10, len(run_rows) // 10))
         first = sum(h["reward/mean"] for h in run_rows[:k]) / k
         final = sum(h["reward/mean"] for h in run_rows[-k:]) / k
-        these = f" (steps {history[0]['step']}-{history[-1]['step']} in this start)" if self.plan.start_step else ""
+        these = f" (steps {history[0]['step']}-{history[-1]['step']} in this start)" if history[0]["step"] > 1 else ""
         line = (
             f"erpo: {cfg.algorithm} finished step {history[-1]['step']}/{cfg.steps} in {seconds:.0f}s{these}: "
             f"reward {first:.3f} -> {final:.3f} (mean of the run's first/last {k} steps), "
