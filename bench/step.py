@@ -4,7 +4,7 @@ The model is transformers' Qwen2ForCausalLM built from a Qwen2Config with random
 (no download). One step = forward (+ the reference model's forward, GRPO) + loss + backward
 + AdamW step (zero_grad with set_to_none runs before it, untimed), on a batch of m queries x G
 responses, each sequence a T-token prompt and an L-token response (N = m G (T + L) rows, laid
-out as erpo_kernels.objective.PackedLossBatch describes). Variants:
+out as erpo_kernels.PackedLossBatch describes). Variants:
 
   erpo-fused   hidden states -> erpo_kernels.erpo_loss (linear_token_logprobs + entropy,
                never an [N, V] tensor)
@@ -123,7 +123,7 @@ def build_model(case: StepCase, device: str, seed: int):
 
 def make_batch(case: StepCase, vocab: int, device: str, seed: int = 0):
     """input_ids [B, S] and the PackedLossBatch of their N = B S rows (B = m G, S = T + L)."""
-    from erpo_kernels.objective import PackedLossBatch
+    from erpo_kernels import PackedLossBatch
 
     g = torch.Generator().manual_seed(seed)
     m, G, T, L = case.queries, case.group, case.prompt_len, case.response_len
@@ -223,7 +223,7 @@ def make_step(case: StepCase, variant: str, device: str):
     read after each step's backward (before the optimizer step).
     """
     import erpo_kernels
-    from erpo_kernels.objective import LossConfig, erpo_loss, erpo_loss_from_logp
+    from erpo_kernels import LossConfig, erpo_loss, erpo_loss_from_logp
 
     model = build_model(case, device, seed=0)
     model.train()
@@ -275,7 +275,7 @@ def _packing_step(case: StepCase, variant: str, device: str, model: Any):
     """make_step's result for erpo-padded / erpo-packed: the erpo-fused step on the skewed
     batch, forwarded padded or packed."""
     from erpo.packing import forward_hidden, forward_hidden_padded, set_attn_implementation
-    from erpo_kernels.objective import LossConfig, erpo_loss
+    from erpo_kernels import LossConfig, erpo_loss
 
     packed, batch = make_packed_batch(case, model.config.vocab_size, device)
     if variant == "erpo-packed":
@@ -305,9 +305,9 @@ def _packing_step(case: StepCase, variant: str, device: str, model: Any):
 def _micro_step(model: Any, opt: Any, packed: Any, batch: Any, config: Any, budget: int, device: str,
                 peaks: List[int]):
     """The erpo-micro-K step function: micro-batches of at most `budget` rows, gradients
-    accumulated, normalised by the whole batch (erpo_kernels.objective's micro-batch API)."""
+    accumulated, normalised by the whole batch (erpo_kernels' micro-batch API)."""
     from erpo.packing import forward_hidden
-    from erpo_kernels.objective import LossNormalizers, combine_metrics, erpo_loss, plan_micro_batches, split_batch
+    from erpo_kernels import LossNormalizers, combine_metrics, erpo_loss, plan_micro_batches, split_batch
 
     norm = LossNormalizers.of(batch)
     micros = split_batch(batch, plan_micro_batches(batch, budget))

@@ -205,7 +205,7 @@ def all_gather_tensor(t: torch.Tensor) -> torch.Tensor:
 def reduce_metrics(metrics: Dict[str, float]) -> Dict[str, float]:
     """A metrics dict whose values are this rank's parts of global quantities, combined
     over ranks: keys ending in "max" by max, "min" by min, every other key by sum (the
-    rule erpo_kernels.objective.combine_metrics applies to micro-batches; with the
+    rule erpo_kernels.combine_metrics applies to micro-batches; with the
     mini-batch's normalisers summed over ranks every such metric is a sum of parts).
     Unchanged in a one-process run."""
     if not (is_initialized() and world_size() > 1):
@@ -228,7 +228,7 @@ SUMMED_NORMALIZERS = ("n_tokens", "n_sequences", "n_queries", "weight_mass", "we
 
 
 def reduce_normalizers(norm: Any) -> Any:
-    """A rank's erpo_kernels.objective.LossNormalizers (of its share of a mini-batch) made
+    """A rank's erpo_kernels.LossNormalizers (of its share of a mini-batch) made
     the global mini-batch's, in place: its summed fields all-reduced over the ranks.
     Every rank then divides by the same global counts and weight mass, so the per-rank
     losses add up to the one-process loss of the whole mini-batch."""

@@ -9,8 +9,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 import erpo_kernels as ek
-from erpo_kernels._triton import HAS_TRITON, interpreting
-from erpo_kernels._utils import resolve_backend
+from erpo_kernels import HAS_TRITON, interpreting, resolve_backend
 
 
 def _op_calls(device: torch.device) -> Dict[str, Callable[[str], torch.Tensor]]:

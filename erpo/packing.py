@@ -1,5 +1,5 @@
 """Packing: m prompts x G responses -> one row space of N rows (the layout of
-erpo_kernels.objective.PackedLossBatch), and the forward pass to hidden states.
+erpo_kernels.PackedLossBatch), and the forward pass to hidden states.
 
 Sequence b = prompt_b | response_b starts at row r (seq_cu_seqlens[b]); T prompt
 tokens, L response tokens:
@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from erpo_kernels.objective import PackedLossBatch
+from erpo_kernels import PackedLossBatch
 
 from .distributed import BASE_FORWARD
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from erpo_kernels._utils import resolve_backend
+from erpo_kernels import resolve_backend
 
 from . import checkpoint as ckpt
 from . import distributed

@@ -23,9 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from erpo_kernels import linear_token_logprobs
-from erpo_kernels.objective import (LossNormalizers, MicroBatch, PackedLossBatch, combine_metrics, erpo_loss,
-                                    metrics_to_floats, plan_micro_batches, split_batch)
+from erpo_kernels import (LossNormalizers, MicroBatch, PackedLossBatch, combine_metrics, erpo_loss, linear_token_logprobs,
+                          metrics_to_floats, plan_micro_batches, split_batch)
 
 from . import checkpoint as ckpt
 from . import distributed

@@ -2,30 +2,24 @@
 
 Every op has a Triton forward and backward, and a memory-bounded PyTorch reference
 (`erpo_kernels.reference`) that `backend="auto"` uses where Triton cannot run.
+Everything a user (or erpo's trainer) needs is importable from here; the modules whose
+names start with "_" are private.
 """
 from . import reference
-from ._triton import HAS_TRITON
-from ._utils import BACKENDS
+from ._triton import HAS_TRITON, interpreting
+from ._utils import BACKENDS, resolve_backend
 from .linear_token_logprobs import linear_token_logprobs
-from .objective import (
-    ALGORITHMS,
-    ROLLOUT_IS,
-    LossConfig,
-    LossNormalizers,
-    MicroBatch,
-    PackedLossBatch,
-    combine_metrics,
-    erpo_loss,
-    erpo_loss_from_logp,
-    metrics_to_floats,
-    plan_micro_batches,
-    query_logp_from_logp,
-    split_batch,
-)
-from .policy_loss import LOSS_AGGS, policy_loss
+from .loss_batch import PackedLossBatch
+from .loss_config import ALGORITHMS, ROLLOUT_IS, LossConfig
+from .loss_metrics import combine_metrics, metrics_to_floats
+from .loss_normalizers import LossNormalizers
+from .micro_batches import MicroBatch, plan_micro_batches, split_batch
+from .objective import erpo_loss, erpo_loss_from_logp
+from .policy_loss import LOSS_AGGS
+from .query_kl import query_logp_from_logp
 from .segment_sum import segment_sum
-from .token_logprobs import token_logprobs
-from .weighted_k3 import weighted_k3
+from .token_logprobs import RowTiles, token_logprobs
+from .weighted_k3 import MAX_GUARD, weighted_k3
 
 __version__ = "0.1.0"
 
@@ -34,20 +28,23 @@ __all__ = [
     "BACKENDS",
     "HAS_TRITON",
     "LOSS_AGGS",
+    "MAX_GUARD",
     "ROLLOUT_IS",
     "LossConfig",
     "LossNormalizers",
     "MicroBatch",
     "PackedLossBatch",
+    "RowTiles",
     "combine_metrics",
     "erpo_loss",
     "erpo_loss_from_logp",
+    "interpreting",
     "linear_token_logprobs",
     "metrics_to_floats",
     "plan_micro_batches",
-    "policy_loss",
     "query_logp_from_logp",
     "reference",
+    "resolve_backend",
     "segment_sum",
     "split_batch",
     "token_logprobs",

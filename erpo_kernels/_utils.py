@@ -146,6 +146,14 @@ def row_inv_temperature(
     return torch.full((n,), value, dtype=torch.float32, device=device)
 
 
+def check_number(name: str, value: object) -> float:
+    """`value` as a float when it is an int or a float (not a bool, not a string that
+    float() would parse); else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
 def optional_positive_float(name: str, value: object) -> Optional[float]:
     """None, or `value` as a positive finite float (a runtime kernel argument); else a
     ValueError naming `name`."""

@@ -1,8 +1,9 @@
-"""policy_loss: the clipped policy-gradient surrogate of GRPO and its per-query
-aggregation (docs/method.md section 4).
+"""The policy term: the clipped policy-gradient surrogate of GRPO, its per-query
+aggregation (docs/method.md section 4) and the truncated importance weights against the
+rollout engine (section 11).
 
-Plain PyTorch: every step is O(tokens) elementwise work plus a few gathers, so there
-is nothing to fuse until a measurement says otherwise.
+Plain PyTorch: every step is O(rows) elementwise work plus a few gathers, so there is
+nothing to fuse until a measurement says otherwise.
 
 Per response token t of sequence i answering query q, with advantage A = A_i:
     rho  = exp(clamp(logp - old_logp, -20, 20))
@@ -12,28 +13,40 @@ Aggregation with per-query weights w(q):
     token-mean:           L = sum_q w(q) sum_i sum_t loss / sum_q sum_i L_i
     seq-mean-token-mean:  L = (1/m) sum_q w(q) (1/G_q) sum_i (1/L_i) sum_t loss
 where L_i is the number of tokens of response i and G_q the number of sequences of
-query q in the batch (a response with no token adds 0 but still counts in G_q).
-Both are a weighted token sum sum_t coef_t loss_t, which is how they are computed.
+query q in the mini-batch (a response with no token adds 0 but still counts in G_q).
+Both are a weighted token sum sum_t c_t loss_t, which is how they are computed.
+Truncated importance sampling (a constant under backprop), with C = rollout_is_cap:
+    token:     c_t *= min(pi_old / pi_rollout, C)               per token
+    sequence:  c_t *= min(prod_t' pi_old / pi_rollout, C)        over the sequence's tokens
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import torch
 
-from ._utils import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_tensor, compute_dtype
+from ._utils import check_number
+from .loss_batch import PackedLossBatch
+from .row_layout import LossRows
+
+if TYPE_CHECKING:  # annotations only: loss_config imports this module
+    from .loss_config import LossConfig
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
 LOG_RATIO_CLAMP = 20.0
+# The rollout/trainer mismatch metric counts tokens whose pi_old / pi_rollout lies outside this band.
+MISMATCH_BAND = (0.9, 1.1)
 
 
 def check_clip_args(eps_low: float, eps_high: float, dual_clip: float) -> None:
-    """ValueError unless 0 <= eps_low < 1, eps_high >= 0 and dual_clip > 1 (all finite)."""
-    if not (0.0 <= float(eps_low) < 1.0):
+    """ValueError unless 0 <= eps_low < 1, eps_high >= 0 and dual_clip > 1 (all finite numbers)."""
+    if not (0.0 <= check_number("eps_low", eps_low) < 1.0):
         raise ValueError(f"eps_low must lie in [0, 1), got {eps_low}")
-    if not (0.0 <= float(eps_high) < float("inf")):
+    if not (0.0 <= check_number("eps_high", eps_high) < float("inf")):
         raise ValueError(f"eps_high must be finite and >= 0, got {eps_high}")
-    if not (1.0 < float(dual_clip) < float("inf")):
+    if not (1.0 < check_number("dual_clip", dual_clip) < float("inf")):
         raise ValueError(f"dual_clip must be finite and > 1, got {dual_clip}")
 
 
@@ -68,150 +81,93 @@ def token_surrogate(
     return loss, (clipped > unclipped) | dual_active, dual_active, ratio.detach()
 
 
-def aggregation_coef(
-    lengths: torch.Tensor,
-    group_index: torch.Tensor,
-    query_weights: torch.Tensor,
-    loss_agg: str,
-    *,
-    seq: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """[T] coefficient c_t of each response token, so that an aggregate is sum_t c_t x_t.
-
-    lengths [B] int64 (L_i, sum = T); group_index [B]; query_weights [m] (w(q)).
-        token-mean:           c_t = w(q) / T
-        seq-mean-token-mean:  c_t = w(q) / (m G_q L_i)
-    seq: [T] sequence of each token (recomputed from lengths when None).
-    """
-    n_tok = int(lengths.sum()) if seq is None else seq.shape[0]
-    if seq is None:
-        seq = torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths, output_size=n_tok)
-    gi = group_index.long()
-    w = query_weights
+def aggregation_coef(rows: LossRows, loss_agg: str) -> torch.Tensor:
+    """[N] coefficient of each row at w = 1 (0 off the scored response rows), so that an
+    aggregate with weights w is sum_t c_t w(q_t) x_t:
+        token-mean:           c_t = 1 / T
+        seq-mean-token-mean:  c_t = 1 / (m G_q L_i)
+    with the mini-batch's T, m and G_q (rows.normalizers)."""
     if loss_agg == "token-mean":
-        return w[gi[seq]] / max(n_tok, 1)
-    m = w.shape[0]
-    g_count = torch.zeros(m, dtype=w.dtype, device=w.device).index_add_(0, gi, torch.ones_like(gi, dtype=w.dtype))
-    per_seq = w[gi] / (m * g_count[gi] * lengths.clamp(min=1).to(w.dtype))  # [B]
-    return per_seq[seq]
+        return rows.response_mask / rows.n_tokens  # [N]
+    group_sizes = rows.normalizers.group_sizes.to(rows.dtype)[rows.group_index].clamp(min=1)  # [B]
+    lengths = rows.layout.response_length.to(rows.dtype).clamp(min=1)  # [B]
+    per_sequence = 1.0 / (rows.n_queries * group_sizes * lengths)  # [B]
+    return rows.response_mask * per_sequence[rows.layout.sequence]  # [N]
 
 
-def _policy_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    lengths: torch.Tensor,
-    group_index: torch.Tensor,
-    query_weights: torch.Tensor,
-    loss_agg: str,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """The surrogate on checked inputs; metrics stay tensors (one host sync later).
-
-    logp, old_logp [T]; advantages [B]; lengths [B] int64 (sum = T); group_index [B];
-    query_weights [m]. Returns the scalar loss in the compute dtype and 0-d metrics.
-    """
-    cdt = compute_dtype(logp.dtype)
-    n_tok = logp.shape[0]
-    n_seq = lengths.shape[0]
-    dev = logp.device
-    seq = torch.repeat_interleave(torch.arange(n_seq, device=dev), lengths, output_size=n_tok)  # [T]
-    adv = advantages.detach().to(cdt)[seq]  # [T]
-    w = query_weights.detach().to(cdt)  # [m]
-
-    tok_loss, clipped_tok, dual_active, ratio = token_surrogate(
-        logp.to(cdt), old_logp.to(cdt), adv, eps_low, eps_high, dual_clip
-    )  # [T] each
-    coef = aggregation_coef(lengths, group_index, w, loss_agg, seq=seq)  # [T]
-    loss = (coef * tok_loss).sum()
-
-    zero = torch.zeros((), dtype=cdt, device=dev)
-    metrics = {
-        "pg/loss": loss.detach(),
-        "pg/clipfrac": clipped_tok.to(cdt).mean() if n_tok else zero,
-        "pg/dual_clipfrac": dual_active.to(cdt).mean() if n_tok else zero,
-        "pg/ratio_mean": ratio.detach().mean() if n_tok else zero,
-    }
-    return loss, metrics
+def rollout_importance_weights(
+    rows: LossRows, batch: PackedLossBatch, old_logp: torch.Tensor, config: "LossConfig"
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(is_weight [N], log_w [N]): the truncated importance weight of each row
+    (module docstring; 1 with rollout_is="none") and log pi_old / pi_rollout (0 off
+    the scored response rows). Needs batch.rollout_logp."""
+    rollout = torch.where(rows.response, batch.rollout_logp.detach().to(rows.dtype), old_logp)  # [N]
+    log_w = old_logp - rollout  # [N]
+    log_cap = math.log(float(config.rollout_is_cap))
+    if config.rollout_is == "token":
+        is_weight = torch.exp(torch.clamp(log_w, max=log_cap))  # [N]
+    elif config.rollout_is == "sequence":
+        sequence = rows.layout.sequence
+        seq_log_w = torch.zeros(batch.num_sequences, dtype=rows.dtype, device=log_w.device).index_add_(
+            0, sequence, log_w
+        )  # [B]
+        is_weight = torch.exp(torch.clamp(seq_log_w, max=log_cap))[sequence]  # [N]
+    else:
+        is_weight = torch.ones_like(log_w)
+    return is_weight, log_w
 
 
-def policy_loss(
-    logp: torch.Tensor,
-    old_logp: Optional[torch.Tensor],
-    advantages: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    group_index: torch.Tensor,
-    query_weights: torch.Tensor,
-    *,
-    loss_agg: str = "token-mean",
-    eps_low: float = 0.2,
-    eps_high: float = 0.3,
-    dual_clip: float = 3.0,
-    validate: bool = True,
-    sync_metrics: bool = True,
-) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """Clipped (and dual-clipped) surrogate, aggregated per query with weights w(q).
+def mismatch_metrics(rows: LossRows, log_w: torch.Tensor, is_weight: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The rollout/trainer mismatch over the scored response rows: mean and max of
+    |log pi_old - log pi_rollout|, the fraction of tokens with pi_old / pi_rollout
+    outside MISMATCH_BAND, and the mean truncated importance weight."""
+    with torch.no_grad():
+        diff = log_w.abs()  # [N]
+        ratio = torch.exp(log_w)
+        out_band = (ratio < MISMATCH_BAND[0]) | (ratio > MISMATCH_BAND[1])
+        return {
+            "mismatch/logp_diff_mean": rows.response_mean(diff),
+            "mismatch/logp_diff_max": torch.where(rows.response, diff, rows.zeros).max(),
+            "mismatch/ratio_out_frac": rows.response_fraction(out_band),
+            "mismatch/is_weight_mean": rows.response_mean(is_weight),
+        }
 
-    Args:
-        logp: [T] float, log-probs of the response tokens only, contiguous per response.
-        old_logp: [T] float, rollout-policy log-probs of the same tokens; None means the
-            detached logp (one update per rollout batch: rho = 1).
-        advantages: [B] float, one per response.
-        cu_seqlens: [B + 1] int, response i owns tokens [cu[i], cu[i + 1]); cu[0] = 0, cu[B] = T.
-        group_index: [B] int in [0, m), the query each response answers.
-        query_weights: [m] float, w(q) (ones for plain GRPO).
-        loss_agg: "token-mean" or "seq-mean-token-mean" (module docstring).
-        eps_low, eps_high: the asymmetric clip range [1 - eps_low, 1 + eps_high].
-        dual_clip: c, the bound -c A on the loss of tokens with A < 0.
-        validate: check the values of cu_seqlens (0 to T, non-decreasing) and
-            group_index (in [0, m)): one host read (a device sync). Shapes, dtypes and
-            devices are always checked.
-        sync_metrics: python-float metrics (one transfer), or 0-d tensors (none).
-    Returns:
-        (scalar loss in logp's compute dtype, metrics) with metrics "pg/loss",
-        "pg/clipfrac" (fraction of tokens where a clip binds), "pg/dual_clipfrac",
-        "pg/ratio_mean". The gradient flows to logp only.
-    """
-    check_tensor("logp", logp, ndim=1, dtypes=FLOAT_DTYPES)
-    n_tok = logp.shape[0]
-    dev = logp.device
+
+@dataclass
+class PolicyTerm:
+    """value: L_PG (0-d); unit [N]: the aggregation coefficients at w = 1 (the KL to a
+    reference aggregates with them); metrics: pg/* (and mismatch/* with rollout_logp)."""
+
+    value: torch.Tensor
+    unit: torch.Tensor
+    metrics: Dict[str, torch.Tensor]
+
+
+def _old_logp(rows: LossRows, old_logp: Optional[torch.Tensor]) -> torch.Tensor:
+    """[N] pi_old's log-probs on the scored response rows, the current (detached) ones elsewhere."""
     if old_logp is None:
-        old_logp = logp.detach()
-    check_tensor("old_logp", old_logp, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
-    check_rows("old_logp", old_logp, n_tok)
-    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=dev)
-    n_seq = cu_seqlens.shape[0] - 1
-    if n_seq < 0:
-        raise ValueError("cu_seqlens must hold B + 1 offsets")
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    check_tensor("advantages", advantages, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
-    check_rows("advantages", advantages, n_seq)
-    check_tensor("group_index", group_index, ndim=1, dtypes=INDEX_DTYPES, device=dev)
-    check_rows("group_index", group_index, n_seq)
-    check_tensor("query_weights", query_weights, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
-    m = query_weights.shape[0]
-    if validate:  # every value check in one transfer
-        gi = group_index.long()
-        ok = torch.stack([
-            (cu_seqlens[0] == 0) & (cu_seqlens[-1] == n_tok),
-            (lengths >= 0).all(),
-            ((gi >= 0) & (gi < m)).all(),
-        ]).tolist()
-        if not ok[0]:
-            raise ValueError(f"cu_seqlens must start at 0 and end at T = {n_tok} (the length of logp)")
-        if not ok[1]:
-            raise ValueError("cu_seqlens must be non-decreasing")
-        if not ok[2]:
-            raise ValueError(f"group_index must lie in [0, m) with m = {m} (the length of query_weights)")
-    check_loss_agg(loss_agg)
-    check_clip_args(eps_low, eps_high, dual_clip)
-    loss, metrics = _policy_loss(
-        logp, old_logp, advantages, lengths, group_index, query_weights,
-        loss_agg, float(eps_low), float(eps_high), float(dual_clip),
-    )
-    if not sync_metrics:
-        return loss, metrics
-    values = torch.stack(list(metrics.values())).tolist()  # the one transfer
-    return loss, dict(zip(metrics.keys(), values))
+        return rows.logp.detach()
+    return torch.where(rows.response, old_logp.detach().to(rows.dtype), rows.logp.detach())
+
+
+def policy_term(rows: LossRows, batch: PackedLossBatch, config: "LossConfig") -> PolicyTerm:
+    """L_PG of the scored response rows (module docstring), weighted by rows.weights."""
+    old = _old_logp(rows, batch.old_logp)  # [N]
+    advantages = batch.advantages.detach().to(rows.dtype)[rows.layout.sequence]  # [N]
+    token_loss, clipped, dual, ratio = token_surrogate(
+        rows.logp, old, advantages, float(config.eps_low), float(config.eps_high), float(config.dual_clip)
+    )  # [N] each
+    unit = aggregation_coef(rows, config.loss_agg)  # [N]
+    coef = unit * rows.weights[rows.query_of_row]  # [N]
+    metrics: Dict[str, torch.Tensor] = {}
+    if batch.rollout_logp is not None:
+        is_weight, log_w = rollout_importance_weights(rows, batch, old, config)
+        coef = coef * is_weight
+        metrics.update(mismatch_metrics(rows, log_w, is_weight))
+    value = (coef * torch.where(rows.response, token_loss, rows.zeros)).sum()
+    with torch.no_grad():
+        metrics["pg/loss"] = value.detach()
+        metrics["pg/clipfrac"] = rows.response_fraction(clipped)
+        metrics["pg/dual_clipfrac"] = rows.response_fraction(dual)
+        metrics["pg/ratio_mean"] = rows.response_mean(ratio)
+    return PolicyTerm(value, unit, metrics)

@@ -1,4 +1,4 @@
-"""Micro-batches of a mini-batch (erpo_kernels.objective: LossNormalizers, split_batch,
+"""Micro-batches of a mini-batch (erpo_kernels: LossNormalizers, split_batch,
 combine_metrics): k micro-batches with the mini-batch's normalisers give the one-batch
 loss, gradients and metrics, for both algorithms and both aggregations, with groups
 split across micro-batches and a query's scoring prompt copy away from its other copies.

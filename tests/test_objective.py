@@ -16,7 +16,6 @@ from erpo_kernels import (
     PackedLossBatch,
     erpo_loss,
     erpo_loss_from_logp,
-    policy_loss,
     query_logp_from_logp,
     weighted_k3,
 )
@@ -475,36 +474,59 @@ def test_query_kl_guard_bounds_gradient(dtype):
     assert fl(grad.abs().max()) <= alpha * 2 / wsum * slope * (1 + tol)
 
 
+def _policy_only_batch(logp_resp, old_resp, adv, gi, w, lengths):
+    """A batch whose prompts score nothing (one ignored row each), so that with alpha = 0
+    the erpo loss is L_PG alone: responses of `lengths` tokens, their log-probs
+    logp_resp [T] (and old_resp) laid out after each one-row prompt."""
+    spans, rows, old_rows, t = [0], [], [], 0
+    for n in lengths:
+        rows += [torch.zeros(1, dtype=torch.float64), logp_resp[t : t + n]]
+        old_rows += [torch.zeros(1, dtype=torch.float64), old_resp[t : t + n]]
+        spans += [spans[-1] + 1, spans[-1] + 1 + n]
+        t += n
+    targets = torch.tensor([IGN if r in spans[:-1:2] else 1 for r in range(spans[-1])])
+    batch = PackedLossBatch(
+        targets=targets, inv_temperature=torch.ones(spans[-1], dtype=torch.float64),
+        span_cu_seqlens=torch.tensor(spans), group_index=gi, advantages=adv,
+        ref_query_logp=torch.zeros(w.shape[0], dtype=torch.float64), query_weights=w,
+        old_logp=torch.cat(old_rows),
+    )
+    return batch, torch.cat(rows), targets != IGN
+
+
 def test_policy_loss_direct():
-    # three responses of two queries, response tokens only
+    # three responses of two queries; the prompts score nothing, alpha = 0: L = L_PG
     lengths = [2, 3, 1]
-    cu = torch.tensor([0, 2, 5, 6])
-    logp = torch.tensor([-0.5, -1.0, -0.2, -2.0, -0.7, -1.5], dtype=torch.float64, requires_grad=True)
-    old = logp.detach() - torch.tensor([0.0, 0.5, -0.4, 1.3, 0.1, 0.0], dtype=torch.float64)
+    logp_resp = torch.tensor([-0.5, -1.0, -0.2, -2.0, -0.7, -1.5], dtype=torch.float64)
+    old = logp_resp - torch.tensor([0.0, 0.5, -0.4, 1.3, 0.1, 0.0], dtype=torch.float64)
     adv = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
     gi = torch.tensor([0, 0, 1])
     w = torch.tensor([1.5, 0.5], dtype=torch.float64)
-    cfg = LossConfig()
+    batch, logp_rows, resp = _policy_only_batch(logp_resp, old, adv, gi, w, lengths)
     for agg in ("token-mean", "seq-mean-token-mean"):
-        loss, metrics = policy_loss(logp, old, adv, cu, gi, w, loss_agg=agg)
+        cfg = LossConfig(alpha=0.0, loss_agg=agg)
+        x = logp_rows.clone().requires_grad_(True)
+        loss, metrics = erpo_loss_from_logp(x, batch, cfg, backend="torch")
+        lp = logp_resp.clone().requires_grad_(True)
         expect = torch.zeros((), dtype=torch.float64)
         n_clip = 0
         t = 0
         for i, n in enumerate(lengths):
             q = int(gi[i])
             for _ in range(n):
-                tok, clipped, _ = token_loss_formula(logp[t], old[t], float(adv[i]), cfg)
+                tok, clipped, _ = token_loss_formula(lp[t], old[t], float(adv[i]), cfg)
                 n_clip += clipped
                 coef = float(w[q]) / 6 if agg == "token-mean" else float(w[q]) / 2 / int((gi == q).sum()) / n
                 expect = expect + coef * tok
                 t += 1
         assert abs(fl(loss) - fl(expect)) <= 1e-13
-        (g1,) = torch.autograd.grad(loss, logp)
-        (g2,) = torch.autograd.grad(expect, logp)
-        assert torch.allclose(g1, g2, rtol=1e-12, atol=1e-14)
+        (g1,) = torch.autograd.grad(loss, x)
+        (g2,) = torch.autograd.grad(expect, lp)
+        assert torch.allclose(g1[resp], g2, rtol=1e-12, atol=1e-14) and (g1[~resp] == 0).all()
         assert metrics["pg/clipfrac"] == pytest.approx(n_clip / 6) and n_clip > 0
     # old_logp None: ratio 1, no clipping, loss = -sum coef A
-    loss, metrics = policy_loss(logp, None, adv, cu, gi, w)
+    loss, metrics = erpo_loss_from_logp(logp_rows, replace(batch, old_logp=None), LossConfig(alpha=0.0),
+                                        backend="torch")  # fmt: skip
     expect = -(1.5 * (2 * 0.5 + 3 * -1.0) + 0.5 * 2.0) / 6
     assert abs(fl(loss) - expect) <= 1e-14 and metrics["pg/clipfrac"] == 0.0
 
@@ -546,7 +568,10 @@ def test_bad_batch_raises(field, mutate):
     "field,kwargs",
     [("algorithm", {"algorithm": "ppo"}), ("loss_agg", {"loss_agg": "sum"}), ("alpha", {"alpha": -1.0}),
      ("beta", {"beta": float("nan")}), ("eps_low", {"eps_low": 1.0}), ("eps_high", {"eps_high": -0.1}),
-     ("dual_clip", {"dual_clip": 1.0}), ("kl_guard", {"kl_guard": 0.0}), ("kl_guard", {"kl_guard": 100.0})],
+     ("dual_clip", {"dual_clip": 1.0}), ("kl_guard", {"kl_guard": 0.0}), ("kl_guard", {"kl_guard": 100.0}),
+     # numbers must be numbers: a string float() would parse, or a bool, is refused at once
+     ("alpha", {"alpha": "0.1"}), ("beta", {"beta": True}), ("eps_high", {"eps_high": "0.3"}),
+     ("kl_guard", {"kl_guard": "10"}), ("rollout_is_cap", {"rollout_is_cap": "2"})],
 )
 def test_bad_config_raises(field, kwargs):
     with pytest.raises(ValueError, match=field):
@@ -565,27 +590,10 @@ def test_grpo_ref_logp_rules():
         erpo_loss_from_logp(logp, batch, LossConfig(algorithm="grpo", beta=0.01), backend="torch")
     loss, metrics = erpo_loss_from_logp(logp, batch, LossConfig(algorithm="grpo", beta=0.0), backend="torch")
     assert torch.isfinite(loss) and "policy_kl" not in metrics
-    # erpo_loss checks before its kernel runs: a hidden of the wrong row count is caught as such
-    with pytest.raises(ValueError, match="targets"):
+    # erpo_loss checks before its kernel runs: a hidden of the wrong row count is named as such
+    with pytest.raises(ValueError, match=rf"hidden has 3 rows but the batch has N = {batch.num_rows}"):
         erpo_loss(torch.zeros(3, 4), torch.zeros(VOCAB, 4), batch, backend="torch")
+    with pytest.raises(ValueError, match=rf"logp has 5 rows but the batch has N = {batch.num_rows}"):
+        erpo_loss_from_logp(logp[:5], batch, backend="torch")
     with pytest.raises(ValueError, match="entropy"):
         erpo_loss_from_logp(logp, batch, entropy=logp[:-1], backend="torch")
-
-
-def test_policy_loss_bad_inputs():
-    logp = torch.zeros(5)
-    cu, adv, gi, w = torch.tensor([0, 2, 5]), torch.zeros(2), torch.tensor([0, 1]), torch.ones(2)
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        policy_loss(logp, None, adv, torch.tensor([0, 2, 4]), gi, w)
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        policy_loss(logp, None, torch.zeros(3), torch.tensor([0, 3, 2, 5]), torch.tensor([0, 1, 1]), w)
-    with pytest.raises(ValueError, match="group_index"):
-        policy_loss(logp, None, adv, cu, torch.tensor([0, 2]), w)
-    with pytest.raises(ValueError, match="advantages"):
-        policy_loss(logp, None, adv[:1], cu, gi, w)
-    with pytest.raises(ValueError, match="old_logp"):
-        policy_loss(logp, logp[:3], adv, cu, gi, w)
-    with pytest.raises(ValueError, match="loss_agg"):
-        policy_loss(logp, None, adv, cu, gi, w, loss_agg="mean")
-    with pytest.raises(ValueError, match="eps_low"):
-        policy_loss(logp, None, adv, cu, gi, w, eps_low=-0.1)

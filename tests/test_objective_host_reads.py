@@ -176,19 +176,17 @@ def test_validate_catches_bad_targets_once_for_all_ops():
         erpo_loss(hidden, weight, batch.__class__(**{**batch.__dict__, "inv_temperature": inv}), backend="torch")
 
 
-def test_policy_loss_reads_the_host_once_per_check_and_metrics():
-    from erpo_kernels import policy_loss
-
-    logp = torch.tensor([-0.5, -1.0, -0.2, -2.0, -0.7, -1.5], dtype=torch.float64, requires_grad=True)
-    old = logp.detach() - torch.tensor([0.0, 0.5, -0.4, 1.3, 0.1, 0.0], dtype=torch.float64)
-    args = (torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64), torch.tensor([0, 2, 5, 6]), torch.tensor([0, 0, 1]),
-            torch.tensor([1.5, 0.5], dtype=torch.float64))
-    for validate, sync_metrics, expect in ((False, False, 0), (False, True, 1), (True, True, 2)):
-        with count_host_reads() as counts:
-            loss, _ = policy_loss(logp, old, *args, loss_agg="seq-mean-token-mean", validate=validate,
-                                  sync_metrics=sync_metrics)
-            loss.backward()
-        assert sum(counts.values()) == expect, (validate, sync_metrics, dict(counts))
+@pytest.mark.parametrize("validate,sync_metrics,expect",
+                         [(False, False, 0), (False, True, 1), (None, False, 1), (None, True, 1), (True, True, 2)])
+def test_loss_from_logp_reads_the_host_once_per_check_and_metrics(validate, sync_metrics, expect):
+    batch, _, _ = _inputs(torch.float64)
+    _, _, logp, _ = make_point("softmax")
+    x = logp.clone().requires_grad_(True)
+    with count_host_reads() as counts:
+        loss, _ = erpo_loss_from_logp(x, batch, LossConfig(rollout_is="token"), backend="torch", validate=validate,
+                                      sync_metrics=sync_metrics)  # fmt: skip
+        loss.backward()
+    assert sum(counts.values()) == expect, dict(counts)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.set_sync_debug_mode)")

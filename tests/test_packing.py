@@ -16,7 +16,7 @@ from erpo.packing import (
 )
 from erpo.rollout import cut_at_eos
 from erpo_kernels import linear_token_logprobs, segment_sum
-from erpo_kernels.objective import query_logp_from_logp
+from erpo_kernels import query_logp_from_logp
 
 
 def tiny_model(vocab=23, hidden=16, layers=2, seed=0):
@@ -140,7 +140,7 @@ def test_training_step_packed_equals_padded(algorithm, attn):
     """The loss, its metrics and every parameter's gradient of one step are those of the
     padded forward (fp32, 1e-5); +prompts: with the prompt lengths the trainer passes (each
     prompt attended alone, its responses under a lower-right causal mask)."""
-    from erpo_kernels.objective import LossConfig, erpo_loss
+    from erpo_kernels import LossConfig, erpo_loss
 
     p = pack(MIXED_PROMPTS, MIXED_RESPONSES, 0.7)
     g = torch.Generator().manual_seed(0)

@@ -23,7 +23,7 @@ from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer, _PromptPlan, use_erpo_kernels  # noqa: E402
 from erpo.packing import forward_hidden, lm_head_of, pack  # noqa: E402
 from erpo.tiny import build_tokenizer  # noqa: E402
-from erpo_kernels.objective import LossConfig, PackedLossBatch, erpo_loss  # noqa: E402
+from erpo_kernels import LossConfig, PackedLossBatch, erpo_loss  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["1+2=", "13+4=", "7+18=", "100+5=", "3+3=", "21+21=", "9+90=", "45+6="]

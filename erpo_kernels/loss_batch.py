@@ -1,0 +1,214 @@
+"""PackedLossBatch: the packed batch the objective scores, and its validation.
+
+The row layout it describes is PackedLossBatch's docstring; `check_structure` reads
+tensor metadata only (free), `validate` reads every value check back in one transfer,
+`value_checks` gives the same checks as device flags (for a transfer that also carries
+the metrics), and `made_safe` a copy whose indices stay in their arrays whatever their
+values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._utils import FLOAT_DTYPES, INDEX_DTYPES, check_rows, check_tensor
+
+if TYPE_CHECKING:  # annotations only: loss_normalizers imports this module
+    from .loss_normalizers import LossNormalizers
+
+
+@dataclass
+class PackedLossBatch:
+    """The packed batch's metadata (one row = one position of one sequence).
+
+    Sequence b is `prompt_b | response_b` at rows [r, r + T + L); row t scores token
+    t + 1 of its own sequence. Its prompt span is rows [r, r + T - 1) (temperature 1;
+    ignore_index on every copy but the one that scores the query's prompt, usually the
+    first of its group), its response span rows [r + T - 1, r + T + L) (1 / tau; the
+    last row, and any padding, ignore_index).
+
+    Fields:
+        targets: [N] int, next token of each row, or ignore_index.
+        inv_temperature: [N] float, 1 on prompt rows, 1 / tau on response rows.
+        span_cu_seqlens: [2B + 1] int, boundaries of prompt_0, response_0, prompt_1,
+            ..., starting at 0 and ending at N.
+        group_index: [B] int in [0, m), the query of each sequence. In a whole batch
+            every query has a sequence; in a micro-batch (with LossNormalizers) the
+            indices are the mini-batch's and a query may have none here.
+        advantages: [B] float, group-normalised advantage of each sequence.
+        ref_query_logp: [m] float, l_0(q) from the reference cache.
+        query_weights: [m] float >= 0, w_B(q) (ones when weighting is off; grpo ignores it).
+        old_logp: [N] float or None (None = the detached current logp).
+        ref_logp: [N] float or None, reference-model per-token log-probs (grpo's beta
+            term and the policy_kl metric).
+        rollout_logp: [N] float or None, the rollout engine's log-prob of each response
+            token at the sampling temperature (read on scored response rows only):
+            the mismatch metrics, and the truncated importance weights of
+            LossConfig.rollout_is.
+        ignore_index: the target value of rows that score nothing.
+    """
+
+    targets: torch.Tensor
+    inv_temperature: torch.Tensor
+    span_cu_seqlens: torch.Tensor
+    group_index: torch.Tensor
+    advantages: torch.Tensor
+    ref_query_logp: torch.Tensor
+    query_weights: torch.Tensor
+    old_logp: Optional[torch.Tensor] = None
+    ref_logp: Optional[torch.Tensor] = None
+    ignore_index: int = -100
+    rollout_logp: Optional[torch.Tensor] = None
+
+    @property
+    def num_rows(self) -> int:
+        """N."""
+        return int(self.targets.shape[0])
+
+    @property
+    def num_sequences(self) -> int:
+        """B."""
+        return int(self.group_index.shape[0])
+
+    @property
+    def num_queries(self) -> int:
+        """m."""
+        return int(self.query_weights.shape[0])
+
+    def to(self, device: torch.device | str) -> "PackedLossBatch":
+        """A copy with every tensor moved to `device`."""
+        moved = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            moved[f.name] = v.to(device) if isinstance(v, torch.Tensor) else v
+        return PackedLossBatch(**moved)
+
+    def check_structure(self, n_rows: Optional[int] = None, device: Optional[torch.device] = None) -> None:
+        """Shapes, dtypes and devices of every field (tensor metadata only: no host sync).
+
+        ValueError naming the first field that does not fit N = n_rows rows (default:
+        len(targets)) on `device` (default: targets' device).
+        """
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise ValueError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        if device is None:
+            device = check_tensor("targets", self.targets, ndim=1, dtypes=INDEX_DTYPES).device
+        n_rows = self.num_rows if n_rows is None else n_rows
+        check_tensor("targets", self.targets, ndim=1, dtypes=INDEX_DTYPES, device=device)
+        check_rows("targets", self.targets, n_rows)
+        check_tensor("inv_temperature", self.inv_temperature, ndim=1, dtypes=FLOAT_DTYPES, device=device)
+        check_rows("inv_temperature", self.inv_temperature, n_rows)
+        check_tensor("group_index", self.group_index, ndim=1, dtypes=INDEX_DTYPES, device=device)
+        n_seq = self.group_index.shape[0]
+        if n_seq < 1:
+            raise ValueError("group_index must hold at least one sequence (B >= 1)")
+        check_tensor("span_cu_seqlens", self.span_cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+        if self.span_cu_seqlens.shape[0] != 2 * n_seq + 1:
+            raise ValueError(
+                f"span_cu_seqlens must hold 2B + 1 = {2 * n_seq + 1} offsets (B = {n_seq} sequences), "
+                f"got {self.span_cu_seqlens.shape[0]}"
+            )
+        check_tensor("advantages", self.advantages, ndim=1, dtypes=FLOAT_DTYPES, device=device)
+        check_rows("advantages", self.advantages, n_seq)
+        check_tensor("query_weights", self.query_weights, ndim=1, dtypes=FLOAT_DTYPES, device=device)
+        m = self.query_weights.shape[0]
+        if m < 1:
+            raise ValueError("query_weights must hold at least one query (m >= 1)")
+        check_tensor("ref_query_logp", self.ref_query_logp, ndim=1, dtypes=FLOAT_DTYPES, device=device)
+        if self.ref_query_logp.shape[0] != m:
+            raise ValueError(f"ref_query_logp has {self.ref_query_logp.shape[0]} entries but query_weights has m = {m}")
+        for name in ("old_logp", "ref_logp", "rollout_logp"):
+            t = getattr(self, name)
+            if t is not None:
+                check_tensor(name, t, ndim=1, dtypes=FLOAT_DTYPES, device=device)
+                check_rows(name, t, n_rows)
+
+    def validate(
+        self, vocab_size: Optional[int] = None, normalizers: Optional["LossNormalizers"] = None
+    ) -> "PackedLossBatch":
+        """Every check of the batch, values included, with one device-to-host transfer.
+
+        Call it where the batch is built (on the CPU it costs nothing), then pass
+        `validate=False` to the loss. vocab_size: V, to check targets < V (erpo_loss
+        passes the lm_head's). normalizers: the LossNormalizers the batch will be used
+        with; None = a whole batch, where every query must have a sequence. Raises
+        ValueError naming the first bad field; returns self.
+        """
+        self.check_structure()
+        if normalizers is not None:
+            normalizers.check_structure(self.num_queries, self.targets.device)
+        checks = self.value_checks(vocab_size, normalizers)
+        raise_failed_check(checks, torch.stack([c.reshape(()) for _, c in checks]).tolist())  # the one transfer
+        return self
+
+    def value_checks(
+        self, vocab_size: Optional[int] = None, normalizers: Optional["LossNormalizers"] = None
+    ) -> List[Tuple[str, torch.Tensor]]:
+        """validate()'s checks as (message, 0-d bool tensor) pairs on the batch's device,
+        read nothing (structure already checked)."""
+        n = self.num_rows
+        m = self.num_queries
+        cu = self.span_cu_seqlens.long()
+        group_index = self.group_index.long()
+        w = self.query_weights
+        t = self.targets
+        checks: List[Tuple[str, torch.Tensor]] = []
+        valid_t = t >= 0 if vocab_size is None else (t >= 0) & (t < int(vocab_size))
+        what = "[0, V)" if vocab_size is None else f"[0, {int(vocab_size)})"
+        checks.append((f"targets must lie in {what} or equal ignore_index={self.ignore_index}",
+                       (valid_t | (t == self.ignore_index)).all()))
+        checks.append(("inv_temperature must be positive and finite in every row",
+                       ((self.inv_temperature > 0) & torch.isfinite(self.inv_temperature)).all()))
+        checks.append((f"span_cu_seqlens must start at 0 and end at N = {n}", (cu[0] == 0) & (cu[-1] == n)))
+        checks.append(("span_cu_seqlens must be non-decreasing", (cu[1:] >= cu[:-1]).all()))
+        checks.append(("advantages must be finite", torch.isfinite(self.advantages).all()))
+        checks.append(("ref_query_logp must be finite", torch.isfinite(self.ref_query_logp).all()))
+        checks.append(("query_weights must be finite, >= 0, with a positive sum",
+                       (torch.isfinite(w) & (w >= 0)).all() & (w.sum() > 0)))
+        in_range = ((group_index >= 0) & (group_index < m)).all()
+        checks.append((f"group_index must lie in [0, m) with m = {m} (the length of query_weights)", in_range))
+        if normalizers is None:
+            has_seq = torch.zeros(m, dtype=torch.long, device=group_index.device).index_add_(
+                0, group_index.clamp(0, m - 1), torch.ones_like(group_index)) > 0
+            checks.append(("group_index must give every query in [0, m) at least one sequence",
+                           has_seq.all() | ~in_range))
+        else:
+            checks.append(("normalizers must be those of a mini-batch holding this batch "
+                           "(n_sequences >= 1, n_queries >= 1, weight_mass > 0, group_sizes >= 0)",
+                           (normalizers.n_sequences >= 1) & (normalizers.n_queries >= 1)
+                           & (normalizers.weight_mass > 0) & (normalizers.group_sizes >= 0).all()))
+        if self.rollout_logp is not None:
+            # response rows: odd spans (searchsorted is safe even when cu is not)
+            span = torch.searchsorted(cu, torch.arange(n, device=cu.device), right=True) - 1
+            resp = (span % 2 == 1) & (t != self.ignore_index)
+            checks.append(("rollout_logp must be finite on every scored response row",
+                           (torch.isfinite(self.rollout_logp) | ~resp).all()))
+        return checks
+
+    def made_safe(self, vocab_size: Optional[int] = None) -> "PackedLossBatch":
+        """A copy whose indices cannot point outside their arrays, whatever their values:
+        targets outside [0, vocab_size) become ignore_index, group_index is clamped to
+        [0, m), span_cu_seqlens is made non-decreasing from 0 to N. The loss runs on it
+        when the value checks travel with the metrics' transfer (erpo_loss's default):
+        a bad batch then computes harmlessly and raises after, never indexes out of
+        bounds on the device. Equal to the batch (the same values) when it is valid.
+        No host read."""
+        t, n, m = self.targets, self.num_rows, self.num_queries
+        if vocab_size is not None:
+            t = torch.where(((t >= 0) & (t < int(vocab_size))) | (t == self.ignore_index), t, self.ignore_index)
+        cu = self.span_cu_seqlens
+        inner = torch.cummax(cu[1:-1].clamp(0, n), dim=0).values
+        ends = cu.new_tensor([0, n])
+        return replace(
+            self, targets=t, group_index=self.group_index.clamp(0, m - 1),
+            span_cu_seqlens=torch.cat([ends[:1], inner, ends[1:]]),
+        )
+
+
+def raise_failed_check(checks: Sequence[Tuple[str, torch.Tensor]], ok: Sequence[bool]) -> None:
+    """ValueError with the message of the first check whose read-back value is False."""
+    for (message, _), good in zip(checks, ok):
+        if not good:
+            raise ValueError(message)

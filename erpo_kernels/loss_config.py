@@ -1,0 +1,66 @@
+"""LossConfig: the objective's hyper-parameters, each checked where it is defined."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._utils import check_number
+from .policy_loss import check_clip_args, check_loss_agg
+from .weighted_k3 import MAX_GUARD
+
+ALGORITHMS = ("erpo", "grpo")
+ROLLOUT_IS = ("none", "token", "sequence")
+
+
+@dataclass
+class LossConfig:
+    """Hyper-parameters of the objective (docs/method.md sections 2, 4, 5, 11).
+
+    algorithm: "erpo" (L_PG(w_B) + alpha R_query) or "grpo" (L_PG(w = 1) + beta KL,
+        KL the per-token k3 on response tokens aggregated with loss_agg). alpha:
+        Query-KL coefficient (erpo).
+    beta: per-token KL coefficient (grpo); 0 drops the term and needs no ref_logp.
+    loss_agg: "token-mean" or "seq-mean-token-mean". eps_low, eps_high, dual_clip: the
+        clip range and the dual-clip constant c. kl_guard: the linear guard c of the K3
+        estimator (also applied to grpo's per-token k3; it changes nothing for
+        |ref_logp - logp| <= kl_guard).
+    rollout_is: truncated importance sampling against the rollout engine (needs
+        batch.rollout_logp): "none", "token" (each token's policy loss times
+        min(pi_old / pi_rollout, C)) or "sequence" (times min(prod_t pi_old / pi_rollout, C)
+        over the sequence's response tokens); the weight is a constant under backprop.
+    rollout_is_cap: C > 0, the truncation of the importance weight.
+    """
+
+    algorithm: str = "erpo"
+    alpha: float = 0.01
+    beta: float = 0.01
+    loss_agg: str = "token-mean"
+    eps_low: float = 0.2
+    eps_high: float = 0.3
+    dual_clip: float = 3.0
+    kl_guard: float = 10.0
+    rollout_is: str = "none"
+    rollout_is_cap: float = 2.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """ValueError naming the field that is out of range."""
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        check_loss_agg(self.loss_agg)
+        for name in ("alpha", "beta", "eps_low", "eps_high", "dual_clip", "kl_guard", "rollout_is_cap"):
+            check_number(name, getattr(self, name))
+        for name in ("alpha", "beta"):
+            v = float(getattr(self, name))
+            if not (0.0 <= v < float("inf")):
+                raise ValueError(f"{name} must be finite and >= 0, got {v}")
+        check_clip_args(self.eps_low, self.eps_high, self.dual_clip)
+        if not (0.0 < float(self.kl_guard) <= MAX_GUARD):
+            raise ValueError(
+                f"kl_guard must lie in (0, {MAX_GUARD:g}] (exp(kl_guard) must fit in fp32), got {self.kl_guard}"
+            )
+        if self.rollout_is not in ROLLOUT_IS:
+            raise ValueError(f"rollout_is must be one of {ROLLOUT_IS}, got {self.rollout_is!r}")
+        if not (0.0 < float(self.rollout_is_cap) < float("inf")):
+            raise ValueError(f"rollout_is_cap must be finite and > 0, got {self.rollout_is_cap}")
