@@ -15,8 +15,7 @@ from erpo.packing import (
     set_attn_implementation,
 )
 from erpo.rollout import cut_at_eos
-from erpo_kernels import linear_token_logprobs, segment_sum
-from erpo_kernels import query_logp_from_logp
+from erpo_kernels import linear_token_logprobs, query_logp_from_logp, segment_sum
 
 
 def tiny_model(vocab=23, hidden=16, layers=2, seed=0):
