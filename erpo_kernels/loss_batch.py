@@ -93,10 +93,9 @@ class PackedLossBatch:
         """
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise ValueError(f"ignore_index must be an int, got {self.ignore_index!r}")
-        if device is None:
-            device = check_tensor("targets", self.targets, ndim=1, dtypes=INDEX_DTYPES).device
-        n_rows = self.num_rows if n_rows is None else n_rows
         check_tensor("targets", self.targets, ndim=1, dtypes=INDEX_DTYPES, device=device)
+        device = self.targets.device if device is None else device
+        n_rows = self.num_rows if n_rows is None else n_rows
         check_rows("targets", self.targets, n_rows)
         check_tensor("inv_temperature", self.inv_temperature, ndim=1, dtypes=FLOAT_DTYPES, device=device)
         check_rows("inv_temperature", self.inv_temperature, n_rows)

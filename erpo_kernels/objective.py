@@ -68,6 +68,21 @@ from .reference_kl import reference_kl_term
 from .row_layout import LossRows
 
 
+def _check_batch_against(batch: PackedLossBatch, name: str, tensor: torch.Tensor) -> None:
+    """batch.check_structure for the rows of `tensor` (hidden or logp), on its device. A
+    row count that only `tensor` gets wrong (the batch's own fields agree) is named
+    as the tensor's, not as the batch's first field's."""
+    try:
+        batch.check_structure(tensor.shape[0], tensor.device)
+    except ValueError as mismatch:
+        try:
+            batch.check_structure(device=tensor.device)
+        except ValueError:
+            raise mismatch from None
+        raise ValueError(f"{name} has {tensor.shape[0]} rows but the batch has N = {batch.num_rows} "
+                         "(one per entry of batch.targets)") from None  # fmt: skip
+
+
 def _check_inputs(
     batch: PackedLossBatch,
     config: LossConfig,
@@ -90,15 +105,11 @@ def _check_inputs(
     config.validate()
     if not isinstance(batch, PackedLossBatch):
         raise ValueError(f"batch must be a PackedLossBatch, got {type(batch).__name__}")
-    name, tensor = rows
-    if tensor.shape[0] != batch.num_rows:
-        raise ValueError(f"{name} has {tensor.shape[0]} rows but the batch has N = {batch.num_rows} "
-                         "(one per entry of batch.targets)")  # fmt: skip
-    batch.check_structure(tensor.shape[0], tensor.device)
+    _check_batch_against(batch, *rows)
     if normalizers is not None:
         if not isinstance(normalizers, LossNormalizers):
             raise ValueError(f"normalizers must be a LossNormalizers or None, got {type(normalizers).__name__}")
-        normalizers.check_structure(batch.num_queries, tensor.device)
+        normalizers.check_structure(batch.num_queries, rows[1].device)
     if config.algorithm == "grpo" and config.beta > 0 and batch.ref_logp is None:
         raise ValueError("ref_logp is required for algorithm='grpo' with beta > 0 (set beta = 0 to drop the KL term)")
     if config.rollout_is != "none" and batch.rollout_logp is None:
