@@ -533,6 +533,8 @@ def _shape_label(s: Dict[str, int], op: str) -> str:
 
 
 def _gb(x: float) -> str:
+    if x >= 1e11:
+        return f"{x / 1e9:.0f} GB"
     return f"{x / 1e9:.3g} GB" if x >= 1e8 else f"{x / 1e6:.3g} MB"
 
 
@@ -548,7 +550,8 @@ def cost_tables(run: Dict[str, Any], hw: str = "H200") -> List[str]:
            f"triton {run.get('versions', {}).get('triton')}, torch {run.get('versions', {}).get('torch')}, "
            f"{run.get('timestamp')}. Per launch group: max(FLOP time, byte time); {run['bytes_rule']}. "
            "Lower bounds: no launch latency, occupancy or elementwise math. `x floor`: modelled time / "
-           "the 4-GEMM floor (4 x 2NDV FLOPs at the bf16 peak).", ""]
+           "the 4-GEMM floor (4 x 2NDV FLOPs at the bf16 peak); `HBM`: the modelled HBM traffic of forward + "
+           "backward.", ""]
     for op in ("linear_token_logprobs", "token_logprobs"):
         rows = [s for s in subs if s["op"] == op]
         if not rows:
@@ -569,8 +572,9 @@ def cost_tables(run: Dict[str, Any], hw: str = "H200") -> List[str]:
             cells = []
             for r in s["results"]:
                 both, fwd = r["passes"]["both"][hw]["ms"], r["passes"]["forward"][hw]["ms"]
-                ratio = f" ({both / r['floors_ms'][hw]['4-GEMM']:.2f}x floor)" if op == "linear_token_logprobs" else ""
-                cells.append(f"{both:.1f} ms{ratio} | {fwd:.1f} ms")
+                hbm = sum(g["model"][hw]["hbm_bytes"] for g in r.get("groups", []))
+                ratio = f"{both / r['floors_ms'][hw]['4-GEMM']:.2f}x floor, " if op == "linear_token_logprobs" else ""
+                cells.append(f"{both:.1f} ms ({ratio}{_gb(hbm)} HBM) | {fwd:.1f} ms")
             inexact = "" if s.get("exact") else f" (fit off by {s.get('held_out_rel_err', float('nan')):.0e} held out)"
             out.append(f"| {name}{inexact} | " + " | ".join(cells) + " |")
         out.append("")
