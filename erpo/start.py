@@ -10,7 +10,8 @@ import os
 import shlex
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,11 +23,13 @@ from .config import ConfigError, TrainConfig
 from .data import (Example, batches_per_epoch, check_prompts, encode_prompts, examples_fingerprint, load_examples,
                    template_text)
 from .errors import ErpoError
-from .models import autocast, check_vocabulary, load_model, load_tokenizer, resolve_compute_dtype, resolve_device
+from .models import (autocast, check_vocabulary, enable_gradient_checkpointing, load_model, load_tokenizer,
+                     resolve_compute_dtype, resolve_device)
 from .packing import resolve_attn_implementation, set_attn_implementation
-from .ref_cache import (RefCache, RefCacheError, build_ref_cache, model_fingerprint, query_id, read_ref_cache,
-                        save_ref_cache, shown, tokenizer_fingerprint)
-from .tiny import resolve_model_dir
+from .ref_cache import (RefCache, RefCacheError, build_ref_cache, check_cache_meta, model_fingerprint, query_id,
+                        read_ref_cache, save_ref_cache, shown, tokenizer_fingerprint, validate_ref_cache)
+from .run_plan import RunPlan
+from .tiny import resolve_model_dir, warmstart_dir
 
 
 def check_micro_batch_budget(cfg: TrainConfig, prompt_ids: Sequence[Sequence[int]]) -> None:
@@ -234,6 +237,138 @@ def score_reference_sharded(cfg: TrainConfig, model: Any, prompt_ids: Sequence[S
     whole = {k: torch.cat([p[k] for p in parts]) for k in fields}
     meta = dict(part.meta, n_queries=len(unique))
     return RefCache(meta=distributed.broadcast_object(meta), **whole), seconds
+
+
+def check_cache_early(cfg: TrainConfig, plan: RunPlan, examples: Sequence[Example], device: torch.device,
+                      dtype: torch.dtype) -> None:
+    """The reference cache's staleness, checked before the starting model is built
+    (model=tiny trains a warm start first): against the checkpoint's reference when
+    resuming; for a new run its template and scoring, and for a warm start not trained yet
+    the model directory it will have. Nothing to check when the cache is to be built."""
+    if not plan.cache_exists:
+        return
+    rebuild = rebuild_command(cfg)
+    meta = read_ref_cache(plan.cache_source, rebuild).meta
+    if plan.resuming:
+        check_cache_meta(meta, plan.cache_source, plan.saved_state["reference"], rebuild)
+        return
+    if cfg.is_demo_model:
+        planned = os.path.abspath(warmstart_dir(cfg, examples, cfg.resolved_template))
+        if not os.path.isdir(planned) and meta.get("model") != planned:
+            raise RefCacheError(
+                f"reference cache {plan.cache_source} is stale: built for model weights {meta.get('model')} "
+                f"({meta.get('model_fingerprint')}), this run starts from {planned} (a warm start of other "
+                f"settings); rebuild it with: {rebuild}"
+            )
+    expect = {"template": template_text(cfg.resolved_template), **scoring_meta(cfg, device, dtype)}
+    check_cache_meta(meta, plan.cache_source, expect, rebuild)
+
+
+@dataclass
+class Start:
+    """Where training starts from: the starting (pre-RL) model's directory (model=tiny: its
+    warm start), the tokenizer and the token ids of every training prompt, the reference
+    meta the cache is checked against, and the starting model itself when a new run
+    loaded it (None when resuming: the checkpoint's weights are the policy's)."""
+
+    model_dir: str
+    tokenizer: Any
+    prompt_ids: List[List[int]]
+    reference: Dict[str, str]
+    model: Optional[Any]
+
+
+def load_start(cfg: TrainConfig, plan: RunPlan, examples: Sequence[Example], device: torch.device,
+               dtype: torch.dtype, log: Callable[[str], None]) -> Start:
+    """The Start of this run (ErpoError when a resumed checkpoint's tokenizer is not the run's)."""
+    # the demo model's warm start: trained and cached by rank 0, read from the cache by the others
+    model_dir = distributed.main_first(lambda: resolve_model_dir(cfg, examples, log))
+    tokenizer, prompt_ids = setup_prompts(cfg, examples, plan.checkpoint or model_dir)
+    check_micro_batch_budget(cfg, prompt_ids)
+    if not plan.checkpoint:
+        model, reference = starting_model(cfg, model_dir, tokenizer, device, dtype)
+        return Start(model_dir, tokenizer, prompt_ids, reference, model)
+    reference = dict(plan.saved_state["reference"])
+    if tokenizer_fingerprint(tokenizer) != reference["tokenizer_fingerprint"]:
+        raise ErpoError(f"resume={cfg.resume}: the checkpoint's tokenizer does not match the run's")
+    return Start(model_dir, tokenizer, prompt_ids, reference, None)
+
+
+def load_reference_cache(cfg: TrainConfig, plan: RunPlan, start: Start, examples: Sequence[Example],
+                         device: torch.device, dtype: torch.dtype,
+                         log: Callable[[str], None]) -> Tuple[RefCache, torch.Tensor, bool]:
+    """(the reference cache, the cache row of each training query [M], whether it was built
+    now): read from plan.cache_source and validated, or scored under the starting model
+    when there is none (resuming, the starting model must still be the run's)."""
+    rebuild = rebuild_command(cfg)
+    new = not plan.cache_exists
+    if new:
+        model = start.model
+        if model is None:  # resuming without a cache: the starting model must be the run's
+            model = load_scoring_model(cfg, start.model_dir, device)
+            if model_fingerprint(model) != start.reference["model_fingerprint"]:
+                raise ErpoError(
+                    f"resume={cfg.resume}: the reference cache {plan.cache_path} is gone and {start.model_dir} no "
+                    f"longer holds the run's starting weights, so it cannot be rebuilt; restore either"
+                )
+        score = score_reference_sharded if distributed.world_size() > 1 else score_reference
+        cache, seconds = score(cfg, model, start.prompt_ids, start.reference, int(start.tokenizer.pad_token_id),
+                               device, dtype)
+        log(f"erpo: reference cache: {len(cache)} queries scored in {seconds:.1f}s")
+    else:
+        cache = read_ref_cache(plan.cache_source, rebuild)
+    rows = validate_ref_cache(
+        cache, plan.cache_source, expect=start.reference, prompt_ids=start.prompt_ids,
+        describe=lambda i: f"({examples[i].prompt[:40]!r})", rebuild=rebuild,
+    )
+    return cache, rows, new
+
+
+def _check_moved_start(cfg: TrainConfig, plan: RunPlan, start: Start) -> None:
+    """Resuming with the starting model at another path than the run's (moved, or named
+    anew): ErpoError unless it holds the run's starting weights (checked in fp32 on CPU)."""
+    if not plan.resuming or os.path.abspath(start.model_dir) == start.reference.get("model"):
+        return
+    if model_fingerprint(load_model(start.model_dir, torch.device("cpu"))) != start.reference["model_fingerprint"]:
+        raise ErpoError(f"resume={cfg.resume}: model={cfg.model} does not hold the run's starting weights "
+                        f"({start.reference.get('model')}); give that model's path")
+
+
+def load_policy(cfg: TrainConfig, plan: RunPlan, start: Start, device: torch.device,
+                dtype: torch.dtype) -> Tuple[Any, Optional[Any]]:
+    """(the policy: the starting weights or the checkpoint's, in fp32, sharded under torchrun;
+    the frozen reference model, or None when the run needs none)."""
+    model = load_model(plan.checkpoint, device) if plan.checkpoint else start.model
+    check_vocabulary(model, start.tokenizer, plan.checkpoint or start.model_dir)
+    model.eval()  # no dropout: the sampler and the loss see the same function
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    set_attn_implementation(model, cfg.attn_implementation)  # the packed forward's attention
+    if distributed.world_size() > 1:  # FSDP2: each rank keeps a shard of the weights and of AdamW's state
+        distributed.shard_model(model, dtype)
+    ref_model = None
+    if (cfg.algorithm == "grpo" and cfg.beta > 0) or cfg.monitor_policy_kl:
+        _check_moved_start(cfg, plan, start)
+        ref_model = load_model(start.model_dir, device, dtype).eval()
+        ref_model.requires_grad_(False)
+        set_attn_implementation(ref_model, cfg.attn_implementation)
+    return model, ref_model
+
+
+def load_optimizer(cfg: TrainConfig, plan: RunPlan, model: Any) -> Tuple[torch.optim.Optimizer, Any]:
+    """(AdamW, the learning-rate schedule), their state the checkpoint's when resuming."""
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    if plan.checkpoint:
+        state = ckpt.load_optimizer_state(plan.checkpoint)
+        if distributed.is_sharded(model):
+            distributed.load_optimizer(model, optimizer, os.path.join(plan.checkpoint, ckpt.OPTIM_DIR))
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    return optimizer, scheduler
 
 
 def build_cache_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> str:

@@ -30,27 +30,17 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import TrainConfig
 from .errors import ErpoError
-from .data import derived_seed, step_indices, template_text
-from .models import autocast, check_vocabulary, enable_gradient_checkpointing, load_model
-from .packing import PackedSequences, forward_hidden, lm_head_options, pack, prompt_lengths, set_attn_implementation
+from .data import derived_seed, step_indices
+from .models import autocast
+from .packing import PackedSequences, forward_hidden, lm_head_options, pack, prompt_lengths
 from .divergence import DivergenceMonitor
 from .plot import CURVES_FILE, METRICS_FILE, plot_runs, read_metrics
 from .query_weights import QueryWeighter
-from .ref_cache import (
-    RefCacheError,
-    check_cache_meta,
-    model_fingerprint,
-    read_ref_cache,
-    tokenizer_fingerprint,
-    validate_ref_cache,
-)
 from .rewards import CORRECT_THRESHOLD, get_reward_fn
 from .rollout import Rollout, RolloutEngine, check_rollout_backend, eos_ids_of, make_engine
 from .run_plan import apply_plan, plan_run
-from .start import (check_micro_batch_budget, check_world_size, load_scoring_model, lr_lambda, rebuild_command,
-                    score_reference, score_reference_sharded, scoring_meta, setup_data, setup_device, setup_prompts,
-                    starting_model)
-from .tiny import resolve_model_dir, warmstart_dir
+from .start import (check_cache_early, check_world_size, load_optimizer, load_policy, load_reference_cache, load_start,
+                    setup_data, setup_device)
 
 # Logged every step (docs/method.md section 6); "policy_kl" too when a reference model is monitored.
 METRIC_KEYS = (
@@ -120,143 +110,27 @@ class Trainer:
         check_world_size(cfg, distributed.world_size())
         self.device, self.compute_dtype = setup_device(cfg)
         check_rollout_backend(cfg, self.device)
-        self.template = cfg.resolved_template
         self.reward_fn = get_reward_fn(cfg.resolved_reward)
         self.examples, self.data_fingerprint = setup_data(cfg)
         self.plan = plan_run(cfg, self.data_fingerprint)  # where this start begins, what it keeps, copies, deletes
         self.start_step = self.plan.start_step  # the last step trained: train() continues after it
-        self._check_reference_cache_early()
-        initial = self._setup_model()
-        initial, new_cache = self._setup_reference_cache(initial)
-        self._setup_policy(initial, engine)
-        self._setup_optimizer()
-        distributed.barrier()  # every rank has read the run dir before rank 0 changes it
-        if distributed.is_main():  # only now, every check passed, is the run dir touched
-            apply_plan(self.plan, cfg, new_cache, self.log)
-        distributed.barrier()
-
-    # ------------------------------------------------------------------ set-up steps
-
-    def _check_reference_cache_early(self) -> None:
-        """Where the reference cache is read from, and its staleness checked before the
-        starting model is built (model=tiny trains a warm start first): against the
-        checkpoint's reference when resuming; for a new run its template, and for a warm
-        start not trained yet the model directory it will have."""
-        cfg, plan = self.cfg, self.plan
-        self.rebuild = rebuild_command(cfg)
-        if not plan.cache_exists:
-            return
-        meta = read_ref_cache(plan.cache_source, self.rebuild).meta
-        if plan.resuming:
-            check_cache_meta(meta, plan.cache_source, plan.saved_state["reference"], self.rebuild)
-            return
-        if cfg.is_demo_model:
-            planned = os.path.abspath(warmstart_dir(cfg, self.examples, self.template))
-            if not os.path.isdir(planned) and meta.get("model") != planned:
-                raise RefCacheError(
-                    f"reference cache {plan.cache_source} is stale: built for model weights {meta.get('model')} "
-                    f"({meta.get('model_fingerprint')}), this run starts from {planned} (a warm start of other "
-                    f"settings); rebuild it with: {self.rebuild}"
-                )
-        expect = {"template": template_text(self.template), **scoring_meta(cfg, self.device, self.compute_dtype)}
-        check_cache_meta(meta, plan.cache_source, expect, self.rebuild)
-
-    def _setup_model(self) -> Optional[Any]:
-        """Model directory, tokenizer, prompts and the reference meta; returns the starting
-        (pre-RL) model when loaded (a fresh run), None when resuming."""
-        # the demo model's warm start: trained and cached by rank 0, read from the cache by the others
-        self.model_dir = distributed.main_first(lambda: resolve_model_dir(self.cfg, self.examples, self.log))
-        checkpoint = self.plan.checkpoint
-        self.tokenizer, self.prompt_ids = setup_prompts(self.cfg, self.examples, checkpoint or self.model_dir)
-        self.pad_token_id = int(self.tokenizer.pad_token_id)
-        check_micro_batch_budget(self.cfg, self.prompt_ids)
-        if not checkpoint:
-            initial, self.reference = starting_model(self.cfg, self.model_dir, self.tokenizer, self.device,
-                                                     self.compute_dtype)
-            return initial
-        self.reference = dict(self.plan.saved_state["reference"])
-        if tokenizer_fingerprint(self.tokenizer) != self.reference["tokenizer_fingerprint"]:
-            raise ErpoError(f"resume={self.cfg.resume}: the checkpoint's tokenizer does not match the run's")
-        return None
-
-    def _setup_reference_cache(self, initial: Optional[Any]) -> Tuple[Optional[Any], Optional[Any]]:
-        """The reference cache (validated, or built from the starting model when missing)
-        and the query weighter over its scores; returns the starting model if loaded, and
-        the cache when it was built (for apply_plan to write), else None."""
-        cfg = self.cfg
-        read_from = self.plan.cache_source
-        new = not self.plan.cache_exists
-        if new:
-            if initial is None:  # resuming without a cache: the starting model must be the run's
-                initial = load_scoring_model(cfg, self.model_dir, self.device)
-                if model_fingerprint(initial) != self.reference["model_fingerprint"]:
-                    raise ErpoError(
-                        f"resume={cfg.resume}: the reference cache {self.plan.cache_path} is gone and {self.model_dir} no "
-                        f"longer holds the run's starting weights, so it cannot be rebuilt; restore either"
-                    )
-            score = score_reference_sharded if distributed.world_size() > 1 else score_reference
-            self.cache, seconds = score(cfg, initial, self.prompt_ids, self.reference, self.pad_token_id,
-                                        self.device, self.compute_dtype)
-            self.log(f"erpo: reference cache: {len(self.cache)} queries scored in {seconds:.1f}s")
-        else:
-            self.cache = read_ref_cache(read_from, self.rebuild)
-        self.cache_rows = validate_ref_cache(
-            self.cache, read_from, expect=self.reference, prompt_ids=self.prompt_ids,
-            describe=lambda i: f"({self.examples[i].prompt[:40]!r})", rebuild=self.rebuild,
-        )  # [M] cache row of each training query
+        check_cache_early(cfg, self.plan, self.examples, self.device, self.compute_dtype)
+        start = load_start(cfg, self.plan, self.examples, self.device, self.compute_dtype, self.log)
+        self.model_dir, self.tokenizer, self.prompt_ids = start.model_dir, start.tokenizer, start.prompt_ids
+        self.reference = start.reference  # what the cache and every checkpoint are checked against
+        self.cache, self.cache_rows, new_cache = load_reference_cache(
+            cfg, self.plan, start, self.examples, self.device, self.compute_dtype, self.log)  # rows: [M]
         self.weighter = QueryWeighter.from_config(cfg, self.cache.score[self.cache_rows])
-        return initial, self.cache if new else None
-
-    def _setup_policy(self, initial: Optional[Any], engine: Optional[RolloutEngine]) -> None:
-        """The policy (the starting weights, or the checkpoint's), a frozen reference model
-        when needed, the loss settings and the rollout engine."""
-        cfg = self.cfg
-        checkpoint = self.plan.checkpoint
-        self.model = load_model(checkpoint, self.device) if checkpoint else initial
-        check_vocabulary(self.model, self.tokenizer, checkpoint or self.model_dir)
-        self.model.eval()  # no dropout: the sampler and the loss see the same function
-        if cfg.gradient_checkpointing:
-            enable_gradient_checkpointing(self.model)
-        set_attn_implementation(self.model, cfg.attn_implementation)  # the packed forward's attention
-        if distributed.world_size() > 1:  # FSDP2: each rank keeps a shard of the weights and of AdamW's state
-            distributed.shard_model(self.model, self.compute_dtype)
-        self.ref_model = None
-        if (cfg.algorithm == "grpo" and cfg.beta > 0) or cfg.monitor_policy_kl:
-            self._check_moved_start()
-            self.ref_model = load_model(self.model_dir, self.device, self.compute_dtype).eval()
-            self.ref_model.requires_grad_(False)
-            set_attn_implementation(self.ref_model, cfg.attn_implementation)
+        self.model, self.ref_model = load_policy(cfg, self.plan, start, self.device, self.compute_dtype)
         self.loss_config = cfg.loss_config()
         self.eos_ids = set(eos_ids_of(self.model, self.tokenizer))  # where a response ends before max_new_tokens
-        self.engine = engine or make_engine(
-            cfg, self.model, checkpoint or self.model_dir, self.tokenizer, self.prompt_ids, self.compute_dtype,
-            log=self.log,
-        )
-
-    def _check_moved_start(self) -> None:
-        """Resuming with the starting model at another path than the run's (moved, or named
-        anew): ErpoError unless it holds the run's starting weights (checked in fp32 on CPU)."""
-        if not self.plan.resuming or os.path.abspath(self.model_dir) == self.reference.get("model"):
-            return
-        if model_fingerprint(load_model(self.model_dir, torch.device("cpu"))) != self.reference["model_fingerprint"]:
-            raise ErpoError(f"resume={self.cfg.resume}: model={self.cfg.model} does not hold the run's starting weights "
-                            f"({self.reference.get('model')}); give that model's path")
-
-    def _setup_optimizer(self) -> None:
-        """AdamW and the learning-rate schedule (their state restored when resuming)."""
-        cfg = self.cfg
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        checkpoint = self.plan.checkpoint
-        if checkpoint:
-            state = ckpt.load_optimizer_state(checkpoint)
-            if distributed.is_sharded(self.model):
-                distributed.load_optimizer(self.model, self.optimizer, os.path.join(checkpoint, ckpt.OPTIM_DIR))
-            else:
-                self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+        self.engine = engine or make_engine(cfg, self.model, self.plan.checkpoint or self.model_dir, self.tokenizer,
+                                            self.prompt_ids, self.compute_dtype, log=self.log)
+        self.optimizer, self.scheduler = load_optimizer(cfg, self.plan, self.model)
+        distributed.barrier()  # every rank has read the run dir before rank 0 changes it
+        if distributed.is_main():  # only now, every check passed, is the run dir touched
+            apply_plan(self.plan, cfg, self.cache if new_cache else None, self.log)
+        distributed.barrier()
 
     # ------------------------------------------------------------------ one step
 
