@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.erpo-installed
 
-.PHONY: install test demo eval bench clean test-vllm
+.PHONY: install test demo eval study bench clean test-vllm
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ demo: $(STAMP)
 # The accuracy-over-temperatures evaluation of the demo run (runs/demo, after make demo).
 eval: $(STAMP)
 	$(VENV)/bin/erpo eval
+
+# The long-horizon GRPO-vs-ERPO stability study (configs/study-long.yaml, docs/stability.md):
+# 12 runs of 1000 steps, 2 at a time; rerun to continue an interrupted study. It rewrites the
+# numbers and figures of docs/stability.md from its results (runs/study).
+study: $(STAMP)
+	$(VENV)/bin/erpo study configs/study-long.yaml
 
 bench: $(STAMP)
 	$(PY) -m bench kernels --device cpu --quick

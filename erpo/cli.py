@@ -6,6 +6,7 @@
     erpo plot RUN [RUN ...] [--out PNG]            curves of one run, or several overlaid
     erpo eval [model=RUN_OR_DIR[,...]] [data=FILE] [temperatures=...] [n=N] [k=...]
                                                    accuracy over temperatures (docs/method.md section 8)
+    erpo study STUDY.yaml [key=value ...]          a grid of runs evaluated over training (docs/stability.md)
     erpo env                                       device, torch, CUDA, triton, and the backend each op uses
     torchrun --nproc-per-node N -m erpo train ...  train on N ranks (FSDP2; each rank an equal share of the queries)
 
@@ -205,11 +206,12 @@ def _parser() -> argparse.ArgumentParser:
         prog="erpo", description="GRPO / ERPO training with fused loss kernels.", epilog=USAGE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="command", metavar="{train,ref-cache,plot,eval,env}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{train,ref-cache,plot,eval,study,env}", parser_class=_Parser)
     for name, text in (
         ("train", "train a model (no arguments: the embedded demo)"),
         ("ref-cache", "build the reference cache of a run"),
         ("eval", "evaluate checkpoints over temperatures"),
+        ("study", "run a grid of runs (variants x seeds) evaluated over training, and its report"),
     ):
         sp = sub.add_parser(name, help=text, add_help=False)
         sp.add_argument("-h", "--help", action="store_true")
@@ -250,6 +252,11 @@ Every training key is accepted too (e.g. device=, dtype=, template=, reward=, se
 
 
 def _print_help(command: str) -> None:
+    if command == "study":
+        from .study import study_help
+
+        print(study_help())
+        return
     if command == "eval":
         from .config import DEMO_MAX_NEW_TOKENS, EVAL_TEMPERATURES, MAX_NEW_TOKENS
 
@@ -314,6 +321,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _command_without_config(args: argparse.Namespace) -> Optional[int]:
+    """env, plot and study (which reads a study config of its own): their exit status; None
+    for the commands of a TrainConfig."""
+    if args.command == "env":
+        from .env import env_report
+
+        return _print_piped(env_report())
+    if args.command == "plot":
+        from .plot import plot_runs
+
+        print(f"erpo: wrote {plot_runs(args.runs, args.out)}")
+        return 0
+    if args.command == "study":
+        from .study import study_command
+
+        study_command(args.args)
+        return 0
+    return None
+
+
 def _main(argv: Optional[Sequence[str]]) -> int:
     parser = _parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -326,15 +353,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     trainer = None
     launched = False  # under torchrun: this process joined a process group
     try:
-        if args.command == "env":
-            from .env import env_report
-
-            return _print_piped(env_report())
-        if args.command == "plot":
-            from .plot import plot_runs
-
-            print(f"erpo: wrote {plot_runs(args.runs, args.out)}")
-            return 0
+        status = _command_without_config(args)
+        if status is not None:
+            return status
         cfg = resolve_config(args.args, args.command)
         launched = _join_ranks(cfg, args.command)
         if args.command == "train":
@@ -369,6 +390,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             last = latest_checkpoint(trainer.cfg.run_dir)
             where = (f"; the last checkpoint is {last}, continue with: erpo train resume={trainer.cfg.run_dir}"
                      if last else "; no checkpoint was written yet")
+        if args.command == "study":
+            where = "; finished runs and evaluations are kept: rerun the same command to continue"
         terminated = isinstance(exc, Terminated)
         print(f"erpo: {'terminated (SIGTERM)' if terminated else 'interrupted'}{where}", file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated else signal.SIGINT)

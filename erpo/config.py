@@ -624,17 +624,24 @@ def parse_overrides(items: Sequence[str]) -> Dict[str, Any]:
     return out
 
 
-def read_yaml(path: str) -> Dict[str, Any]:
-    """A config file -> {key: typed value}; unknown keys name the file."""
+def yaml_mapping(path: str, what: str = "config file") -> Dict[str, Any]:
+    """The mapping a YAML file holds; a ConfigError naming `what` when it is missing, not
+    YAML, or not a mapping."""
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist")
+        raise ConfigError(f"{what} {path!r} does not exist")
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"{what} {path!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path!r} must hold a mapping of key: value")
+        raise ConfigError(f"{what} {path!r} must hold a mapping of key: value")
+    return data
+
+
+def read_yaml(path: str) -> Dict[str, Any]:
+    """A config file -> {key: typed value}; unknown keys name the file."""
+    data = yaml_mapping(path)
     out = {}
     for key, value in data.items():
         key = str(key)

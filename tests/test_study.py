@@ -1,0 +1,211 @@
+"""`erpo study` (erpo/study.py, erpo/study_report.py): the study config's checks; the tiny study
+of configs/study-tiny.yaml end to end (two processes at a time); a study killed halfway
+that resumes without redoing what was finished and ends with the same numbers; a rerun
+with other settings refused; the findings' rule on made-up curves."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from erpo.cli import main
+from erpo.study import load_study, units_of
+from erpo.study_report import declines, trend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "study-tiny.yaml")
+LONG = os.path.join(ROOT, "configs", "study-long.yaml")
+
+
+# ---------------------------------------------------------------------- the study config
+
+
+def test_study_configs_load_and_hold_what_the_issue_asks():
+    long = load_study(LONG)
+    assert long.seeds == [0, 1, 2] and set(long.variants) == {"grpo", "erpo", "erpo-qkl-only", "erpo-weights-only"}
+    units = units_of(long)
+    runs = [u for u in units if u.kind == "run"]
+    assert len(runs) == 12 and all(u.cfg.steps >= 1000 for u in runs)
+    cfg = runs[0].cfg
+    assert cfg.task == "mixed" and cfg.steps * cfg.queries_per_step > 2 * cfg.task_train_size  # several epochs
+    assert all(u.cfg.monitor_policy_kl for u in runs)  # Policy-KL of every algorithm
+    by = {u.variant: u.cfg for u in runs if u.seed == 0}
+    assert by["grpo"].algorithm == "grpo" and by["erpo-qkl-only"].query_weighting == "none"
+    assert by["erpo-weights-only"].alpha == 0.0 and by["erpo"].algorithm == "erpo"
+    tiny = load_study(TINY, ["variants=grpo,erpo", "seeds=3", "steps=6", "jobs=2"])
+    assert list(tiny.variants) == ["grpo", "erpo"] and tiny.seeds == [3] and tiny.jobs == 2
+    assert [u.eval_steps for u in units_of(tiny) if u.kind == "run"] == [[2, 4, 6], [2, 4, 6]]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["seedz=1"], "unknown key 'seedz': neither a study key nor an erpo train key; did you mean seeds?"),
+    (["lrr=1"], "unknown key 'lrr': .*; did you mean lr?"),
+    (["variants=grpo,ppo"], "variants=grpo,ppo: .* has the variants grpo, erpo"),
+    (["eval_every=0"], "eval_every=0 must be >= 1"),
+    (["run_dir=x"], "train: sets run_dir, which the study sets for every run"),
+    (["jobs=two"], "jobs='two' is not an integer"),
+    (["eval_temperatures=0.5,1.0"], "temperature_groups: high = \\[1.5\\] needs temperatures of eval_temperatures"),
+])
+def test_bad_study_input_is_one_line(args, message, capsys):
+    assert main(["study", TINY, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("erpo: error: ")
+    assert __import__("re").search(message, err), err
+
+
+def test_a_variant_may_not_change_the_shared_start(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text("study:\n  variants:\n    big: {tiny_hidden_size: 128}\ntrain: {}\n")
+    assert main(["study", str(path)]) == 2
+    assert "variant big sets tiny_hidden_size, which decides the starting model" in capsys.readouterr().err
+    path.write_text("study: {}\ntrain: {lr: 1}\nextra: {}\n")
+    assert main(["study", str(path)]) == 2
+    assert "must hold the mappings study: and train: (not extra:)" in capsys.readouterr().err
+    assert main(["study"]) == 2
+    assert "erpo study needs a study config first" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- the tiny study, end to end
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """A study run in this process sets torch's thread count for the demo model; give other tests theirs back."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("study-warmstart"))
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, cache_dir):
+    """The tiny study run once without interruption, two units at a time (each in its own process)."""
+    out = str(tmp_path_factory.mktemp("study") / "whole")
+    assert main(["study", TINY, f"out={out}", f"cache_dir={cache_dir}", "jobs=2"]) == 0
+    return out
+
+
+def _results(out):
+    with open(os.path.join(out, "results.json")) as f:
+        return json.load(f)
+
+
+def test_tiny_study_end_to_end(whole, tmp_path):
+    r = _results(whole)
+    assert r["missing"] == [] and r["steps"] == [0, 2, 4] and r["seeds"] == [0, 1]
+    for variant in ("grpo", "erpo", "erpo-qkl-only", "erpo-weights-only"):
+        for seed in ("0", "1"):
+            points = r["eval"][variant][seed]
+            assert sorted(points, key=int) == ["0", "2", "4"]
+            assert all(len(p["avg"]) == 2 and 0 <= p["greedy"] <= 1 for p in points.values())
+            curve = r["train"][variant][seed]
+            assert curve["step"] == [1, 2, 3, 4] and all(v is not None for v in curve["policy_kl"])
+    # step 0 is the same starting model for every variant of a seed
+    assert r["eval"]["grpo"]["1"]["0"] == r["eval"]["erpo"]["1"]["0"]
+    assert r["eval"]["grpo"]["0"]["4"] != r["eval"]["erpo"]["0"]["4"] or \
+        r["train"]["grpo"]["0"]["query_kl"] != r["train"]["erpo"]["0"]["query_kl"]
+    assert max(r["train"]["grpo"]["0"]["reward"]) > 0  # the runs learn something to compare
+    assert r["time"]["erpo-seed0"]["train_steps"] == 4 and r["time"]["erpo-seed0"]["evals"] == 2
+    with open(os.path.join(whole, "report.md")) as f:
+        report = f.read()
+    for section in ("status", "setup", "findings", "accuracy", "pass", "temperatures", "kl", "entropy", "time"):
+        assert f"<!-- study:{section} -->" in report
+    assert "Complete: every run and evaluation" in report and "Does GRPO's high-temperature accuracy" in report
+    for png in ("accuracy.png", "training.png"):
+        with open(os.path.join(whole, png), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_refreshes_a_doc_page(whole, tmp_path, cache_dir):
+    doc = tmp_path / "page.md"
+    doc.write_text("# mine\n\nprose stays\n<!-- study:findings -->\nold\n<!-- /study:findings -->\nend\n")
+    assert main(["study", TINY, f"out={whole}", f"cache_dir={cache_dir}", f"doc={doc}", "report_only=true"]) == 0
+    text = doc.read_text()
+    assert text.startswith("# mine\n\nprose stays\n<!-- study:findings -->\n- Does GRPO") and text.endswith("end\n")
+    assert "old" not in text and (tmp_path / "page-accuracy.png").is_file()
+
+
+def test_rerun_with_other_settings_is_refused(whole, cache_dir, capsys, monkeypatch):
+    before = os.path.getmtime(os.path.join(whole, "results.json"))
+    assert main(["study", TINY, f"out={whole}", f"cache_dir={cache_dir}", "lr=0.002"]) == 2
+    err = capsys.readouterr().err
+    assert "runs/grpo-seed0 was made with lr=0.001 (this study: lr=0.002); give another out=DIR" in err
+    assert "overwrite=true" in err and os.path.getmtime(os.path.join(whole, "results.json")) == before
+    # what changes no result (jobs) is not a difference: everything is done, only the report is written
+    assert main(["study", TINY, f"out={whole}", f"cache_dir={cache_dir}", "jobs=1"]) == 0
+    assert "0 of 10 units to do" in capsys.readouterr().out
+    # code that would train another warm start: refused for running, fine for reading
+    import erpo.study
+
+    monkeypatch.setattr(erpo.study, "starting_model", lambda cfg: "warmstart-other")
+    assert main(["study", TINY, f"out={whole}", f"cache_dir={cache_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert "start-seed0 was made with starting_model=warmstart-" in err and "warm start changed" in err
+    assert main(["study", TINY, f"out={whole}", f"cache_dir={cache_dir}", "report_only=true"]) == 0
+    assert "starting_model=warmstart-other" in capsys.readouterr().out  # a note: the report shows what was made
+
+
+def test_study_killed_halfway_resumes_where_it_stopped(whole, tmp_path, cache_dir):
+    """A study killed (SIGKILL) during its second run continues: the first run's files are
+    not touched again, the second resumes from its checkpoint, and every number equals the
+    uninterrupted study's."""
+    out = str(tmp_path / "killed")
+    cmd = [sys.executable, "-m", "erpo", "study", TINY, f"out={out}", f"cache_dir={cache_dir}", "jobs=1"]
+    first = os.path.join(out, "eval", "grpo-seed0", "grpo-seed0-step-000004", "eval.json")
+    second = os.path.join(out, "runs", "erpo-seed0", "checkpoints", "step-000002", "trainer_state.json")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 600
+        while not os.path.isfile(second) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert os.path.isfile(first) and not os.path.isfile(os.path.join(out, "results.json"))
+    kept = {p: os.stat(p).st_mtime_ns for p in (first, os.path.join(out, "runs", "grpo-seed0", "metrics.jsonl"))}
+    assert main(["study", TINY, f"out={out}", "report_only=true", f"cache_dir={cache_dir}"]) == 0
+    assert _results(out)["missing"]  # a report of what is there, saying what is not
+    assert main(["study", TINY, f"out={out}", f"cache_dir={cache_dir}"]) == 0
+    assert {p: os.stat(p).st_mtime_ns for p in kept} == kept  # the finished run was not redone
+    with open(os.path.join(out, "times.jsonl")) as f:
+        trained = [json.loads(line)["steps"] for line in f if '"erpo-seed0", "what": "train"' in line]
+    assert trained[-1] == [3, 4] and [1, 2] not in trained[1:]  # resumed after step 2, not started over
+    with open(os.path.join(out, "runs", "erpo-seed0", "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4]
+    done, resumed = _results(whole), _results(out)
+    assert resumed["missing"] == [] and resumed["eval"] == done["eval"]
+    strip = lambda r: {v: {s: {k: c[k] for k in c if k != "step"} for s, c in seeds.items()}  # noqa: E731
+                       for v, seeds in r["train"].items()}
+    assert strip(resumed) == strip(done)
+
+
+# ---------------------------------------------------------------------- the findings' rule
+
+
+def _made_up(curves):
+    """results.json-shaped data: one temperature group 'high' at T=1.5, the given curves per seed."""
+    steps = sorted(int(s) for s in next(iter(curves.values())))
+    return {"variants": {"grpo": {}}, "seeds": list(range(len(curves))), "steps": steps, "temperatures": [1.5],
+            "groups": {"high": [1.5]}, "n_samples": 4, "levels": [],
+            "eval": {"grpo": {str(i): {str(s): {"avg": [v], "pass": [v], "greedy": v} for s, v in c.items()}
+                              for i, c in enumerate(curves.values())}}}
+
+
+def test_findings_rule_calls_a_decline_only_when_most_seeds_fall():
+    falling = _made_up({0: {0: 0.5, 100: 0.7, 200: 0.6}, 1: {0: 0.5, 100: 0.72, 200: 0.62}, 2: {0: 0.5, 100: 0.7, 200: 0.69}})
+    t = trend(falling, "grpo", "high")
+    assert t["best_step"] == 100 and t["declining_seeds"] == 2 and declines(t)
+    assert t["first_below"] == 200 and t["change"][0] == pytest.approx(-0.07, abs=1e-9)
+    rising = _made_up({0: {0: 0.5, 100: 0.6, 200: 0.7}, 1: {0: 0.5, 100: 0.62, 200: 0.6}, 2: {0: 0.5, 100: 0.6, 200: 0.65}})
+    assert not declines(trend(rising, "grpo", "high"))
+    one_seed = _made_up({0: {0: 0.5, 100: 0.9, 200: 0.5}, 1: {0: 0.5, 100: 0.6, 200: 0.61}, 2: {0: 0.5, 100: 0.6, 200: 0.6}})
+    assert not declines(trend(one_seed, "grpo", "high"))  # the mean falls, but one seed is not most
