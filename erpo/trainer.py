@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -240,22 +240,15 @@ class Trainer:
         if len(mini.plan) > 1 or distributed.world_size() > 1:
             norm = LossNormalizers.of(mini.batch)  # T, B, m, G_q, sum w of the mini-batch
             distributed.reduce_normalizers(norm)  # under torchrun: of every rank's share (summed)
-        micros = split_batch(mini.batch, mini.plan) if len(mini.plan) > 1 else [None]
         parts = []
-        for micro in self._same_count(micros, self.model):
-            input_ids, position_ids = mini.rows_of(micro)  # [n_k], [n_k]
-            batch = mini.batch if micro is None else micro.batch
-            # 5. forward to hidden states (no logits); prompt rows as the reference cache computed them
-            with autocast(self.device, self.compute_dtype):
-                hidden = forward_hidden(self.model, input_ids, position_ids, prompt_lengths(batch.span_cu_seqlens))
-            weight, bias = distributed.lm_head_for_call(self.model)  # [V, D] whole (FSDP: gathered), [V] or None
-            hidden, weight, bias = self._to_compute(hidden, weight, bias)  # hidden [n_k, D]
+        # 5. forward to hidden states (no logits), micro-batch by micro-batch
+        for batch, hidden, weight, bias, repeat in self._micro_batch_passes(self.model, mini):
             # 6. the objective: fused log-probs of every row -> segment sums to query_logp
             #    -> Query-KL against ref_query_logp, clipped policy loss weighted by query_weights
             loss, metrics = erpo_loss(hidden, weight, batch, self.loss_config, bias=bias, backend=cfg.kernel_backend,
                                       normalizers=norm, validate=False, sync_metrics=False,  # no host sync
                                       **lm_head_options(self.model))
-            if len(parts) == len(micros):  # a pass that only keeps this rank in step with the others
+            if repeat:  # a pass that only keeps this rank in step with the others
                 loss = loss * 0.0
             else:
                 parts.append(metrics)
@@ -275,21 +268,34 @@ class Trainer:
         """Per-row log-probs [N] of `model` as it is now (the policy before an update, or
         the frozen reference), micro-batch by micro-batch, without a graph; computed as
         the update computes them (same dtype, kernel and per-row temperatures)."""
-        micros = split_batch(mini.batch, mini.plan) if len(mini.plan) > 1 else [None]
         out = []
-        for micro in self._same_count(micros, model):
-            input_ids, position_ids = mini.rows_of(micro)  # [n_k], [n_k]
-            batch = mini.batch if micro is None else micro.batch
-            with autocast(self.device, self.compute_dtype):
-                hidden = forward_hidden(model, input_ids, position_ids, prompt_lengths(batch.span_cu_seqlens))
-            weight, bias = distributed.lm_head_for_call(model)  # [V, D] whole (FSDP: gathered), [V] or None
-            hidden, weight, bias = self._to_compute(hidden, weight, bias)
-            out.append(linear_token_logprobs(
+        for batch, hidden, weight, bias, repeat in self._micro_batch_passes(model, mini):
+            logp = linear_token_logprobs(
                 hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,
                 ignore_index=batch.ignore_index, backend=self.cfg.kernel_backend, validate=False,
                 **lm_head_options(model),
-            ).float())
-        return torch.cat(out[:len(micros)])
+            )  # [n_k]
+            if not repeat:
+                out.append(logp.float())
+        return torch.cat(out)
+
+    def _micro_batch_passes(self, model: Any, mini: MiniBatch) -> Iterator[
+            Tuple[PackedLossBatch, torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool]]:
+        """The forward of `model` over each micro-batch of `mini` to hidden states (no
+        logits), the one loop of an update and of a no-grad pass: yields (the micro-batch's
+        loss batch, hidden [n_k, D], weight [V, D], bias [V] or None, repeat), hidden, weight
+        and bias in the compute dtype. `repeat`: a pass _same_count adds under FSDP2 (its
+        results are for the collectives only). The caller consumes each pass before the next."""
+        micros = split_batch(mini.batch, mini.plan) if len(mini.plan) > 1 else [None]
+        for k, micro in enumerate(self._same_count(micros, model)):
+            input_ids, position_ids = mini.rows_of(micro)  # [n_k], [n_k]
+            batch = mini.batch if micro is None else micro.batch
+            # prompt rows as the reference cache computed them
+            with autocast(self.device, self.compute_dtype):
+                hidden = forward_hidden(model, input_ids, position_ids, prompt_lengths(batch.span_cu_seqlens))
+            weight, bias = distributed.lm_head_for_call(model)  # [V, D] whole (FSDP: gathered), [V] or None
+            hidden, weight, bias = self._to_compute(hidden, weight, bias)  # hidden [n_k, D]
+            yield batch, hidden, weight, bias, k >= len(micros)
 
     @staticmethod
     def _same_count(micros: List[Any], model: Any) -> List[Any]:
