@@ -345,18 +345,17 @@ def prepare_out(spec: StudyConfig, units: Sequence[Unit], log: Callable[[str], N
         except (OSError, ValueError, KeyError, TypeError):
             raise ErpoError(f"{path} is not a study this version can read; give another out=DIR, or "
                             f"overwrite=true to start the study over") from None
-    for unit in units:
-        planned = unit.settings()
-        if unit.name not in recorded or recorded[unit.name] == planned:
-            continue
-        key, old, new = _first_difference(recorded[unit.name], planned)
+    differ = [u for u in units if u.name in recorded and recorded[u.name] != u.settings()]
+    if differ:
+        unit = differ[0]
+        key, old, new = _first_difference(recorded[unit.name], unit.settings())
         where = unit.cfg.run_dir if unit.kind == "run" else unit.eval_dir
         why = " (the code that trains the demo model's warm start changed)" if key == "starting_model" else ""
         made = f"{where} was made with {key}={_shown(old)} (this study: {key}={_shown(new)}){why}"
-        if spec.report_only:  # reading only: the report shows the results as they were made
-            log(f"erpo: study: note: {made}; the report shows what was made")
-            continue
-        raise ErpoError(f"{made}; give another out=DIR to keep both, or overwrite=true to start the study over")
+        if not spec.report_only:
+            raise ErpoError(f"{made}; give another out=DIR to keep both, or overwrite=true to start the study over")
+        log(f"erpo: study: note: {len(differ)} units were made with other settings than this config gives now, e.g. "
+            f"{made}; the report shows them as they were made")  # reading only: nothing is mixed
     if spec.report_only:
         return
     recorded.update({unit.name: unit.settings() for unit in units})

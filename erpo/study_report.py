@@ -498,7 +498,7 @@ def time_section(results: Dict[str, Any]) -> str:
 def sections(spec: Any, units: Sequence[Any], results: Dict[str, Any]) -> Dict[str, str]:
     """{name: markdown} of every generated section (report.md has them all, a doc= page those it marks)."""
     every = spec.eval_every
-    missing = sorted(set(results["missing"]))
+    missing = list(dict.fromkeys(results["missing"]))  # in the study's order, once each
     status = (f"Incomplete: {len(missing)} evaluations missing ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}).\n"
               if missing else "Complete: every run and evaluation of the study is in.\n")
     return {
