@@ -17,6 +17,8 @@ import importlib
 import json
 import logging
 import os
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
@@ -280,7 +282,8 @@ SLEEP_LEVEL = 2  # drop weights and KV cache: the weights are reloaded after eve
 def import_vllm() -> Any:
     """The vllm module, or an ErpoError saying how to install it."""
     try:
-        import vllm
+        with quiet_vllm_start():
+            import vllm
     except ImportError:
         raise ErpoError(f"rollout_backend=vllm needs vLLM, which is not installed: {INSTALL_HINT}") from None
     return vllm
@@ -289,15 +292,17 @@ def import_vllm() -> Any:
 def vllm_platform(vllm: Any) -> Any:
     """vLLM's current platform (vllm.platforms.current_platform: is_cpu(),
     is_sleep_mode_available(), ...)."""
-    platforms = getattr(vllm, "platforms", None)
-    if platforms is None:
-        platforms = importlib.import_module(f"{vllm.__name__}.platforms")
-    return platforms.current_platform
+    with quiet_vllm_start():
+        platforms = getattr(vllm, "platforms", None)
+        if platforms is None:
+            platforms = importlib.import_module(f"{vllm.__name__}.platforms")
+        return platforms.current_platform
 
 
 def cpu_attention_head_sizes(vllm: Any) -> List[int]:
     """The head dimensions vLLM's CPU attention backend runs."""
-    backend = importlib.import_module(f"{vllm.__name__}.v1.attention.backends.cpu_attn").CPUAttentionBackend
+    with quiet_vllm_start():  # the import of vLLM's config modules logs its start-up notices
+        backend = importlib.import_module(f"{vllm.__name__}.v1.attention.backends.cpu_attn").CPUAttentionBackend
     return sorted(int(s) for s in backend.get_supported_head_sizes())
 
 
@@ -326,30 +331,55 @@ def check_cpu_head_dim(vllm: Any, model_dir: str, fix: str = "use rollout_backen
                         f"and the model in {model_dir} has head_dim {head_dim}: {fix}")
 
 
-class _RotaryReloadNotice(logging.Filter):
-    """vLLM's layer-wise reload warns at every sync that RotaryEmbedding "failed to load
-    weights": its cos/sin table is a buffer computed from the config, not a weight, and is
-    put back as it was. This filter drops that one line (any other layer's still shows)."""
+# vLLM's own logging under erpo. vLLM configures its "vllm" logger from VLLM_LOGGING_LEVEL
+# (default INFO) when an engine starts (its LoggingConfig), so a level set on the logger
+# beforehand does not hold: erpo sets the variable itself while it imports vLLM and starts
+# the engine, unless the user has set it (and the logger's level, for what vLLM logs before
+# its logging is configured, which Python's last-resort handler would print).
+VLLM_LEVEL_ENV = "VLLM_LOGGING_LEVEL"
+START_LEVEL = "ERROR"  # while vLLM is imported and its engine starts: its start-up report hidden
+RUN_LEVEL = logging.WARNING  # afterwards: its warnings show, its INFO lines (each sync's reload time, ...) do not
+# The layer-wise reload warns at every sync that RotaryEmbedding "failed to load weights": its
+# cos/sin table is a buffer computed from the config, not a weight, and is put back as it was.
+ROTARY_NOTICE = ("vllm.model_executor.model_loader.reload.layerwise", "RotaryEmbedding: Failed to load weights")
+
+
+class _DropNotice(logging.Filter):
+    """Drops the records whose message starts with `prefix`."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+        return not record.getMessage().startswith(self.prefix)
 
 
 @contextlib.contextmanager
-def quiet_weight_reload() -> Iterator[None]:
-    """vLLM's INFO lines of a reload (its time, the prefix-cache reset) and the rotary notice
-    hidden while the weights are synced, so training prints no lines per step; every other
-    warning of vLLM still shows."""
-    root = logging.getLogger("vllm")
-    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    level, notice = root.level, _RotaryReloadNotice()
-    root.setLevel(max(level, logging.WARNING))
-    layerwise.addFilter(notice)
-    try:
+def quiet_vllm_start() -> Iterator[None]:
+    """vLLM's start-up report hidden while it is imported and its engine starts (its INFO and
+    WARNING lines and the Python warnings its modules raise; errors show); afterwards vLLM
+    logs its warnings and errors, not its INFO lines, and the ROTARY_NOTICE is dropped. A
+    VLLM_LOGGING_LEVEL set in the environment is the user's choice: vLLM then logs at that
+    level, as it would without erpo."""
+    if os.environ.get(VLLM_LEVEL_ENV):
         yield
+        return
+    os.environ[VLLM_LEVEL_ENV] = START_LEVEL
+    root = logging.getLogger("vllm")
+    root.setLevel(START_LEVEL)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"vllm(\.|$)")
+            yield
     finally:
-        root.setLevel(level)
-        layerwise.removeFilter(notice)
+        del os.environ[VLLM_LEVEL_ENV]
+        for target in (root, *root.handlers):  # vLLM's own handler got START_LEVEL too
+            target.setLevel(RUN_LEVEL)
+        name, prefix = ROTARY_NOTICE
+        layerwise = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotice) for f in layerwise.filters):
+            layerwise.addFilter(_DropNotice(prefix))
 
 
 def kv_cache_bytes(model_dir: str, dtype: str, max_model_len: int, max_sequences: int) -> int:
@@ -408,8 +438,9 @@ class VLLMRolloutEngine:
     plus max_new_tokens. max_sequences: the most sequences one generate call samples (m * G;
     it sizes the CPU engine's KV cache). seed: the engine's seed (each generate call also
     passes a per-request seed drawn from torch's global generator, which the trainer seeds
-    per step). log: where the one line about a platform without sleep mode goes.
-    vllm_module: the vllm module (tests pass a fake one).
+    per step). log: where the one line saying the engine started (its settings, and whether
+    it sleeps) goes; vLLM's own start-up report is hidden (quiet_vllm_start). vllm_module: the vllm
+    module (tests pass a fake one).
     """
 
     def __init__(
@@ -444,21 +475,38 @@ class VLLMRolloutEngine:
             logprobs_mode="processed_logprobs",  # log-probs after the temperature: what was sampled from
             generation_config="vllm",  # the model's generation_config.json must not add defaults
             tensor_parallel_size=1,
+            use_tqdm_on_load=False,  # no progress bar of the checkpoint's loading
         )
         if self.sleeps:
             kwargs["enable_sleep_mode"] = True
-        else:
-            log(f"erpo: vLLM on {platform.device_name} has no sleep mode: the engine keeps its weights and KV cache "
-                f"between rollouts")
         if platform.is_cpu():
             kwargs.update(cpu_engine_args(self.vllm, model_dir, dtype, max_model_len, max_sequences))
         if _distributed():
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["seed"] = int(seed) + torch.distributed.get_rank()
-        with keeping_torch_threads():
+        start = time.perf_counter()
+        with keeping_torch_threads(), quiet_vllm_start():
             self.llm = self.vllm.LLM(model_dir, **kwargs)
+        log(self.started_line(platform.device_name, kwargs, max_sequences, time.perf_counter() - start))
         self.weights_awake = True  # a new engine holds the weights of model_dir
         self.cache_awake = True
+
+    def started_line(self, device: str, kwargs: Dict[str, Any], max_sequences: int, seconds: float) -> str:
+        """The one line erpo says when the engine has started: where, how fast, its settings."""
+        version = getattr(self.vllm, "__version__", "")
+        settings = [kwargs["dtype"], f"max_model_len {kwargs['max_model_len']}"]
+        if "kv_cache_memory_bytes" in kwargs:
+            settings.append(f"KV cache {kwargs['kv_cache_memory_bytes'] / 2**20:.2f} MiB for {max_sequences} sequences")
+        else:
+            settings.append(f"gpu_memory_utilization {kwargs['gpu_memory_utilization']:g}")
+        if kwargs.get("enforce_eager"):
+            settings.append("eager")
+        if "distributed_executor_backend" in kwargs:
+            settings.append("one engine per rank (external_launcher)")
+        settings.append(f"seed {kwargs['seed']}")
+        memory = ("it sleeps between rollouts (weights and KV cache dropped)" if self.sleeps else
+                  "no sleep mode: it keeps its weights and KV cache between rollouts")
+        return f"erpo: vLLM {version} engine on {device} started in {seconds:.1f}s ({', '.join(settings)}); {memory}"
 
     # ------------------------------------------------------------------ sampling
 
@@ -527,15 +575,14 @@ class VLLMRolloutEngine:
         if not self.weights_awake:
             self.llm.wake_up(tags=["weights"])
             self.weights_awake = True
-        with quiet_weight_reload():
-            if self.reloads:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_weights(model),
-                                                                  "is_checkpoint_format": True})
-            else:
-                load: Callable[[Any], Any] = lambda engine_model: engine_model.load_weights(named_weights(model))  # noqa: E731
-                self.llm.apply_model(load)
-            if self.cache_awake:  # cached prefixes were computed with the old weights
-                self.llm.reset_prefix_cache()
+        if self.reloads:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_weights(model),
+                                                              "is_checkpoint_format": True})
+        else:
+            load: Callable[[Any], Any] = lambda engine_model: engine_model.load_weights(named_weights(model))  # noqa: E731
+            self.llm.apply_model(load)
+        if self.cache_awake:  # cached prefixes were computed with the old weights
+            self.llm.reset_prefix_cache()
 
 
 # ---------------------------------------------------------------------- choosing one

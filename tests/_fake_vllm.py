@@ -42,7 +42,7 @@ __version__ = "0.33.0"
 ENGINE_ARGS = {
     "enable_sleep_mode": bool, "logprobs_mode": str, "max_model_len": int, "distributed_executor_backend": str,
     "generation_config": str, "enable_prefix_caching": bool, "max_num_seqs": int, "max_num_batched_tokens": int,
-    "max_logprobs": int, "disable_log_stats": bool,
+    "max_logprobs": int, "disable_log_stats": bool, "use_tqdm_on_load": bool,
 }
 class CudaPlatform:
     """vllm.platforms.current_platform on a CUDA machine (the parts erpo reads)."""

@@ -3,6 +3,7 @@ CUDA checked call by call against vLLM 0.33.0's API with the fake module tests/_
 what a CUDA engine does and the CPU one cannot show (sleep mode, the external launcher,
 load_weights in place). vLLM's CPU build runs live in tests/vllm_live (make test)."""
 import os
+import re
 import sys
 
 import pytest
@@ -115,7 +116,68 @@ def test_vllm_engine_construction(served):
     assert kw["seed"] == 3 and kw["tensor_parallel_size"] == 1
     assert "distributed_executor_backend" not in kw  # one process: vLLM's default executor
     assert "kv_cache_memory_bytes" not in kw and "enforce_eager" not in kw  # CPU-build settings only
-    assert said == []  # sleep mode is there: nothing to say
+    assert kw["use_tqdm_on_load"] is False  # no progress bar while the engine starts
+    (line,) = said  # one line: started, with its settings, sleeping between rollouts
+    assert re.fullmatch(r"erpo: vLLM 0\.33\.0 engine on cuda started in \d+\.\ds \(float32, max_model_len 16, "
+                        r"gpu_memory_utilization 0\.25, seed 3\); it sleeps between rollouts \(weights and KV cache "
+                        r"dropped\)", line), line
+
+
+def test_quiet_vllm_start_hides_the_start_up_report_and_keeps_later_warnings(monkeypatch):
+    """vLLM logs before its logging is configured, then configures it from VLLM_LOGGING_LEVEL at
+    each engine start (simulated here as vLLM does it): while it starts under erpo only its errors show, its
+    Python warnings are dropped; afterwards its warnings show, its INFO lines and the rotary
+    reload notice do not. A VLLM_LOGGING_LEVEL the user set is vLLM's level, nothing dropped."""
+    import logging
+    import warnings
+
+    from erpo.rollout import ROTARY_NOTICE, quiet_vllm_start
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append((record.levelname, record.getMessage()))
+
+    root, handler = logging.getLogger("vllm"), Keep()
+    layerwise = logging.getLogger(ROTARY_NOTICE[0])
+    monkeypatch.setattr(root, "handlers", [handler])
+    monkeypatch.setattr(root, "propagate", False)
+    monkeypatch.setattr(root, "level", logging.INFO)
+    monkeypatch.setattr(layerwise, "filters", [])
+
+    def start():  # what vLLM does when an engine starts: its logging from the environment, its report
+        logging.getLogger("vllm.triton_utils").warning("Triton is installed, but doesn't include CPU backend")
+        level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
+        root.setLevel(level)
+        handler.setLevel(level)
+        root.info("Initializing a V1 LLM engine")
+        logging.getLogger("vllm.platforms").warning("libtcmalloc is not found")
+        logging.getLogger("vllm.engine").error("an error")
+        exec("import warnings\nwarnings.warn('deprecated', FutureWarning)", {"__name__": "vllm.triton_utils"})
+
+    def sync():  # what a weight sync logs
+        logging.getLogger("vllm.model_executor").info("Reloading weights took 0.01 s")
+        layerwise.warning(ROTARY_NOTICE[1] + " (rotary_emb)")
+        layerwise.warning("MLP: Failed to load weights")
+
+    def run():
+        with warnings.catch_warnings(record=True) as raised:
+            warnings.simplefilter("always")
+            with quiet_vllm_start():
+                start()
+            sync()
+        return [level for level, _ in seen], [str(w.message) for w in raised]
+
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    assert run() == (["ERROR", "WARNING"], [])
+    assert seen[-1] == ("WARNING", "MLP: Failed to load weights")
+    assert "VLLM_LOGGING_LEVEL" not in os.environ and root.level == handler.level == logging.WARNING
+    seen.clear()
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    monkeypatch.setattr(layerwise, "filters", [])
+    assert run() == (["WARNING", "INFO", "WARNING", "ERROR", "INFO", "WARNING", "WARNING"], ["deprecated"])
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
 
 
 def test_vllm_engine_under_torchrun_uses_the_external_launcher(served, monkeypatch):
