@@ -19,7 +19,7 @@ A study config holds two mappings: `study:` (the keys of STUDY_KEYS) and `train:
     eval/<variant>-seed<S>/<variant>-seed<S>-step-NNNNNN/eval.json   `erpo eval` reports
     eval/start-seed<S>/<name>/eval.json       the starting model, step 0 of every variant
     logs/<unit>.log, times.jsonl    each unit's output; wall and CPU seconds of every part
-    results.json, report.md, accuracy.png, pass.png, training.png   the report
+    results.json, report.md, accuracy.png, training.png   the report
 
 Interrupted (Ctrl-C, a kill, a reboot), the same command continues: finished runs and
 evaluations are kept, an unfinished run resumes from its latest checkpoint (bit-exact,
@@ -440,17 +440,26 @@ def run_unit(out: str, unit: Unit, log: Callable[[str], None]) -> None:
         _train(out, unit, log)
 
 
+def say(msg: str) -> None:
+    """Print a line now: a study's progress shows in a piped or redirected log as it happens."""
+    print(msg, flush=True)
+
+
 def _unit_process(out: str, unit: Unit) -> None:
     """A unit in a process of its own (jobs > 1): its output to logs/<unit>.log, an ErpoError
-    as the log's last line and exit status 2."""
+    as the log's last line and exit status 2; Ctrl-C (which reaches every process of the
+    terminal) one line in the log and exit status 130, no traceback: the parent reports it."""
     code = 0
     with open(_log_path(out, unit), "a", encoding="utf-8") as f, contextlib.redirect_stdout(f), \
             contextlib.redirect_stderr(f):
         try:
-            run_unit(out, unit, lambda msg: print(msg, flush=True))
+            run_unit(out, unit, say)
         except ErpoError as exc:
-            print(f"erpo: error: {exc}", flush=True)
+            say(f"erpo: error: {exc}")
             code = 2
+        except KeyboardInterrupt:
+            say("erpo: interrupted; the study's rerun continues this unit where it stopped")
+            code = 130
     sys.exit(code)
 
 
@@ -466,7 +475,7 @@ def _run_here(out: str, unit: Unit) -> None:
     """A unit in this process (jobs=1), its output to logs/<unit>.log."""
     with open(_log_path(out, unit), "a", encoding="utf-8") as f, contextlib.redirect_stdout(f), \
             contextlib.redirect_stderr(f):
-        run_unit(out, unit, lambda msg: print(msg, flush=True))
+        run_unit(out, unit, say)
 
 
 def _ready(queue: List[Unit], finished: set) -> Optional[Unit]:
@@ -533,7 +542,7 @@ def run_units(spec: StudyConfig, units: Sequence[Unit], log: Callable[[str], Non
                         f"command to continue once it is fixed")
 
 
-def study_command(args: Sequence[str], log: Callable[[str], None] = print) -> Dict[str, str]:
+def study_command(args: Sequence[str], log: Callable[[str], None] = say) -> Dict[str, str]:
     """`erpo study CONFIG [key=value ...]`: run what is missing of the study, then write
     its report; returns the report's files ({name: path})."""
     from .study_report import write_study_report

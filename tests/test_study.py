@@ -188,6 +188,36 @@ def test_study_killed_halfway_resumes_where_it_stopped(whole, tmp_path, cache_di
     assert strip(resumed) == strip(done)
 
 
+def test_ctrl_c_in_a_unit_process_is_one_line_in_its_log_not_a_traceback(tmp_path, monkeypatch, capfd):
+    """Ctrl-C reaches every process of the terminal: a unit's process (jobs > 1) exits 130
+    with one line in its log, and prints nothing where the parent prints its own message."""
+    import erpo.study as study
+
+    unit = units_of(load_study(TINY, [f"out={tmp_path}"]))[1]
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(study, "run_unit", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        study._unit_process(str(tmp_path), unit)
+    assert exit_.value.code == 130
+    assert capfd.readouterr() == ("", "")
+    with open(tmp_path / "logs" / f"{unit.name}.log") as f:
+        assert f.read().strip() == "erpo: interrupted; the study's rerun continues this unit where it stopped"
+
+
+def test_progress_lines_are_flushed_as_they_are_printed(monkeypatch):
+    """A redirected `erpo study > log` (block-buffered stdout) shows each line when it is said."""
+    import erpo.study as study
+
+    flushed = []
+    monkeypatch.setattr("builtins.print", lambda *a, **k: flushed.append(k.get("flush")))
+    study.say("erpo: study: a line")
+    assert flushed == [True]
+    assert study.study_command.__defaults__ == (study.say,)
+
+
 # ---------------------------------------------------------------------- the findings' rule
 
 
