@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.erpo-installed
 
-.PHONY: install test demo eval study bench clean test-vllm
+.PHONY: install test test-main live-venvs demo eval study bench clean test-vllm
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,11 +22,21 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 # Kernels run in Triton's CPU interpreter here (tests/conftest.py sets TRITON_INTERPRET=1
-# when no GPU is present).
+# when no GPU is present). The venvs of the live verl and vLLM suites are built while the main
+# suite runs (their pip output goes to live-venvs.log, shown if a build fails); then both run.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(MAKE) --no-print-directory -j2 test-main live-venvs
 	$(MAKE) --no-print-directory test-verl
 	$(MAKE) --no-print-directory test-vllm
+
+LIVE_LOG ?= live-venvs.log
+
+test-main: $(STAMP)
+	$(PY) -m pytest -q tests
+
+live-venvs:
+	$(if $(LIVE_STAMPS),@echo "building the live suites' venvs beside the main suite (log: $(LIVE_LOG))",)
+	$(if $(LIVE_STAMPS),@$(MAKE) --no-print-directory $(LIVE_STAMPS) > $(LIVE_LOG) 2>&1 || { cat $(LIVE_LOG); exit 1; },)
 
 # configs/demo.yaml: the embedded default with two updates per rollout batch;
 # overwrite=true: a rerun of the demo replaces runs/demo (erpo train alone refuses to)
@@ -67,6 +77,7 @@ $(VLLM_STAMP): setup.py tests/vllm_live/requirements.py
 	touch $(VLLM_STAMP)
 
 ifeq ($(shell uname -sm),Linux x86_64)
+LIVE_STAMPS += $(VLLM_STAMP)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q tests/vllm_live
 else
@@ -75,7 +86,7 @@ test-vllm: $(STAMP)
 endif
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) *.egg-info .pytest_cache live-venvs.log
 
 # The live verl suite (tests/verl_live, erpo.integrations.verl against the real verl 0.9.1) in its
 # own venv: verl needs transformers<5.11. verl is installed without its dependencies
@@ -104,6 +115,7 @@ $(VERL_STAMP): setup.py Makefile
 	touch $(VERL_STAMP)
 
 ifeq ($(VERL_PLATFORM),Linux-x86_64)
+LIVE_STAMPS += $(VERL_STAMP)
 test-verl: $(VERL_STAMP)
 	$(VERL_PY) -m pytest -q -p no:cacheprovider tests/verl_live
 else

