@@ -1,7 +1,8 @@
 """linear_token_logprobs: log-probs and entropy straight from hidden states and the
 lm_head weight, never materialising [N, V].
 
-Kernels, then the autograd Function, then the public function.
+Kernels, then the launch code, then the op (one torch.library custom op for eager and
+torch.compile alike, the reference behind the same op) and the public function.
 
 Per row, with z = hidden @ weight.T + bias (then the optional logit scale and soft
 cap, see the backward's comment) and s = z * inv_T (inv_T a per-row runtime fp32
@@ -17,22 +18,25 @@ fp32 accumulation; nothing of size N x V is written to memory, in either directi
 
 Work plan. Rows whose target is ignore_index are skipped without a host sync: a
 stable sort puts the valid rows first (`order`), their count stays on the device, and
-every kernel reads rows through `order` (tiles past the count do no work).
-    forward   `_ltl_fwd_kernel`: one program per (row tile, vocabulary chunk): an
-              online log-sum-exp and entropy over its chunk; `_ltl_merge_kernel`
-              merges the chunks' statistics (a few floats per row) in chunk order.
-    backward  `_ltl_bwd_dhidden_kernel`: one program per row tile, looping over V
-              and recomputing the logits -> d_hidden.
-              `_ltl_bwd_dweight_kernel`: one program per vocabulary tile, looping
-              over the rows and recomputing the logits -> d_weight and d_bias.
-Each output element is owned by one program and accumulated in a fixed order in an
-fp32 buffer, so gradients are deterministic (no atomics).
+every kernel reads rows through `order` (tiles past the count do no work). The
+vocabulary is processed in chunks of split_tiles x block_v columns (`Tiles`).
+    forward   `_ltl_fwd_kernel`: one program per (row tile, chunk): an online
+              log-sum-exp and entropy over its chunk; `_ltl_merge_kernel` merges
+              the chunks' statistics (a few floats per row) in chunk order.
+    backward  per chunk, `_ltl_bwd_dr_kernel` recomputes the chunk's logits and
+              writes the softmax gradient dr [N, chunk] to a workspace, then
+              `_ltl_bwd_gemm_kernel` forms d_weight and d_bias of the chunk's
+              vocabulary rows (written once) and adds the chunk's share of d_hidden.
+Work: 8 N D V FLOPs in all (forward, recompute, two products), the floor for an op
+that never stores [N, V]. Each output tile is one program's accumulator, summed in
+a fixed order, so gradients are deterministic (no atomics).
 
-Batch invariance: the vocabulary chunks depend on V and the tiles only; a row's
-logits come from tl.dot tiles whose per-element sums do not depend on the other rows
-of the tile; every per-row reduction (online softmax, merge, d_hidden) runs in a fixed
-order over the vocabulary. So a row's logp, entropy and d_hidden are bit-identical
-whatever else is in the batch (tests/test_batch_invariance.py).
+Batch invariance: the chunks depend on V and the tiles only; a row's logits come
+from tl.dot tiles whose per-element sums do not depend on the other rows of the
+tile; every per-row reduction (online softmax, merge, d_hidden over the chunks) runs
+in a fixed order over the vocabulary. So a row's logp, entropy and d_hidden are
+bit-identical whatever else is in the batch (compiled kernels; what holds in the
+interpreter: docs/batch-invariance.md, checked by tests/test_batch_invariance.py).
 
 Precision: fp32 operands use `input_precision="ieee"` (no TF32) so fp32 inputs keep
 fp32 accuracy; bf16/fp16 operands use tensor cores with fp32 accumulation, and the
@@ -41,7 +45,7 @@ own backward in that dtype does).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -55,11 +59,9 @@ from ._utils import (
     check_tensor,
     compute_dtype,
     no_autocast,
-    optional_positive_float,
     resolve_kernel_backend,
-    row_inv_temperature,
 )
-from .logit_transform import LogitTransform, is_unit_scale
+from .logit_transform import LogitTransform
 
 
 @triton.jit
@@ -88,24 +90,6 @@ def _load_rows(ptr, rows64, row_mask, stride_r, offs_d, d_mask, stride_d):
         mask=row_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-
-
-@triton.jit
-def _add_mm_over_d(
-    acc_ptr, acc_rows, acc_mask, a, b_ptr, b_rows64, b_mask, stride_br, stride_bd, D,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """acc[r, :] += (a @ b_ptr[b_rows, :])[r, :] for the rows r of an fp32 buffer with row
-    stride D (acc_rows = r * D, int64), BLOCK_D columns at a time. A read-modify-write
-    by the one program that owns those rows: no races, a fixed order."""
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        d_mask = offs_d < D
-        b = _load_rows(b_ptr, b_rows64, b_mask, stride_br, offs_d, d_mask, stride_bd)  # [K, BLOCK_D]
-        ptrs = acc_ptr + acc_rows[:, None] + offs_d[None, :]
-        mask = acc_mask[:, None] & d_mask[None, :]
-        acc = tl.load(ptrs, mask=mask, other=0.0)
-        tl.store(ptrs, _mm(a, b, acc, IEEE, UPCAST), mask=mask)
 
 
 @triton.jit
@@ -186,7 +170,7 @@ def _ltl_fwd_kernel(
     target_logit_ptr,  # [splits, N] fp32 out: s_target if the target is in the split, else 0
     n_rows, V, D, v_per_split,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
-    softcap, softcap_pre,  # fp32 runtime values (read with HAS_SOFTCAP)
+    softcap, softcap_pre, logit_scale,  # fp32 runtime values (softcap, softcap_pre read with HAS_SOFTCAP)
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WANT_ENTROPY: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -322,7 +306,7 @@ def _softmax_grad(
     dz = coef * inv_t[:, None]
     if HAS_SOFTCAP:
         dz = dz * (cap_slope * logit_scale)
-    # Padded rows are exactly 0: the d_weight kernel sums dz over them, and their
+    # Padded rows are exactly 0: the d_bias partial sums run over them, and their
     # p = exp(bias) (h = 0, shift = log_l = 0) can overflow, so 0 * inf would be NaN.
     return tl.where(row_mask[:, None], dz, 0.0)
 
@@ -334,87 +318,44 @@ def _softmax_grad(
 # of the raw logits r = hidden @ weight.T + bias (a = logit_scale / softcap), and
 #     dr_j       = dz_j logit_scale (1 - tanh^2(a r_j))
 # (without one, a logit scale is folded into inv_T and dr = dz). Then
-#     d_hidden   = dr @ weight                   (this kernel: [N, D])
-#     d_weight   = dr.T @ hidden,  d_bias = sum over rows of dr   (next kernel)
-# This kernel: one program per row tile, looping over the whole vocabulary in order.
-# For each vocabulary tile it recomputes s from hidden and weight, forms dr (fp32),
-# rounds it to the input dtype and adds dr @ weight[tile] into its own rows of the fp32
-# buffer dh (read-modify-write by that program alone: no races, a fixed order,
-# deterministic, and a row's sum never depends on the other rows: batch invariant).
+#     d_hidden = dr @ weight,   d_weight = dr.T @ hidden,   d_bias = sum over rows of dr.
+# The vocabulary is processed in the forward's chunks of C = split_tiles * block_v
+# columns (fixed by V and the tiles, never by the batch). Per chunk [v0, v0 + C):
+#   1. this kernel recomputes the chunk's logits tile by tile (the forward's tiles, so
+#      s is the forward's bit for bit), forms dr and writes it, rounded to the input
+#      dtype as PyTorch's own backward in that dtype rounds it, to a workspace [N, C];
+#   2. `_ltl_bwd_gemm_kernel` runs the two products on it, accumulators in registers:
+#      d_weight[chunk] = dr.T @ hidden (written once) and d_hidden += dr @ weight[chunk]
+#      (fp32, chunk after chunk in order: a fixed order per row, batch invariant).
+# Work: the recompute and the two products are 2 N D V FLOPs each, so with the forward
+# the op does 8 N D V, the floor for an op that never stores [N, V]; each d_weight and
+# d_bias element is written once, each d_hidden element once per chunk.
+# This kernel: program pid makes vocabulary tile pid % n_vt of the chunk for row tile
+# pid // n_vt (neighbours share a row tile and sweep the chunk's weight rows: L2).
 @triton.jit
-def _ltl_bwd_dhidden_kernel(
+def _ltl_bwd_dr_kernel(
     h_ptr, w_ptr, b_ptr,  # as in the forward kernel
     targets_ptr, inv_t_ptr, order_ptr, n_valid_ptr,  # as in the forward kernel
     shift_ptr, log_l_ptr,  # [N] fp32 M and log l from the forward (lse = M + log l)
     entropy_ptr,  # [N] fp32 entropy from the forward (when HAS_ENTROPY_GRAD)
     g_logp_ptr, g_entropy_ptr,  # [N] fp32 upstream gradients (g_entropy when HAS_ENTROPY_GRAD)
-    dh_ptr,  # [N, D] fp32, zero-initialised, contiguous: rows of ignored targets stay 0
-    n_rows, V, D,
+    dr_ptr,  # [N, C] out (row stride stride_dr), the input dtype: dr[p, j - v0] of compact position p < n_valid
+    db_part_ptr,  # [cdiv(N, BLOCK_N), C] fp32 out (WANT_DB): per row tile, the column sums of dr before rounding
+    n_rows, V, D, v0, chunk_cols, stride_dr,  # the chunk is columns [v0, v0 + chunk_cols)
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
     softcap, softcap_pre, logit_scale,  # fp32 runtime values (read with HAS_SOFTCAP)
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    rows, _ = _row_tile_and_split(n_rows, BLOCK_N)
-    row_mask, row_index, n_valid = _rows_of(rows, order_ptr, n_valid_ptr)
-    tgt, inv_t, shift, log_l, entropy, g_logp, g_entropy = _load_row_stats(
-        row_index, row_mask, targets_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr, g_entropy_ptr,
-        HAS_ENTROPY_GRAD,
-    )
-    dh_rows = row_index * D
-    v_end = tl.where(tl.min(rows, axis=0) < n_valid, V, 0)  # a tile of ignored rows: no work
-    for v0 in range(0, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_mask = cols < V
-        s, cap_slope = _scaled_logits(
-            h_ptr, w_ptr, b_ptr, row_index, row_mask, cols, col_mask, inv_t, D,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, softcap, softcap_pre,
-            HAS_BIAS, HAS_SOFTCAP, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
-        )
-        dz = _softmax_grad(
-            s, cap_slope, row_mask, cols, tgt, shift, log_l, entropy, g_logp, g_entropy, inv_t, logit_scale,
-            HAS_ENTROPY_GRAD, HAS_SOFTCAP,
-        )
-        # [BLOCK_N, BLOCK_V] in the input dtype; UPCAST (bf16 under the interpreter) is
-        # exactly when round_to must round by hand to match the GPU
-        dz = round_to(dz, w_ptr.dtype.element_ty, UPCAST)
-        _add_mm_over_d(
-            dh_ptr, dh_rows, row_mask, dz, w_ptr, cols.to(tl.int64), col_mask, stride_wv, stride_wd, D,
-            IEEE, UPCAST, BLOCK_D,
-        )  # dh[rows] += dz @ weight[cols]
-
-
-# Same gradient as above; this kernel makes d_weight = dr.T @ hidden and
-# d_bias = sum over rows of dr. Program pid owns vocabulary tile pid and loops over all
-# row tiles in order, recomputing s and dr, adding dr.T @ hidden[rows] into its own rows
-# of the fp32 buffer dw (read-modify-write by that program alone: deterministic) and
-# summing dr over rows in registers for d_bias. (These sums run over the batch's rows:
-# d_weight and d_bias are outside the batch-invariance guarantee.)
-@triton.jit
-def _ltl_bwd_dweight_kernel(
-    h_ptr, w_ptr, b_ptr,
-    targets_ptr, inv_t_ptr, order_ptr, n_valid_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr, g_entropy_ptr,
-    dw_ptr,  # [V, D] fp32, zero-initialised, contiguous (when WANT_DW)
-    db_ptr,  # [V] fp32 (when WANT_DB)
-    V, D,
-    stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
-    softcap, softcap_pre, logit_scale,  # fp32 runtime values (read with HAS_SOFTCAP)
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
-    WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, WANT_DB: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    cols = pid * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = cols < V
-    cols64 = cols.to(tl.int64)
-    dw_rows = cols64 * D
-    db = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    n_valid = tl.load(n_valid_ptr)
-    for n0 in range(0, n_valid, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N)
-        row_mask, row_index, _ = _rows_of(rows, order_ptr, n_valid_ptr)
+    n_vt = tl.cdiv(chunk_cols, BLOCK_V)
+    rows = (pid // n_vt) * BLOCK_N + tl.arange(0, BLOCK_N)
+    local = (pid % n_vt) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_mask, row_index, n_valid = _rows_of(rows, order_ptr, n_valid_ptr)
+    if tl.min(rows, axis=0) < n_valid:  # a tile of ignored rows: no work
+        col_mask = local < chunk_cols
+        cols = v0 + local
         tgt, inv_t, shift, log_l, entropy, g_logp, g_entropy = _load_row_stats(
             row_index, row_mask, targets_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr,
             g_entropy_ptr, HAS_ENTROPY_GRAD,
@@ -424,36 +365,167 @@ def _ltl_bwd_dweight_kernel(
             stride_hn, stride_hd, stride_wv, stride_wd, stride_b, softcap, softcap_pre,
             HAS_BIAS, HAS_SOFTCAP, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
         )
-        dz = _softmax_grad(
+        dr = _softmax_grad(
             s, cap_slope, row_mask, cols, tgt, shift, log_l, entropy, g_logp, g_entropy, inv_t, logit_scale,
             HAS_ENTROPY_GRAD, HAS_SOFTCAP,
         )
-        if WANT_DB:
-            db += tl.sum(dz, axis=0)
-        if WANT_DW:
-            dzt = tl.trans(round_to(dz, h_ptr.dtype.element_ty, UPCAST))  # [BLOCK_V, BLOCK_N]
-            _add_mm_over_d(
-                dw_ptr, dw_rows, col_mask, dzt, h_ptr, row_index, row_mask, stride_hn, stride_hd, D,
-                IEEE, UPCAST, BLOCK_D,
-            )  # dw[cols] += dz.T @ hidden[rows]
-    if WANT_DB:
-        tl.store(db_ptr + cols64, db, mask=col_mask)
+        # UPCAST (bf16 under the interpreter) is exactly when round_to must round by hand
+        tl.store(
+            dr_ptr + rows.to(tl.int64)[:, None] * stride_dr + local[None, :],
+            round_to(dr, dr_ptr.dtype.element_ty, UPCAST),
+            mask=row_mask[:, None] & col_mask[None, :],
+        )
+        if WANT_DB:  # padded rows hold dr = 0
+            tl.store(db_part_ptr + (pid // n_vt).to(tl.int64) * stride_dr + local, tl.sum(dr, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _grouped_tile(t, n_m, n_n, GROUP: tl.constexpr):
+    """(tile_m, tile_n) of the t-th program over an n_m x n_n grid of output tiles, in
+    bands of GROUP tile rows walked column by column (GROUP = 1: tile_n fastest), so
+    that the programs running at once share their operand slabs in L2."""
+    per_band = GROUP * n_n
+    first_m = (t // per_band) * GROUP
+    size_m = tl.minimum(n_m - first_m, GROUP)
+    return first_m + (t % per_band) % size_m, (t % per_band) // size_m
+
+
+@triton.jit
+def _dweight_tile(
+    t, dr_ptr, h_ptr, order_ptr, dw_ptr, n_valid, v0, chunk_cols, D, stride_dr, stride_hn, stride_hd,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, GEMM_N: tl.constexpr, GEMM_V: tl.constexpr, GEMM_D: tl.constexpr,
+):
+    """d_weight[v0 + i, d] = sum_p dr[p, i] hidden[order[p], d] for one [GEMM_V, GEMM_D]
+    tile (K = the valid rows, GEMM_N at a time, in order), written once in weight's dtype."""
+    tm, tn = _grouped_tile(t, tl.cdiv(chunk_cols, GEMM_V), tl.cdiv(D, GEMM_D), 8)
+    local = tm * GEMM_V + tl.arange(0, GEMM_V)
+    v_mask = local < chunk_cols
+    offs_d = tn * GEMM_D + tl.arange(0, GEMM_D)
+    d_mask = offs_d < D
+    acc = tl.zeros((GEMM_V, GEMM_D), dtype=tl.float32)
+    for p0 in range(0, n_valid, GEMM_N):
+        p = p0 + tl.arange(0, GEMM_N)
+        p_mask = p < n_valid
+        drt = tl.load(
+            dr_ptr + p.to(tl.int64)[None, :] * stride_dr + local[:, None], mask=v_mask[:, None] & p_mask[None, :],
+            other=0.0,
+        )  # [GEMM_V, GEMM_N]: dr transposed
+        row_index = tl.load(order_ptr + p, mask=p_mask, other=0).to(tl.int64)
+        h = _load_rows(h_ptr, row_index, p_mask, stride_hn, offs_d, d_mask, stride_hd)  # [GEMM_N, GEMM_D]
+        acc = _mm(drt, h, acc, IEEE, UPCAST)
+    cols64 = (v0 + local).to(tl.int64)
+    tl.store(
+        dw_ptr + cols64[:, None] * D + offs_d[None, :], round_to(acc, dw_ptr.dtype.element_ty, UPCAST),
+        mask=v_mask[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
+def _dbias_tile(
+    tm, db_part_ptr, db_ptr, n_valid, part_rows, v0, chunk_cols, stride_dr, UPCAST: tl.constexpr,
+    GEMM_V: tl.constexpr,
+):
+    """d_bias[v0 + i] for one GEMM_V tile of the chunk: the dr kernel's fp32 partial
+    sums, row tile after row tile (part_rows rows each), written once in bias's dtype."""
+    local = tm * GEMM_V + tl.arange(0, GEMM_V)
+    v_mask = local < chunk_cols
+    db = tl.zeros((GEMM_V,), dtype=tl.float32)
+    for r in range(0, tl.cdiv(n_valid, part_rows)):
+        db += tl.load(db_part_ptr + r * stride_dr + local, mask=v_mask, other=0.0)
+    tl.store(db_ptr + (v0 + local).to(tl.int64), round_to(db, db_ptr.dtype.element_ty, UPCAST), mask=v_mask)
+
+
+@triton.jit
+def _dhidden_tile(
+    t, dr_ptr, w_ptr, order_ptr, acc_ptr, dh_ptr, n_rows, n_valid, v0, chunk_cols, D, stride_dr, stride_wv, stride_wd,
+    FIRST: tl.constexpr, LAST: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    GEMM_N: tl.constexpr, GEMM_V: tl.constexpr, GEMM_D: tl.constexpr,
+):
+    """d_hidden[order[p], d] += sum_i dr[p, i] weight[v0 + i, d] for one [GEMM_N, GEMM_D]
+    tile: the chunk's sum (K = its columns, GEMM_V at a time, in order) is added to the
+    running sum read from acc (fp32) unless FIRST, and written back to acc, or with LAST
+    to dh in its dtype."""
+    tm, tn = _grouped_tile(t, tl.cdiv(n_rows, GEMM_N), tl.cdiv(D, GEMM_D), 1)
+    p = tm * GEMM_N + tl.arange(0, GEMM_N)
+    if tm * GEMM_N < n_valid:  # a tile of ignored rows: no work
+        p_mask = p < n_valid
+        offs_d = tn * GEMM_D + tl.arange(0, GEMM_D)
+        d_mask = offs_d < D
+        part = tl.zeros((GEMM_N, GEMM_D), dtype=tl.float32)
+        for k0 in range(0, chunk_cols, GEMM_V):
+            k = k0 + tl.arange(0, GEMM_V)
+            k_mask = k < chunk_cols
+            dr = tl.load(
+                dr_ptr + p.to(tl.int64)[:, None] * stride_dr + k[None, :], mask=p_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )  # [GEMM_N, GEMM_V]
+            w = _load_rows(w_ptr, (v0 + k).to(tl.int64), k_mask, stride_wv, offs_d, d_mask, stride_wd)
+            part = _mm(dr, w, part, IEEE, UPCAST)
+        # the output offsets only now: kept out of the loop's live registers
+        row_index = tl.load(order_ptr + p, mask=p_mask, other=0).to(tl.int64)
+        out = row_index[:, None] * D + offs_d[None, :]
+        out_mask = p_mask[:, None] & d_mask[None, :]
+        if not FIRST:
+            part += tl.load(acc_ptr + out, mask=out_mask, other=0.0)
+        if LAST:
+            tl.store(dh_ptr + out, round_to(part, dh_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+        else:
+            tl.store(acc_ptr + out, part, mask=out_mask)
+
+
+# Step 2 of the backward (see `_ltl_bwd_dr_kernel`): one launch per chunk holds every
+# product on it: the d_bias tiles (programs [0, n_db)), the d_weight tiles
+# ([n_db, n_db + n_dw)) and the d_hidden tiles (the rest), so that all read the chunk's
+# dr while it is in L2 and small batches still fill the GPU. Each output tile is one
+# program's register accumulator: no atomics, a fixed order.
+@triton.jit
+def _ltl_bwd_gemm_kernel(
+    dr_ptr,  # [N, C] from _ltl_bwd_dr_kernel (compact positions), row stride stride_dr
+    db_part_ptr,  # [cdiv(N, part_rows), C] fp32 from _ltl_bwd_dr_kernel (when n_db > 0)
+    h_ptr, w_ptr, order_ptr, n_valid_ptr,  # as in the forward kernel
+    db_ptr, dw_ptr,  # [V] and [V, D] out in bias's and weight's dtypes (when n_db, n_dw > 0)
+    acc_ptr,  # [N, D] fp32 running d_hidden at the caller's row index: read unless FIRST, written unless LAST
+    dh_ptr,  # [N, D] out, hidden's dtype (LAST): rows of ignored targets untouched
+    n_db, n_dw, n_rows, part_rows, v0, chunk_cols, D, stride_dr,
+    stride_hn, stride_hd, stride_wv, stride_wd,
+    FIRST: tl.constexpr, LAST: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    GEMM_N: tl.constexpr, GEMM_V: tl.constexpr, GEMM_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_valid = tl.load(n_valid_ptr)
+    if pid < n_db:
+        _dbias_tile(pid, db_part_ptr, db_ptr, n_valid, part_rows, v0, chunk_cols, stride_dr, UPCAST, GEMM_V)
+    elif pid < n_db + n_dw:
+        _dweight_tile(
+            pid - n_db, dr_ptr, h_ptr, order_ptr, dw_ptr, n_valid, v0, chunk_cols, D, stride_dr, stride_hn,
+            stride_hd, IEEE, UPCAST, GEMM_N, GEMM_V, GEMM_D,
+        )
+    else:
+        _dhidden_tile(
+            pid - n_db - n_dw, dr_ptr, w_ptr, order_ptr, acc_ptr, dh_ptr, n_rows, n_valid, v0, chunk_cols, D,
+            stride_dr, stride_wv, stride_wd, FIRST, LAST, IEEE, UPCAST, GEMM_N, GEMM_V, GEMM_D,
+        )
 
 
 @dataclass(frozen=True)
 class Tiles:
-    """Launch configuration shared by the kernels (GPU-sized defaults per dtype in
+    """Launch configuration of the kernels (GPU-sized defaults per dtype in
     DEFAULT_TILES; pass one as `tiles=` to choose another).
 
-    One configuration for all kernels on purpose: the backward recomputes each
-    [block_n, block_v] logit tile, and it must reproduce the forward's values bit for
-    bit. A tile computed with another shape can differ by an ulp of the logit, and near
-    p = 1 the gradient g (onehot - p) is a difference of nearly equal numbers: an ulp
-    at |s| ~ 400 (3e-5) then becomes a 3e-5 gradient error where the true value is ~0.
-    Block sizes are powers of two >= 16 (tl.dot). The forward splits the vocabulary
-    into chunks of `split_tiles` vocabulary tiles, one program per (row tile, chunk):
-    the split depends on V and this configuration only, never on the batch, so that a
-    row's results do not either (batch invariance).
+    The logit tiles (block_n x block_v, block_d at a time, num_warps) are shared by the
+    forward and the backward's recompute on purpose: the backward must reproduce the
+    forward's logits bit for bit. A tile computed with another shape can differ by an
+    ulp of the logit, and near p = 1 the gradient g (onehot - p) is a difference of
+    nearly equal numbers: an ulp at |s| ~ 400 (3e-5) then becomes a 3e-5 gradient error
+    where the true value is ~0. Both process the vocabulary in chunks of `split_tiles`
+    vocabulary tiles (the forward: one program per (row tile, chunk); the backward: one
+    pair of launches per chunk, its workspace [N, split_tiles * block_v]): the chunks
+    depend on V and this configuration only, never on the batch, so that a row's
+    results do not either (batch invariance). The backward's products on a chunk run on
+    gemm_warps warps in tiles of gemm_n rows, gemm_v vocabulary columns and gemm_d
+    hidden columns: d_weight in [gemm_v, gemm_d] tiles over the rows, gemm_n at a time,
+    d_hidden in [gemm_n, gemm_d] tiles over the chunk's columns, gemm_v at a time.
+    Block sizes are powers of two >= 16 (tl.dot).
     """
 
     block_n: int = 64
@@ -461,33 +533,43 @@ class Tiles:
     block_d: int = 32
     num_warps: int = 8
     split_tiles: int = 32
+    gemm_n: int = 128
+    gemm_v: int = 128
+    gemm_d: int = 128
+    gemm_warps: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_v", "block_d"):
+        for name in ("block_n", "block_v", "block_d", "gemm_n", "gemm_v", "gemm_d"):
             b = getattr(self, name)
             if isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1):
                 raise ValueError(f"Tiles.{name} must be a power of two >= 16 (tl.dot), got {b!r}")
-        w = self.num_warps
-        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 32 or w & (w - 1):
-            raise ValueError(f"Tiles.num_warps must be a power of two in [1, 32], got {w!r}")
+        for name in ("num_warps", "gemm_warps"):
+            w = getattr(self, name)
+            if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 32 or w & (w - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two in [1, 32], got {w!r}")
         k = self.split_tiles
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"Tiles.split_tiles must be an int >= 1, got {k!r}")
 
+    def as_list(self) -> List[int]:
+        """The fields in order, as a custom op takes them (Tiles(*tiles) rebuilds it)."""
+        return [getattr(self, f.name) for f in fields(self)]
+
 
 # Defaults per input dtype, chosen without a GPU from ptxas's register report for sm_90
-# (triton 3.9, ahead-of-time compile): bf16/fp16 at 64 x 128 x 32 use wgmma and spill
-# nothing in the forward and d_hidden kernels (16 bytes in d_weight), where BLOCK_D = 64
-# spilled 200-500 bytes in the backward; fp32 (FMA dots, IEEE) at 64 x 64 x 32 spills
-# 8-40 bytes, at 64 x 128 x 32 over 600. With triton 3.6 (the GPU machine's) the
-# defaults compile the same way: bf16/fp16 spill nothing, fp32 12-40 bytes in the
-# backward. The forward chunk is 32 vocabulary tiles (4096 columns in bf16/fp16, 2048
-# in fp32): V = 151,936 makes 38 (75) chunks per row tile, enough programs to fill a
-# GPU from a single row tile.
+# (ahead-of-time compile as the JIT specializes a contiguous launch, triton 3.9 here and
+# 3.6, the GPU machine's: tests/test_linear_token_logprobs.py checks it): bf16/fp16
+# logit tiles 64 x 128 x 32 and product tiles 128 x 128 x 128 (8 warps) use wgmma and
+# spill nothing (product tiles with 4 warps spill ~1 KB); fp32 (FMA dots, IEEE) spills
+# nothing at 64 x 64 x 16 and products 64 x 64 x 64 (8 bytes in the forward at
+# block_d = 32, tens of KB at 128-wide products). The vocabulary chunk is 32 tiles
+# (4096 columns in bf16/fp16, 2048 in fp32): V = 151,936 makes 38 (75) chunks, so the
+# forward fills a GPU from a single row tile and the backward's workspace is 2.7% of
+# an [N, V] bf16 tensor.
 DEFAULT_TILES: Dict[torch.dtype, Tiles] = {
     torch.float16: Tiles(),
     torch.bfloat16: Tiles(),
-    torch.float32: Tiles(block_v=64),
+    torch.float32: Tiles(block_v=64, block_d=16, gemm_n=64, gemm_v=64, gemm_d=64),
 }
 
 
@@ -517,28 +599,26 @@ def _int32_safe_columns(t: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class _Launch:
     """Everything the kernels share, derived once per call: the operands, their strides,
-    the valid-row order, the soft-cap values and every compile-time flag."""
+    the valid-row order, the logit transform and every compile-time flag."""
 
     hidden: torch.Tensor  # [N, D]
     weight: torch.Tensor  # [V, D]
     bias: Optional[torch.Tensor]  # [V]
     targets: torch.Tensor  # [N] int32/int64, contiguous
-    inv_t: torch.Tensor  # [N] fp32, contiguous (times logit_scale when there is no soft cap)
+    transform: LogitTransform  # inv_t [N] fp32, the soft cap and logit scale
     order: torch.Tensor  # [N] int64: rows whose target is not ignore_index first, in order
     n_valid: torch.Tensor  # [1] int64 on the device: how many there are (never read on the host)
-    softcap: Optional[float]
-    logit_scale: Optional[float]
     tiles: Tiles
 
     @staticmethod
-    def build(hidden, weight, bias, targets, inv_t, ignore_index, softcap, logit_scale, tiles) -> "_Launch":
+    def build(hidden, weight, bias, targets, transform, ignore_index, tiles) -> "_Launch":
         ignored = targets == ignore_index
         # a stable sort of a 0/1 key: the valid rows first, without a host sync
         order = torch.sort(ignored.to(torch.uint8), stable=True).indices
         n_valid = (~ignored).sum().reshape(1)
         return _Launch(
-            _int32_safe_columns(hidden), _int32_safe_columns(weight), bias, targets.contiguous(),
-            inv_t.contiguous(), order, n_valid, softcap, logit_scale, tiles,
+            _int32_safe_columns(hidden), _int32_safe_columns(weight), bias, targets.contiguous(), transform, order,
+            n_valid, tiles,
         )
 
     @property
@@ -549,22 +629,19 @@ class _Launch:
         return (_cdiv(self.n, self.tiles.block_n) * splits,)
 
     def common(self) -> Dict[str, object]:
-        """Keyword arguments every matmul kernel takes, flags included."""
+        """Keyword arguments every logit-tile kernel takes, flags included."""
         h, w, b, cfg = self.hidden, self.weight, self.bias, self.tiles
-        cap = self.softcap
         return dict(
             h_ptr=h, w_ptr=w, b_ptr=b if b is not None else w,  # weight: an unread stand-in
-            targets_ptr=self.targets, inv_t_ptr=self.inv_t, order_ptr=self.order, n_valid_ptr=self.n_valid,
+            targets_ptr=self.targets, inv_t_ptr=self.transform.inv_t, order_ptr=self.order, n_valid_ptr=self.n_valid,
             V=w.shape[0], D=h.shape[1],
             stride_hn=h.stride(0), stride_hd=h.stride(1), stride_wv=w.stride(0), stride_wd=w.stride(1),
             stride_b=b.stride(0) if b is not None else 0,
-            softcap=cap if cap is not None else 1.0,
-            softcap_pre=(self.logit_scale or 1.0) / cap if cap is not None else 1.0,
             HAS_BIAS=b is not None,
-            HAS_SOFTCAP=cap is not None,
             IEEE=h.dtype == torch.float32,  # fp32 operands: no TF32 (see _mm)
             UPCAST=h.dtype == torch.bfloat16 and interpreting(),  # the interpreter's bf16 dot (see _mm)
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+            **self.transform.kernel_args(),
         )
 
 
@@ -605,187 +682,194 @@ def _backward(
     launch: _Launch, lse_parts: torch.Tensor, entropy: Optional[torch.Tensor], g_logp: torch.Tensor,
     g_entropy: Optional[torch.Tensor], need: Tuple[bool, bool, bool],
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(d_hidden, d_weight, d_bias), each None unless `need` says so."""
+    """(d_hidden, d_weight, d_bias), each None unless `need` says so: per vocabulary
+    chunk, dr into a workspace, then the two products on it (see `_ltl_bwd_dr_kernel`)."""
     hidden, weight, bias = launch.hidden, launch.weight, launch.bias
     n, d = hidden.shape
     vocab = weight.shape[0]
-    f32 = dict(dtype=torch.float32, device=hidden.device)
+    # d_hidden starts at 0 (ignored rows stay 0); the kernels write every d_weight and d_bias element
+    out = [(torch.zeros if i == 0 or n == 0 else torch.empty)(t.shape, dtype=t.dtype, device=t.device)
+           if want else None for i, (t, want) in enumerate(zip((hidden, weight, bias), need))]  # fmt: skip
+    if n == 0:
+        return tuple(out)
     has_entropy_grad = g_entropy is not None
-    rows = dict(
+    stats = dict(
         shift_ptr=lse_parts[0], log_l_ptr=lse_parts[1],
         entropy_ptr=entropy if has_entropy_grad else g_logp,  # unread stand-ins without entropy
         g_logp_ptr=g_logp, g_entropy_ptr=g_entropy if has_entropy_grad else g_logp,
-        logit_scale=launch.logit_scale or 1.0,
-        HAS_ENTROPY_GRAD=has_entropy_grad,
+        HAS_ENTROPY_GRAD=has_entropy_grad, n_rows=n,
+        **launch.common(),
     )
-    common = launch.common()
-    d_hidden = d_weight = d_bias = None
-    if need[0]:
-        dh = torch.zeros(n, d, **f32)
-        if n > 0:
-            _ltl_bwd_dhidden_kernel[launch.grid_rows()](dh_ptr=dh, n_rows=n, **rows, **common)
-        d_hidden = dh.to(hidden.dtype)
-    if need[1] or need[2]:
-        dw = torch.zeros(vocab, d, **f32) if need[1] else g_logp  # stand-ins when unwanted
-        db = torch.zeros(vocab, **f32) if need[2] else g_logp
-        if n > 0:
-            _ltl_bwd_dweight_kernel[(_cdiv(vocab, launch.tiles.block_v),)](
-                dw_ptr=dw, db_ptr=db, WANT_DW=need[1], WANT_DB=need[2], **rows, **common
-            )
-        d_weight = dw.to(weight.dtype) if need[1] else None
-        d_bias = db.to(bias.dtype) if need[2] else None
-    return d_hidden, d_weight, d_bias
-
-
-class _LinearTokenLogprobs(torch.autograd.Function):
-    """Saves hidden, weight, bias and per-row statistics (M, log l, entropy); never [N, V]."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale, tiles):
-        with no_autocast(hidden.device):
-            launch = _Launch.build(hidden, weight, bias, targets, inv_t, ignore_index, softcap, logit_scale, tiles)
-            logp, entropy, lse_parts = _forward(launch, return_entropy)
-        ctx.save_for_backward(
-            launch.hidden, launch.weight, bias, launch.targets, launch.inv_t, launch.order, launch.n_valid,
-            lse_parts, entropy,
+    _, chunk = _split_vocab(vocab, launch.tiles)
+    width = min(chunk, vocab)
+    dr = torch.empty(n, width, dtype=hidden.dtype, device=hidden.device)  # the workspace
+    db_part = torch.empty(_cdiv(n, launch.tiles.block_n) if need[2] else 0, width, dtype=torch.float32,
+                          device=hidden.device)  # fmt: skip
+    acc = out[0]  # the running d_hidden in fp32: d_hidden itself for fp32 inputs, unused for one chunk
+    if acc is not None and hidden.dtype != torch.float32 and vocab > chunk:
+        acc = torch.empty(n, d, dtype=torch.float32, device=hidden.device)
+    for v0 in range(0, vocab, chunk):
+        cols = min(chunk, vocab - v0)
+        grid = (_cdiv(n, launch.tiles.block_n) * _cdiv(cols, launch.tiles.block_v),)
+        _ltl_bwd_dr_kernel[grid](
+            dr_ptr=dr, db_part_ptr=db_part if need[2] else dr, v0=v0, chunk_cols=cols, stride_dr=width,
+            WANT_DB=need[2], **stats,
         )
-        ctx.launch_options = (softcap, logit_scale, tiles)
-        ctx.set_materialize_grads(False)  # an unused output costs nothing in backward
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, g_logp, g_entropy):
-        hidden, weight, bias, targets, inv_t, order, n_valid, lse_parts, entropy = ctx.saved_tensors
-        need = tuple(ctx.needs_input_grad[:3])
-        with no_autocast(hidden.device):
-            launch = _Launch(hidden, weight, bias, targets, inv_t, order, n_valid, *ctx.launch_options)
-            if g_logp is None and g_entropy is None:
-                d_hidden, d_weight, d_bias = (torch.zeros_like(t) if want else None
-                                              for t, want in zip((hidden, weight, bias), need))  # fmt: skip
-            else:
-                f32 = dict(dtype=torch.float32, device=hidden.device)
-                g_logp = g_logp.to(torch.float32).contiguous() if g_logp is not None else torch.zeros(hidden.shape[0], **f32)
-                if entropy is None:
-                    g_entropy = None
-                elif g_entropy is not None:
-                    g_entropy = g_entropy.to(torch.float32).contiguous()
-                d_hidden, d_weight, d_bias = _backward(launch, lse_parts, entropy, g_logp, g_entropy, need)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None
+        _chunk_products(launch, dr, db_part, v0, cols, out, acc)
+    return tuple(out)
 
 
-def _linear_token_logprobs_triton(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    targets: torch.Tensor,
-    inv_t: torch.Tensor,
-    ignore_index: int,
-    return_entropy: bool,
-    softcap: Optional[float],
-    logit_scale: Optional[float],
-    tiles: Tiles,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    return _LinearTokenLogprobs.apply(
-        hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale, tiles
+def _chunk_products(
+    launch: _Launch, dr: torch.Tensor, db_part: torch.Tensor, v0: int, cols: int, out: List[Optional[torch.Tensor]],
+    acc: Optional[torch.Tensor],
+) -> None:
+    """One `_ltl_bwd_gemm_kernel` launch for the chunk [v0, v0 + cols): its rows of
+    d_weight and d_bias into out[1], out[2], and its share of d_hidden into acc / out[0]."""
+    d_hidden, d_weight, d_bias = out
+    h, w, cfg = launch.hidden, launch.weight, launch.tiles
+    n, d = h.shape
+    n_db = _cdiv(cols, cfg.gemm_v) if d_bias is not None else 0
+    n_dw = _cdiv(cols, cfg.gemm_v) * _cdiv(d, cfg.gemm_d) if d_weight is not None else 0
+    n_dh = _cdiv(n, cfg.gemm_n) * _cdiv(d, cfg.gemm_d) if d_hidden is not None else 0
+    _ltl_bwd_gemm_kernel[(n_db + n_dw + n_dh,)](
+        dr_ptr=dr, db_part_ptr=db_part, h_ptr=h, w_ptr=w, order_ptr=launch.order, n_valid_ptr=launch.n_valid,
+        # dr: an unread, unwritten stand-in for the outputs not wanted
+        db_ptr=d_bias if d_bias is not None else dr, dw_ptr=d_weight if d_weight is not None else dr,
+        acc_ptr=acc if acc is not None else dr, dh_ptr=d_hidden if d_hidden is not None else dr,
+        n_db=n_db, n_dw=n_dw, n_rows=n, part_rows=cfg.block_n, v0=v0, chunk_cols=cols, D=d, stride_dr=dr.stride(0),
+        stride_hn=h.stride(0), stride_hd=h.stride(1), stride_wv=w.stride(0), stride_wd=w.stride(1),
+        FIRST=v0 == 0, LAST=v0 + cols == w.shape[0],
+        IEEE=h.dtype == torch.float32, UPCAST=h.dtype == torch.bfloat16 and interpreting(),
+        GEMM_N=cfg.gemm_n, GEMM_V=cfg.gemm_v, GEMM_D=cfg.gemm_d, num_warps=cfg.gemm_warps,
     )
 
 
 # ---------------------------------------------------------------------------------
-# The same op for torch.compile: a torch.library custom op (forward and backward each
-# one opaque op with a shape-only fake), so a compiled graph calls it without a break.
-# `use_triton` selects the kernels or the reference behind the one op;
-# linear_token_logprobs takes this path while torch.compile traces it.
+# The op: one torch.library custom op serves eager and torch.compile alike (a
+# shape-only fake for compile, autograd registered), with the kernels or the reference
+# behind it (`use_triton`). Tensors are positional, options keyword-only: the backward
+# returns one gradient per tensor input. The backward is a second custom op.
 
 
-def _empty(like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def _placeholder(like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A [0] tensor standing for an output the path does not produce."""
     return like.new_empty(0, dtype=dtype)
 
 
-@torch.library.custom_op("erpo_kernels::linear_token_logprobs_fwd", mutates_args=())
-def _fwd_op(
+@torch.library.custom_op("erpo_kernels::linear_token_logprobs", mutates_args=())
+def _linear_token_logprobs_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    inv_t: torch.Tensor, ignore_index: int, return_entropy: bool, softcap: Optional[float],
-    logit_scale: Optional[float], use_triton: bool, tiles: List[int],
+    inv_t: torch.Tensor, *, softcap: Optional[float], logit_scale: Optional[float], unit: bool, ignore_index: int,
+    return_entropy: bool, use_triton: bool, tiles: List[int],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> logp [N], entropy [N] (or [0]), and what the Triton backward needs: lse_parts
-    [2, N], order [N], n_valid [1] (each [0] on the reference)."""
-    if use_triton:
-        launch = _Launch.build(hidden, weight, bias, targets, inv_t, ignore_index, softcap, logit_scale, Tiles(*tiles))
-        with no_autocast(hidden.device):
+    [2, N] (M, log l), order [N], n_valid [1] (each [0] on the reference)."""
+    transform = LogitTransform(inv_t, softcap, logit_scale, unit)
+    with no_autocast(hidden.device):
+        if use_triton:
+            launch = _Launch.build(hidden, weight, bias, targets, transform, ignore_index, Tiles(*tiles))
             logp, entropy, lse_parts = _forward(launch, return_entropy)
-        order, n_valid = launch.order, launch.n_valid
-    else:
-        logp, entropy = reference.linear_token_logprobs_forward(
-            hidden, weight, bias, targets, LogitTransform(inv_t, softcap, logit_scale), ignore_index, return_entropy
-        )
-        lse_parts, order, n_valid = _empty(logp), _empty(logp, torch.int64), _empty(logp, torch.int64)
-    return logp, entropy if entropy is not None else _empty(logp), lse_parts, order, n_valid
+            order, n_valid = launch.order, launch.n_valid
+        else:
+            logp, entropy = reference.linear_token_logprobs_forward(
+                hidden, weight, bias, targets, transform, ignore_index, return_entropy
+            )
+            lse_parts = _placeholder(logp)
+            order, n_valid = _placeholder(logp, torch.int64), _placeholder(logp, torch.int64)
+    return logp, entropy if entropy is not None else _placeholder(logp), lse_parts, order, n_valid
 
 
-@_fwd_op.register_fake
-def _fwd_fake(hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale, use_triton,
-              tiles):  # fmt: skip
+@_linear_token_logprobs_op.register_fake
+def _linear_token_logprobs_fake(hidden, weight, bias, targets, inv_t, *, use_triton, return_entropy, **options):
     n = hidden.shape[0]
     logp = hidden.new_empty(n, dtype=torch.float32 if use_triton else compute_dtype(hidden.dtype))
-    entropy = logp.new_empty(n if return_entropy else 0)
-    if use_triton:
-        return logp, entropy, logp.new_empty(2, n), logp.new_empty(n, dtype=torch.int64), logp.new_empty(
-            1, dtype=torch.int64
-        )
-    return logp, entropy, logp.new_empty(0), logp.new_empty(0, dtype=torch.int64), logp.new_empty(0, dtype=torch.int64)
+    rows = n if use_triton else 0
+    index = dict(dtype=torch.int64)
+    return (logp, logp.new_empty(n if return_entropy else 0), logp.new_empty(2, rows), logp.new_empty(rows, **index),
+            logp.new_empty(1 if use_triton else 0, **index))  # fmt: skip
 
 
-@torch.library.custom_op("erpo_kernels::linear_token_logprobs_bwd", mutates_args=())
-def _bwd_op(
+@torch.library.custom_op("erpo_kernels::linear_token_logprobs_backward", mutates_args=())
+def _backward_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     inv_t: torch.Tensor, lse_parts: torch.Tensor, order: torch.Tensor, n_valid: torch.Tensor, entropy: torch.Tensor,
-    g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor], ignore_index: int, softcap: Optional[float],
-    logit_scale: Optional[float], use_triton: bool, tiles: List[int],
+    g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor], *, softcap: Optional[float],
+    logit_scale: Optional[float], unit: bool, ignore_index: int, use_triton: bool, tiles: List[int], need: List[bool],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> d_hidden, d_weight, d_bias ([0] without a bias)."""
-    has_entropy_grad = g_entropy is not None and entropy.numel() > 0
-    if use_triton:
-        f32 = dict(dtype=torch.float32, device=hidden.device)
-        launch = _Launch(_int32_safe_columns(hidden), _int32_safe_columns(weight), bias, targets.contiguous(),
-                         inv_t.contiguous(), order, n_valid, softcap, logit_scale, Tiles(*tiles))  # fmt: skip
-        g = g_logp.to(torch.float32).contiguous() if g_logp is not None else torch.zeros(hidden.shape[0], **f32)
-        ge = g_entropy.to(torch.float32).contiguous() if has_entropy_grad else None
-        with no_autocast(hidden.device):
-            d_hidden, d_weight, d_bias = _backward(
-                launch, lse_parts, entropy if has_entropy_grad else None, g, ge, (True, True, bias is not None)
+    """-> d_hidden [N, D], d_weight [V, D], d_bias [V] in the inputs' dtypes (contiguous;
+    [0] where `need` (hidden, weight, bias) says not wanted). g_entropy None: the
+    entropy's gradient is not wanted."""
+    transform = LogitTransform(inv_t, softcap, logit_scale, unit)
+    entropy = entropy if g_entropy is not None else None
+    with no_autocast(hidden.device):
+        if use_triton:
+            launch = _Launch(_int32_safe_columns(hidden), _int32_safe_columns(weight), bias, targets.contiguous(),
+                             transform, order, n_valid, Tiles(*tiles))  # fmt: skip
+            f32 = dict(dtype=torch.float32, device=hidden.device)
+            g = g_logp.to(torch.float32).contiguous() if g_logp is not None else torch.zeros(hidden.shape[0], **f32)
+            ge = g_entropy.to(torch.float32).contiguous() if g_entropy is not None else None
+            grads = _backward(launch, lse_parts, entropy, g, ge, tuple(need))
+        else:
+            grads = reference.linear_token_logprobs_backward(
+                hidden, weight, bias, targets, transform, ignore_index, entropy, g_logp, g_entropy
             )
-    else:
-        d_hidden, d_weight, d_bias = reference.linear_token_logprobs_backward(
-            hidden, weight, bias, targets, LogitTransform(inv_t, softcap, logit_scale), ignore_index,
-            entropy if has_entropy_grad else None, g_logp, g_entropy if has_entropy_grad else None,
-        )
-    return d_hidden, d_weight, d_bias if d_bias is not None else _empty(weight)
+    return tuple(g.contiguous() if g is not None and want else _placeholder(t)
+                 for g, t, want in zip(grads, (hidden, weight, weight), need))  # fmt: skip
 
 
-@_bwd_op.register_fake
-def _bwd_fake(hidden, weight, bias, *args):
-    d_bias = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
-    return torch.empty_like(hidden), torch.empty_like(weight), d_bias
+@_backward_op.register_fake
+def _backward_fake(hidden, weight, bias, *args, need, **options):
+    return tuple(t.new_empty(t.shape if want else 0) if t is not None else weight.new_empty(0)
+                 for t, want in zip((hidden, weight, bias), need))  # fmt: skip
 
 
-def _op_setup(ctx, inputs, output):
-    hidden, weight, bias, targets, inv_t, ignore_index, return_entropy = inputs[:7]
+def _setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
     _, entropy, lse_parts, order, n_valid = output
-    ctx.save_for_backward(hidden, weight, bias, targets, inv_t, lse_parts, order, n_valid, entropy)
-    ctx.options = (ignore_index, return_entropy, *inputs[7:])
+    ctx.save_for_backward(*inputs, lse_parts, order, n_valid, entropy)
+    ctx.options = dict(keyword_only_inputs)
+    ctx.set_materialize_grads(False)  # an unused output costs nothing in backward
 
 
-def _op_backward(ctx, g_logp, g_entropy, *_unused):
-    hidden, weight, bias, targets, inv_t, lse_parts, order, n_valid, entropy = ctx.saved_tensors
-    ignore_index, return_entropy, softcap, logit_scale, use_triton, tiles = ctx.options
-    d_hidden, d_weight, d_bias = _bwd_op(
-        hidden, weight, bias, targets, inv_t, lse_parts, order, n_valid, entropy, g_logp,
-        g_entropy if return_entropy else None, ignore_index, softcap, logit_scale, use_triton, tiles,
-    )
-    return (d_hidden, d_weight, d_bias if bias is not None else None) + (None,) * 8
+def _backward_autograd(ctx, g_logp, g_entropy, *_unused):
+    hidden, weight, bias = ctx.saved_tensors[:3]
+    options = dict(ctx.options)
+    if not options.pop("return_entropy"):
+        g_entropy = None
+    need = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
+    if (g_logp is None and g_entropy is None) or not any(need):
+        return None, None, None, None, None
+    grads = _backward_op(*ctx.saved_tensors, g_logp, g_entropy, need=need, **options)
+    return tuple(g if want else None for g, want in zip(grads, need)) + (None, None)
 
 
-torch.library.register_autograd("erpo_kernels::linear_token_logprobs_fwd", _op_backward, setup_context=_op_setup)
+_linear_token_logprobs_op.register_autograd(_backward_autograd, setup_context=_setup_context)
+
+
+def _checked_operands(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """hidden [N, D], weight [V, D], bias [V] or None, checked (ValueError naming the
+    argument) and cast to the autocast dtype as autocast casts a linear layer's operands."""
+    check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=hidden.device)
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, device=hidden.device)
+    amp = autocast_dtype(hidden.device)
+    if amp is not None:  # fp64 is left alone
+        hidden, weight, bias = (t.to(amp) if t is not None and t.dtype != torch.float64 else t
+                                for t in (hidden, weight, bias))  # fmt: skip
+    check_tensor("weight", weight, dtypes=(hidden.dtype,))
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight has D = {weight.shape[1]} columns but hidden has D = {hidden.shape[1]}")
+    if weight.shape[0] < 1:
+        raise ValueError("weight must have at least one row (V >= 1)")
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(hidden.dtype,))
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"bias has {bias.shape[0]} entries, expected {weight.shape[0]} (one per vocabulary row of weight)"
+            )
+    return hidden, weight, bias
 
 
 def linear_token_logprobs(
@@ -823,13 +907,19 @@ def linear_token_logprobs(
             inv_temperature (positive, finite). These checks read the tensors on the
             host (a device sync); pass False in a hot loop once the batch has been
             validated. Shapes, dtypes and devices are always checked.
-        tiles: the Triton launch configuration (None: DEFAULT_TILES for the dtype).
+        tiles: the Triton launch configuration, a Tiles (None: DEFAULT_TILES for the
+            dtype); results depend on it.
     Returns:
         logp [N] fp32 (fp64 for fp64 inputs), and entropy [N] when return_entropy.
-        Gradients flow to hidden, weight and bias. On the Triton backend, a row's
-        logp, entropy and d_hidden row are bit-identical whatever else is in the batch
-        (N, the other rows, ignored rows, the row's position): they depend on the
-        row, weight, bias, the options, the dtype and the tiles only.
+        Gradients flow to hidden, weight and bias (deterministic on the Triton
+        backend: no atomics). On the Triton backend, a row's logp, entropy and
+        d_hidden row are bit-identical whatever else is in the batch (N, the other
+        rows, ignored rows, the row's position): they depend on the row, weight,
+        bias, the options, the dtype and the tiles only (docs/batch-invariance.md).
+
+    The Triton backward needs a workspace of N x split_tiles x block_v values in the
+    input dtype (4096 columns by default: 2.7% of an [N, V] bf16 tensor at V = 151,936)
+    and, for bf16 / fp16 inputs over more than one chunk, an fp32 [N, D] running d_hidden.
 
     Under autocast (enabled for hidden's device type) the op treats the product
     hidden @ weight.T as autocast treats a linear layer: fp16/bf16/fp32 hidden, weight
@@ -837,61 +927,19 @@ def linear_token_logprobs(
     states work), and the softmax side stays fp32. Gradients reach the uncast tensors
     in their own dtypes.
     """
-    check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=hidden.device)
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, device=hidden.device)
-    amp = autocast_dtype(hidden.device)
-    if amp is not None:  # as autocast casts a linear layer's operands (fp64 is left alone)
-        hidden, weight, bias = (
-            t.to(amp) if t is not None and t.dtype != torch.float64 else t for t in (hidden, weight, bias)
-        )
-    check_tensor("weight", weight, dtypes=(hidden.dtype,))
-    n, d = hidden.shape
-    vocab = weight.shape[0]
-    if weight.shape[1] != d:
-        raise ValueError(f"weight has D = {weight.shape[1]} columns but hidden has D = {d}")
-    if vocab < 1:
-        raise ValueError("weight must have at least one row (V >= 1)")
-    if bias is not None:
-        check_tensor("bias", bias, dtypes=(hidden.dtype,))
-        if bias.shape[0] != vocab:
-            raise ValueError(
-                f"bias has {bias.shape[0]} entries, expected {vocab} (one per vocabulary row of weight)"
-            )
-    check_targets(targets, n, vocab, ignore_index, hidden.device, validate=validate)
-    inv_t = row_inv_temperature(inv_temperature, n, hidden.device, validate=validate)
-    unit = is_unit_scale(inv_temperature, logit_scale)  # temperature 1, no scale: known without reading a tensor
-    softcap = optional_positive_float("softcap", softcap)
-    logit_scale = optional_positive_float("logit_scale", logit_scale)
-    if logit_scale is not None and softcap is None:
-        # a plain scale is a factor on the temperature (one rounding, no extra pass)
-        inv_t, logit_scale = inv_t * logit_scale, None
+    hidden, weight, bias = _checked_operands(hidden, weight, bias)
+    n = hidden.shape[0]
+    check_targets(targets, n, weight.shape[0], ignore_index, hidden.device, validate=validate)
+    transform = LogitTransform.build(
+        inv_temperature, n, hidden.device, softcap=softcap, logit_scale=logit_scale, validate=validate
+    )
     if tiles is not None and not isinstance(tiles, Tiles):
         raise ValueError(f"tiles must be None or a Tiles, got {type(tiles).__name__}")
-    which = resolve_kernel_backend(backend, {"hidden": hidden})
-    if torch.compiler.is_compiling():
-        cfg = tiles or DEFAULT_TILES.get(hidden.dtype, Tiles())
-        logp, entropy, _, _, _ = _fwd_op(
-            hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale,
-            which == "triton", [cfg.block_n, cfg.block_v, cfg.block_d, cfg.num_warps, cfg.split_tiles],
-        )
-        return (logp, entropy) if return_entropy else logp
-    if which == "torch":
-        return reference.linear_token_logprobs(
-            hidden,
-            weight,
-            targets,
-            bias=bias,
-            inv_temperature=None if unit else inv_t,  # None: the reference skips the shift and scale
-            ignore_index=ignore_index,
-            return_entropy=return_entropy,
-            softcap=softcap,
-            logit_scale=logit_scale,
-            validate=False,  # inv_t was checked above
-        )
-    logp, entropy = _linear_token_logprobs_triton(
-        hidden, weight, bias, targets, inv_t, ignore_index, return_entropy, softcap, logit_scale,
-        tiles or DEFAULT_TILES[hidden.dtype],
+    use_triton = resolve_kernel_backend(backend, {"hidden": hidden}) == "triton"
+    inv_t, softcap, logit_scale, unit = transform.op_args()
+    logp, entropy, _, _, _ = _linear_token_logprobs_op(
+        hidden, weight, bias, targets.contiguous(), inv_t, softcap=softcap, logit_scale=logit_scale, unit=unit,
+        ignore_index=ignore_index, return_entropy=bool(return_entropy), use_triton=use_triton,
+        tiles=(tiles or DEFAULT_TILES.get(hidden.dtype, Tiles())).as_list(),
     )
     return (logp, entropy) if return_entropy else logp

@@ -2,10 +2,10 @@
 float64) and the path `backend="auto"` takes where Triton cannot compile.
 
 Each op's forward and backward are separate functions without autograd: the op's
-custom op (token_logprobs.py) runs them behind the same autograd registration as its
-kernels. They are memory-bounded: work is done in row chunks, only the inputs and the
-per-row entropy are saved, and each chunk's softmax is recomputed in backward with the
-same fused PyTorch op as the forward. Peak extra memory is a few chunk x V
+custom op (token_logprobs.py, linear_token_logprobs.py) runs them behind the same
+autograd registration as its kernels. They are memory-bounded: work is done in row
+chunks, only the inputs and the per-row entropy are saved, and each chunk's softmax
+is recomputed in backward with the same fused PyTorch op as the forward. Peak extra memory is a few chunk x V
 buffers plus the gradient itself, never a second [N, V] fp32 copy.
 
 Math shared with the kernels, per row with s = inv_T * z (z the logits):
@@ -21,7 +21,7 @@ Optional logit transform of the raw logits r, before the temperature:
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 
@@ -252,56 +252,6 @@ def linear_token_logprobs_backward(
                 d_bias += g.sum(0)
             del z, raw, g, slope
     return d_hidden, d_weight.to(weight.dtype), d_bias.to(bias.dtype) if d_bias is not None else None
-
-
-# The linear op's eager autograd path, until linear_token_logprobs moves onto its one
-# custom op (issue 18.2; the kernel lane removes this Function and the function below then).
-class _LinearTokenLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform, ignore_index, return_entropy):
-        logp, entropy = linear_token_logprobs_forward(
-            hidden, weight, bias, targets, transform, ignore_index, return_entropy
-        )
-        ctx.save_for_backward(hidden, weight, bias, targets, entropy if return_entropy else logp)
-        ctx.options = (transform, ignore_index, return_entropy)
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, g_logp, g_entropy):
-        hidden, weight, bias, targets, entropy = ctx.saved_tensors
-        transform, ignore_index, return_entropy = ctx.options
-        d_hidden, d_weight, d_bias = linear_token_logprobs_backward(
-            hidden, weight, bias, targets, transform, ignore_index, entropy, g_logp,
-            g_entropy if return_entropy else None,
-        )
-        return d_hidden, d_weight, d_bias, None, None, None, None
-
-
-def linear_token_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    bias: Optional[torch.Tensor] = None,
-    inv_temperature: Union[None, float, torch.Tensor] = None,
-    ignore_index: int = -100,
-    return_entropy: bool = False,
-    softcap: Optional[float] = None,
-    logit_scale: Optional[float] = None,
-    validate: bool = True,
-):
-    """Reference of `erpo_kernels.linear_token_logprobs`: hidden [N, D], weight [V, D] ->
-    logp [N] (and entropy [N]) of softmax(z * inv_T), z = softcap tanh(logit_scale
-    (hidden @ weight.T + bias) / softcap) (each step only when given).
-
-    Row chunks through a matmul: peak extra memory is bounded by chunk x V, not N x V.
-    Rows whose target is ignore_index are skipped and return 0.
-    """
-    transform = LogitTransform.build(
-        inv_temperature, hidden.shape[0], hidden.device, softcap=softcap, logit_scale=logit_scale, validate=validate
-    )
-    logp, entropy = _LinearTokenLogprobs.apply(hidden, weight, bias, targets, transform, ignore_index, return_entropy)
-    return (logp, entropy) if return_entropy else logp
 
 
 def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,9 @@ ltl = importlib.import_module("erpo_kernels.linear_token_logprobs")
 tlp = importlib.import_module("erpo_kernels.token_logprobs")
 
 IGNORE = -100
+SMALL_TILES = ltl.Tiles(
+    block_n=16, block_v=32, block_d=16, num_warps=4, split_tiles=2, gemm_n=16, gemm_v=16, gemm_d=16, gemm_warps=4
+)
 D, V = 24, 211
 # (N, position of the row, rows ignored around it)
 PLACEMENTS = [(1, 0, ()), (5, 3, (2, 4)), (37, 17, (15, 16, 18)), (70, 69, (0, 68)), (70, 40, ())]
@@ -87,7 +90,7 @@ def _check_same(results):
     ids=["float32-small", "bfloat16-small-softcap", "bfloat16-default", "float32-default-softcap"],
 )
 def test_linear_token_logprobs_row_is_batch_invariant(device, dtype, tiles, softcap):
-    cfg = ltl.Tiles(block_n=16, block_v=32, block_d=16, num_warps=4, split_tiles=2) if tiles == "small" else None
+    cfg = SMALL_TILES if tiles == "small" else None
     weight = (torch.randn(V, D) * 0.5).to(dtype).to(device)
     bias = torch.randn(V).to(dtype).to(device)
     row = torch.randn(D).to(dtype)

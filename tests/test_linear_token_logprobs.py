@@ -19,7 +19,9 @@ ltl_module = importlib.import_module("erpo_kernels.linear_token_logprobs")
 
 N, D, V = 37, 24, 211
 IGNORE = -100
-SMALL_TILES = ltl_module.Tiles(block_n=16, block_v=32, block_d=16, num_warps=4, split_tiles=2)
+SMALL_TILES = ltl_module.Tiles(
+    block_n=16, block_v=32, block_d=16, num_warps=4, split_tiles=2, gemm_n=16, gemm_v=16, gemm_d=16, gemm_warps=4
+)
 
 
 @pytest.fixture(params=["default_tiles", "small_tiles"])
@@ -341,38 +343,51 @@ def test_validate_false_reads_no_values(device, backend):
 _AOT_COMPILE = r"""
 import importlib, json
 import torch
-from _aot import compile_ptx
+from _aot import compile_ptx, spilled_bytes
 m = importlib.import_module("erpo_kernels.linear_token_logprobs")
+# as the JIT specializes a launch on contiguous operands at N x 4096 x 151,936: unit strides
+# are constants, pointers and sizes that are multiples of 16 are marked so
+unit = dict(stride_hd=1, stride_wd=1, stride_b=1)
+divisible = [a + "_ptr" for a in ("h", "w", "b", "dr", "dw", "db", "dh", "acc", "db_part", "targets", "inv_t",
+             "order", "shift", "log_l", "entropy", "g_logp", "g_entropy", "max", "sum", "target_logit")]
+divisible += ["D", "V", "stride_hn", "stride_wv", "stride_dr", "v0", "chunk_cols", "v_per_split"]
 report = {}
+def check(key, fn, types, consts, num_warps):
+    ptx = compile_ptx(fn, types, dict(consts, **{k: v for k, v in unit.items() if k in fn.arg_names}), num_warps,
+                      divisible=[a for a in divisible if a in fn.arg_names])
+    report[key] = {"wgmma": "wgmma" in ptx, "tf32": ".tf32" in ptx, "spilled": spilled_bytes(ptx)}
 for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
     cfg = m.DEFAULT_TILES[dtype]
-    ptrs = {"h_ptr": "*" + name, "w_ptr": "*" + name, "b_ptr": "*" + name, "targets_ptr": "*i64",
-            "order_ptr": "*i64", "n_valid_ptr": "*i64", "softcap": "fp32", "softcap_pre": "fp32",
-            "logit_scale": "fp32"}
+    types = {p: "*" + name for p in ("h_ptr", "w_ptr", "b_ptr", "dr_ptr", "dw_ptr", "db_ptr", "dh_ptr")}
+    types.update(targets_ptr="*i64", order_ptr="*i64", n_valid_ptr="*i64", softcap="fp32", softcap_pre="fp32",
+                 logit_scale="fp32")
+    flags = dict(IEEE=dtype == torch.float32, UPCAST=False)
     for has_softcap in (False, True):
-        base = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
-                    IEEE=dtype == torch.float32, UPCAST=False, HAS_BIAS=True, HAS_SOFTCAP=has_softcap)
+        base = dict(flags, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, HAS_BIAS=True,
+                    HAS_SOFTCAP=has_softcap)
         for fn, extra in ((m._ltl_fwd_kernel, dict(WANT_ENTROPY=True)),
-                          (m._ltl_bwd_dhidden_kernel, dict(HAS_ENTROPY_GRAD=True)),
-                          (m._ltl_bwd_dweight_kernel, dict(HAS_ENTROPY_GRAD=True, WANT_DW=True, WANT_DB=True))):
-            ptx = compile_ptx(fn, ptrs, dict(base, **extra), num_warps=cfg.num_warps)
-            key = name + ":" + fn.__name__ + (":softcap" if has_softcap else "")
-            report[key] = {"wgmma": "wgmma" in ptx, "tf32": ".tf32" in ptx}
-compile_ptx(m._ltl_merge_kernel, {"order_ptr": "*i64", "n_valid_ptr": "*i64"},
-            dict(WANT_ENTROPY=True, BLOCK=m.MERGE_BLOCK))
-report["merge"] = {"wgmma": False, "tf32": False}
+                          (m._ltl_bwd_dr_kernel, dict(HAS_ENTROPY_GRAD=True, WANT_DB=True))):
+            check(f"{name}:{fn.__name__}:softcap={has_softcap}", fn, types, dict(base, **extra), cfg.num_warps)
+    gemm = dict(flags, GEMM_N=cfg.gemm_n, GEMM_V=cfg.gemm_v, GEMM_D=cfg.gemm_d)
+    for first, last in ((True, False), (False, False), (False, True)):
+        check(f"{name}:_ltl_bwd_gemm_kernel:first={first}:last={last}", m._ltl_bwd_gemm_kernel, types,
+              dict(gemm, FIRST=first, LAST=last), cfg.gemm_warps)
+check("merge", m._ltl_merge_kernel, {"order_ptr": "*i64", "n_valid_ptr": "*i64"},
+      dict(WANT_ENTROPY=True, BLOCK=m.MERGE_BLOCK), 4)
 print(json.dumps(report))
 """
 
 
 def test_kernels_compile_for_hopper_ahead_of_time():
-    # No GPU needed: the three kernels compile to sm_90 PTX with the installed Triton
-    # (catches what the interpreter forgives), bf16 dots become wgmma (tensor cores)
-    # and fp32 dots stay IEEE (no TF32 anywhere).
+    # No GPU needed: every kernel compiles to sm_90 PTX with the installed Triton as the
+    # JIT specializes it at a real shape (catches what the interpreter forgives), bf16
+    # dots become wgmma (tensor cores), fp32 dots stay IEEE (no TF32 anywhere), and
+    # ptxas spills no register with the default tiles.
     report = run_aot(_AOT_COMPILE)
-    assert len(report) == 13
+    assert len(report) == 15
     for key, info in report.items():
         if key.startswith("bf16"):
             assert info["wgmma"], f"{key}: bf16 dot not on tensor cores"
         else:
             assert not info["tf32"], f"{key}: fp32 dot uses TF32"
+    assert {k: v["spilled"] for k, v in report.items() if v["spilled"]} == {}, "register spills (bytes)"
