@@ -199,6 +199,7 @@ def _ltl_fwd_kernel(
             stride_hn, stride_hd, stride_wv, stride_wd, stride_b, softcap, softcap_pre,
             HAS_BIAS, HAS_SOFTCAP, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
         )
+        # tl.max / tl.maximum may drop a NaN logit (fmax); its NaN still reaches l via p below
         m_new = tl.maximum(m, tl.max(s, axis=1))
         # a row whose logits so far are all -inf keeps l = 0: shift by 0, not by -inf
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -239,7 +240,7 @@ def _ltl_merge_kernel(
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_mask, row_index, _ = _rows_of(rows, order_ptr, n_valid_ptr)
     m_all = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
-    for k in range(0, splits):
+    for k in range(0, splits):  # a split's NaN m_k may be dropped here: its l_k is NaN too
         m_all = tl.maximum(m_all, tl.load(max_ptr + k * n_rows + rows, mask=row_mask, other=float("-inf")))
     m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
     total = tl.zeros((BLOCK,), dtype=tl.float32)

@@ -13,7 +13,7 @@ import torch
 from _aot import run_aot
 from _compare import assert_close_to_ref
 from _host_reads import HostRead, no_host_reads
-from erpo_kernels import linear_token_logprobs
+from erpo_kernels import interpreting, linear_token_logprobs
 
 ltl_module = importlib.import_module("erpo_kernels.linear_token_logprobs")
 
@@ -267,6 +267,31 @@ def test_triton_backward_is_deterministic(device):
     second = _ours(*args, backend="triton", tiles=SMALL_TILES)
     for name, a, b in zip(NAMES, first, second):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(not interpreting(), reason="counts Triton's interpreter: a CUDA device is present")
+def test_triton_work_is_the_four_gemm_floor():
+    # Issue 18: forward, one recompute, d_hidden and d_weight: 8 N D V dot FLOPs in all (the
+    # old backward recomputed the logits twice: 10), each d_weight / d_bias element stored once
+    # (not once per row tile), no atomics. Whole tiles of SMALL_TILES, two vocabulary chunks.
+    from bench.cost import count_launches
+
+    n, d, v = 32, 32, 128
+    hidden, weight, bias = _leaves(torch.randn(n, d), torch.randn(v, d) * 0.5, torch.randn(v))
+    targets = torch.randint(0, v, (n,))
+
+    def fwd_bwd():
+        logp, ent = linear_token_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
+                                          backend="triton", tiles=SMALL_TILES)
+        (logp + ent).sum().backward()
+
+    recs = [r for r in count_launches(fwd_bwd, torch_ops=False)]
+    assert sum(r.total_flops for r in recs) == 8 * n * d * v
+    assert sum(r.atomics for r in recs) == 0
+    gemm = [r for r in recs if r.name == "_ltl_bwd_gemm_kernel"]
+    assert len(gemm) == 2
+    assert sum(r.args["dw_ptr"].stored for r in gemm) == v * d * 4 == weight.grad.numel() * 4
+    assert sum(r.args["db_ptr"].stored for r in gemm) == v * 4
 
 
 def _bad_input_cases(device):
