@@ -294,6 +294,53 @@ def test_triton_work_is_the_four_gemm_floor():
     assert sum(r.args["db_ptr"].stored for r in gemm) == v * 4
 
 
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """(shape, bytes) of every tensor a factory op (empty, zeros, ...) makes while active, inside
+    our custom ops too (their Python bodies run under the mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "erpo_kernels":
+            from torch._library.custom_ops import _maybe_get_opdef
+
+            with self:
+                return _maybe_get_opdef(func)._init_fn(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("empty", "empty_strided", "zeros", "new_empty", "new_zeros", "empty_like"):
+            self.made.append((tuple(out.shape), out.numel() * out.element_size()))
+        return out
+
+
+@pytest.mark.skipif(not interpreting(), reason="CPU tensors through Triton's interpreter: a CUDA device is present")
+@pytest.mark.parametrize("n, v", [(40, 211), (23, 150)])
+def test_triton_backward_workspace(n, v):
+    # Issue 18: besides gradient-sized buffers ([N, D] / [V, D] / [V]) the backward allocates one
+    # vocabulary chunk's dr [N, C] in the input dtype and, with a bias, fp32 column sums per row
+    # tile: at N = 8192, D = 4096, V = 151,936 bf16 (C = 4096) that is 67 MB (+2 MB with a bias),
+    # under 3% of a bf16 [N, V] (75 MB). (The forward's per-chunk statistics, 16 bytes per row
+    # per chunk, are freed before it.)
+    d = 24
+    hidden, weight, bias = _leaves(*(torch.randn(*s).to(torch.bfloat16) for s in ((n, d), (v, d), (v,))))
+    logp = linear_token_logprobs(hidden, weight, torch.randint(0, v, (n,)), bias=bias, backend="triton",
+                                 tiles=SMALL_TILES)
+    with _Allocations() as alloc:
+        logp.sum().backward()
+    gradient_sized = {(n, d), (v, d), (v,)}
+    workspace = sum(b for shape, b in alloc.made if shape not in gradient_sized)
+
+    def expected(n, chunk, tiles, itemsize=2):
+        return n * chunk * itemsize + -(-n // tiles.block_n) * chunk * 4
+
+    small_chunk = SMALL_TILES.split_tiles * SMALL_TILES.block_v
+    assert workspace == expected(n, small_chunk, SMALL_TILES)
+    cfg = ltl_module.DEFAULT_TILES[torch.bfloat16]
+    n_t, v_t = 8192, 151_936
+    assert expected(n_t, cfg.split_tiles * cfg.block_v, cfg) <= 0.03 * n_t * v_t * 2
+
+
 def _bad_input_cases(device):
     h = torch.randn(N, D, device=device)
     w = torch.randn(V, D, device=device)
