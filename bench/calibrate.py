@@ -35,6 +35,12 @@ def hardware_of(device_name: str) -> Optional[str]:
     return None
 
 
+def model_hardware(device: str, device_name: str) -> Optional[str]:
+    """The cost model's hardware key for the measuring device: its GPU's (None on CPU, or on a
+    GPU the model does not know: the records then carry no prediction)."""
+    return hardware_of(device_name) if device == "cuda" else None
+
+
 def gemm_model_ms(shape: Shape, which: str, hw: Hardware) -> float:
     """max(FLOP time, byte time) of the bare bf16 GEMMs, each reading its operands and writing its
     output once (the cost model's rule for one PyTorch op)."""
@@ -116,7 +122,7 @@ def run(targets: Sequence[Shape], subject_names: Optional[Sequence[str]], opts: 
     from .report import RunWriter
 
     header = run_header("calibrate", opts)
-    hw_key = hardware_of(header["device_name"]) if opts.device == "cuda" else None
+    hw_key = model_hardware(opts.device, header["device_name"])
     predicted = model_predictions(cost_run, hw_key)
     subjects, absent = [], []
     for s in cs.SUBJECTS:

@@ -261,6 +261,8 @@ def test_liger_weight_grad_rewrite_to_its_cuda_addmm():
 # ----------------------------------------------------------------------------- the commands
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts erpo_kernels in Triton's interpreter: a CUDA device "
+                    "is present, so bench/gpu_check.sh's tests compile them")
 def test_bench_cost_command_and_its_generated_section(tmp_path):
     """`python -m bench cost` on our token op at a small target: an exact fit, the model's times,
     a results file, and the generated tables between the doc's markers."""
@@ -318,6 +320,44 @@ def test_bench_calibrate_records_times_beside_the_model(tmp_path):
     n, d, v = 8192, 4096, 151936
     assert calibrate.gemm_model_ms((n, d, v), "gemm-fwd", hw) == pytest.approx(
         max(2 * n * d * v / hw.peaks["bf16"], 2 * (n * d + v * d + n * v) / hw.hbm_bytes_per_s) * 1e3)
+
+
+def test_bench_calibrate_puts_the_model_beside_each_measurement(tmp_path, monkeypatch):
+    """Each calibrate record carries the newest `bench cost` run's prediction for its case (the
+    GEMMs: their own rule) and measured / model; the report's table shows both. On CPU the model
+    is off (no GPU to compare with): here the device is taken for an H200."""
+    from bench import calibrate, report
+    from bench.__main__ import main
+
+    shape = {"N": 16, "D": 8, "V": 40}
+    old = {"commit": "0ld", "subjects": [{"name": "erpo-reference", "op": "linear_token_logprobs", "status": "ok",
+                                          "results": [{"shape": shape, "passes": {p: {"H200": {"ms": 9.0}}
+                                                                                  for p in ("forward", "both")}}]}]}
+    new = {"commit": "c0ffee", "subjects": [dict(old["subjects"][0], results=[
+        {"shape": shape, "passes": {"forward": {"H200": {"ms": 2.0}}, "both": {"H200": {"ms": 5.0}}}}])]}
+    report.append_cost_run(old, tmp_path)
+    report.append_cost_run(new, tmp_path)
+    monkeypatch.setattr(calibrate, "model_hardware", lambda device, name: "H200")
+    assert main(["calibrate", "--device", "cpu", "--targets", "16x8x40", "--subjects", "erpo-reference",
+                 "--repeats", "1", "--out-dir", str(tmp_path), "--machine", "smoke", "--no-report"]) == 0
+    data = report.load(tmp_path / "smoke.json")
+    (run,) = data["runs"]
+    assert (run["hardware_model"], run["model_commit"]) == ("H200", "c0ffee")  # the newest cost run
+    recs = {(r["case"], r["pass"]): r for r in run["results"]}
+    hw = calibrate.HARDWARE["H200"]
+    want = {("erpo-reference", "forward"): 2.0, ("erpo-reference", "both"): 5.0,
+            ("gemm-fwd", "forward"): calibrate.gemm_model_ms((16, 8, 40), "gemm-fwd", hw),
+            ("gemm-bwd", "backward"): calibrate.gemm_model_ms((16, 8, 40), "gemm-bwd", hw)}
+    assert {k: r["model_ms"] for k, r in recs.items()} == want
+    for r in recs.values():
+        assert r["status"] == "ok" and r["measured_over_model"] == pytest.approx(r["median_ms"] / r["model_ms"])
+    table = "\n".join(report.calibration_table(data))
+    assert "commit c0ffee" in table and "| erpo-reference | " in table
+    r = recs[("erpo-reference", "both")]
+    assert f"| {r['median_ms']:.2f} | 5.00 | {r['measured_over_model']:.2f}x |" in table
+    monkeypatch.undo()
+    assert calibrate.model_hardware("cpu", "NVIDIA H200") is None
+    assert calibrate.model_hardware("cuda", "NVIDIA H100 80GB HBM3") == "H100"
 
 
 @torch.library.custom_op("erpo_cost_test::copy", mutates_args=())
