@@ -479,9 +479,11 @@ def _run_here(out: str, unit: Unit) -> None:
 
 
 def _ready(queue: List[Unit], finished: set) -> Optional[Unit]:
-    """The first queued unit that may start: a run waits for its seed's starting model
-    (whose evaluation trains the warm start the run starts from)."""
-    return next((u for u in queue if u.kind == "start" or f"start-seed{u.seed}" in finished), None)
+    """The unit to start next: a starting model first (its evaluation trains the warm start
+    its seed's runs start from, so a run waits for it; started early, no core idles waiting
+    for the last seed's), else the first queued run whose starting model is done."""
+    return next((u for u in queue if u.kind == "start"), None) or \
+        next((u for u in queue if f"start-seed{u.seed}" in finished), None)
 
 
 def _last_line(path: str) -> str:

@@ -207,6 +207,21 @@ def test_ctrl_c_in_a_unit_process_is_one_line_in_its_log_not_a_traceback(tmp_pat
         assert f.read().strip() == "erpo: interrupted; the study's rerun continues this unit where it stopped"
 
 
+def test_starting_models_are_started_before_runs(tmp_path):
+    """jobs > 1: every seed's starting model (its warm start) goes first, so no core waits
+    for the last seed's warm start while the other trains it; a run waits for its own."""
+    from erpo.study import _ready
+
+    queue = units_of(load_study(TINY, [f"out={tmp_path}"]))  # start-seed0, its 4 runs, start-seed1, ...
+    assert _ready(queue, set()).name == "start-seed0"
+    rest = [u for u in queue if u.name != "start-seed0"]
+    assert _ready(rest, set()).name == "start-seed1"  # not grpo-seed0: its warm start is not done
+    assert _ready(rest, {"start-seed0"}).name == "start-seed1"  # grpo-seed0 could start, seed 1's warm start first
+    runs = [u for u in rest if u.kind == "run"]
+    assert _ready(runs, set()) is None
+    assert _ready(runs, {"start-seed1"}).name == "grpo-seed1"
+
+
 def test_progress_lines_are_flushed_as_they_are_printed(monkeypatch):
     """A redirected `erpo study > log` (block-buffered stdout) shows each line when it is said."""
     import erpo.study as study
