@@ -59,12 +59,11 @@ def run_of(path: str) -> Optional[str]:
 EVAL_LOOKALIKES = {"temperature": "temperatures", "group_size": "n"}
 
 
-def _eval_overrides(overrides: Sequence[str]) -> List[str]:
-    """`erpo eval`'s short keys (model=, data=, n=, k=, ...; config.EVAL_KEYS) as the fields they set."""
-    out = []
+def _check_eval_keys(overrides: Sequence[str]) -> None:
+    """ConfigError for a key `erpo eval` takes neither as a short key (model=, data=, n=, k=,
+    ...; config.EVAL_KEYS) nor as a config key, or a training key mistaken for an eval key."""
     for item in overrides:
-        key, value = item.split("=", 1)
-        key = key.strip().replace("-", "_")
+        key = item.split("=", 1)[0].strip().replace("-", "_")
         if key in EVAL_LOOKALIKES:
             raise ConfigError(f"{key}= is a training key that erpo eval does not use; did you mean "
                               f"{EVAL_LOOKALIKES[key]}=?")
@@ -73,8 +72,6 @@ def _eval_overrides(overrides: Sequence[str]) -> List[str]:
                      or difflib.get_close_matches(key, list(FIELDS), n=1, cutoff=0.6))
             hint = f"; did you mean {close[0]}?" if close else "; `erpo eval --help` lists the keys"
             raise ConfigError(f"unknown key {key!r} for erpo eval{hint}")
-        out.append(f"{EVAL_KEYS[key]}={value}" if key in EVAL_KEYS else item)
-    return out
 
 
 def resolve_config(args: Sequence[str], command: str = "train") -> TrainConfig:
@@ -83,8 +80,8 @@ def resolve_config(args: Sequence[str], command: str = "train") -> TrainConfig:
     run the first model= entry belongs to, else of run_dir when it has one."""
     path, overrides = _split_args(args)
     if command == "eval":
-        overrides = _eval_overrides(overrides)
-    cfg, given = load_config(path, overrides)
+        _check_eval_keys(overrides)
+    cfg, given = load_config(path, overrides, aliases=EVAL_KEYS if command == "eval" else None)
     if command != "train":
         if any(item.split("=", 1)[0].strip() == "resume" for item in overrides) and cfg.resume:
             raise ConfigError(f"resume= continues a training run: use it with `erpo train`, not `erpo {command}`")
@@ -116,6 +113,8 @@ def resolve_config(args: Sequence[str], command: str = "train") -> TrainConfig:
     if command != "eval":
         cfg.model = model_path(cfg.model)
         cfg.resolve_training_defaults()
+    if command == "eval":
+        cfg.eval.name_keys(EVAL_KEYS)  # its messages name the keys as erpo eval takes them (n=, not eval_n_samples=)
     cfg.validate()
     return cfg
 
@@ -140,7 +139,7 @@ def _eval_config(cfg: TrainConfig, given: Dict[str, Any], from_file: bool) -> Tr
     given keys (unless a config file was given), and where its reports go: <run>/eval for
     one run, <the runs' parent>/eval for several, runs/eval for models outside any run."""
     entries = []
-    for entry in cfg.eval_checkpoints:  # model=runs/erpo/checkpoints/* (quoted): every checkpoint, in order
+    for entry in cfg.eval.checkpoints:  # model=runs/erpo/checkpoints/* (quoted): every checkpoint, in order
         if any(ch in entry for ch in "*?["):
             matches = sorted(m for m in glob.glob(entry) if os.path.isdir(m))
             if not matches:
@@ -149,7 +148,7 @@ def _eval_config(cfg: TrainConfig, given: Dict[str, Any], from_file: bool) -> Tr
         else:
             entries.append(entry)
     if "eval_checkpoints" in given:
-        cfg.eval_checkpoints = entries
+        cfg.eval.checkpoints = entries
         given = {**given, "eval_checkpoints": entries}
     chosen_run_dir = "run_dir" in given
     cfg.resolve_run_dir()
@@ -165,13 +164,13 @@ def _eval_config(cfg: TrainConfig, given: Dict[str, Any], from_file: bool) -> Tr
         cfg = TrainConfig(**saved)
         _own_template_and_reward(cfg, given, [r for r in map(run_of, entries) if r is not None])
     if "eval_n_samples" in given and "eval_k_values" not in given:
-        cfg.eval_k_values = []  # a new n: Pass@k for every k <= n, not the k of a saved config
+        cfg.eval.k_values = []  # a new n: Pass@k for every k <= n, not the k of a saved config
     runs = sorted({r for r in map(run_of, entries) if r is not None})
-    if not cfg.eval_out and not chosen_run_dir:
+    if not cfg.eval.out and not chosen_run_dir:
         if outside_runs:
-            cfg.eval_out = os.path.join("runs", "eval")  # not into the default run_dir (the demo's run)
+            cfg.eval.out = os.path.join("runs", "eval")  # not into the default run_dir (the demo's run)
         elif len(runs) > 1:  # several runs compared: beside them, not inside the first (nor lost with it)
-            cfg.eval_out = os.path.join(os.path.commonpath([os.path.abspath(os.path.dirname(r)) for r in runs]),
+            cfg.eval.out = os.path.join(os.path.commonpath([os.path.abspath(os.path.dirname(r)) for r in runs]),
                                         "eval")
     return cfg
 
@@ -375,9 +374,6 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         return 0
     except ErpoError as exc:
         message = str(exc)
-        if args.command == "eval":  # name the keys as `erpo eval` takes them: n=, not eval_n_samples=
-            for short, name in EVAL_KEYS.items():
-                message = message.replace(f"{name}=", f"{short}=")
         _leave_ranks(launched)  # every rank raised it (the checks read the same files): end together
         if os.environ.get("RANK", "0") == "0":  # under torchrun, one line for all ranks
             print(f"erpo: error: {message}", file=sys.stderr)

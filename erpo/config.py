@@ -9,14 +9,16 @@ section by section. Unknown keys are a ConfigError naming the closest valid key.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import importlib
+import math
 import os
 import re
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
@@ -64,6 +66,126 @@ DEMO = Section("demo", "embedded demo (model=tiny, dataset=arithmetic)")
 EVALUATION = Section("evaluation", "evaluation (docs/method.md section 8; `erpo eval`, whose short keys are in "
                                    "`erpo eval --help`)")
 SECTIONS = (OBJECTIVE, ROLLOUT, OPTIMISATION, MEMORY, MODEL, RUN, DEMO, EVALUATION)
+
+
+@dataclass
+class DemoConfig:
+    """The embedded demo's keys (model=tiny, dataset=arithmetic): its task and its model's
+    supervised warm start. A config file and the command line name them as they are here."""
+
+    task: str = DEMO(
+        "add",
+        "the embedded task (dataset=arithmetic): add (a + b, the demo) or mixed (+, - and * of 1- to 3-digit "
+        "operands in six difficulty levels, train and held-out problems in equal parts per level)",
+        choices=("add", "mixed"),
+    )
+    task_max_operand: int = DEMO(49, "task=add: a + b with a, b in [0, task_max_operand]")
+    task_train_size: int = DEMO(1500, "arithmetic training problems")
+    task_eval_size: int = DEMO(200, "arithmetic held-out problems (eval)")
+    tiny_hidden_size: int = DEMO(64, "demo model width")
+    tiny_layers: int = DEMO(2, "demo model depth")
+    warmstart_steps: int = DEMO(1000, "supervised warm-start steps of the demo model (cached)")
+    warmstart_lr: float = DEMO(3e-3, "warm-start learning rate")
+    warmstart_unboxed: float = DEMO(
+        0.7,
+        "fraction of warm-start demonstrations answering without \\boxed{} (no reward: RL has a format to "
+        "learn)",
+    )
+    warmstart_batch_size: int = DEMO(64, "warm-start batch size")
+
+    def validate(self) -> None:
+        """ConfigError naming the key on the first bad value."""
+        check_choices(self)
+        for name in ("task_train_size", "task_eval_size", "tiny_hidden_size", "tiny_layers", "warmstart_batch_size"):
+            at_least(name, getattr(self, name), 1)
+        for name in ("warmstart_steps", "task_max_operand"):
+            at_least(name, getattr(self, name), 0)
+        positive("warmstart_lr", self.warmstart_lr)
+        if not 0.0 <= self.warmstart_unboxed < 1.0:
+            raise ConfigError(f"warmstart_unboxed={self.warmstart_unboxed} must lie in [0, 1)")
+        if self.tiny_hidden_size % 4 != 0:
+            raise ConfigError(f"tiny_hidden_size={self.tiny_hidden_size} must be a multiple of 4 (4 attention heads)")
+
+
+def check_protocol(temperatures: Sequence[float], n_samples: int, k_values: Optional[Sequence[int]],
+                   batch_size: int, *, key: Callable[[str], str] = str) -> None:
+    """ValueError naming the argument (as ``key(name)``: how the caller's user names it)
+    unless the temperatures are finite, > 0 and distinct, n_samples >= 1, every k of
+    ``k_values`` in [1, n_samples] (None: every k) and batch_size >= 1. The one check of
+    the protocol's settings: erpo.evaluate's arguments and EvalConfig's keys."""
+    temperatures = tuple(temperatures)
+    if len(temperatures) == 0 or any(not (t > 0) or math.isinf(t) for t in temperatures):
+        raise ValueError(f"{key('temperatures')}: need finite temperatures > 0, got {temperatures} (greedy "
+                         f"decoding, temperature 0, is always reported as Pass@1)")
+    if len(set(temperatures)) != len(temperatures):
+        raise ValueError(f"{key('temperatures')}: a temperature is listed twice in {temperatures}")
+    if not n_samples >= 1:
+        raise ValueError(f"{key('n_samples')}={n_samples} must be an integer >= 1")
+    if k_values is not None and (len(k_values) == 0 or any(not 1 <= int(k) <= n_samples for k in k_values)):
+        n = key("n_samples")
+        raise ValueError(f"{key('k_values')}={list(k_values)}: each k of Pass@k must lie in [1, {n}={n_samples}] "
+                         f"(k samples are drawn from the n); raise {n}= or lower the k")
+    if not batch_size >= 1:
+        raise ValueError(f"{key('batch_size')}={batch_size} must be an integer >= 1")
+
+
+@dataclass
+class EvalConfig:
+    """What `erpo eval` scores and how (docs/method.md section 8). A config file and
+    `erpo train`'s command line name each key eval_<name> (eval_n_samples=8); `erpo eval`
+    also takes the short names of EVAL_KEYS (n=8), and then its messages use them."""
+
+    dataset: str = EVALUATION(
+        "",
+        "evaluation file (a MATH-style .jsonl works as it is) or arithmetic; empty = the arithmetic held-out "
+        "split, or `dataset`",
+    )
+    checkpoints: List[str] = EVALUATION(
+        [],
+        "what `erpo eval` scores: run, checkpoint or model dirs, or tiny (the demo's starting model); "
+        "empty = the run's latest checkpoint",
+    )
+    temperatures: List[float] = EVALUATION(
+        EVAL_TEMPERATURES,
+        "sampling temperatures, each > 0 (greedy Pass@1 is always reported)",
+    )
+    n_samples: int = EVALUATION(8, "samples per problem and temperature (Avg@n, Pass@k)")
+    k_values: List[int] = EVALUATION(
+        [],
+        "k of Pass@k, each <= eval_n_samples; empty = every k from 1 to eval_n_samples",
+    )
+    max_new_tokens: int = EVALUATION(0, "response length at evaluation; 0 = max_new_tokens (its auto value for "
+                                         "the evaluation data outside any run)")
+    batch_size: int = EVALUATION(256, "sequences per generate call at evaluation")
+    limit: int = EVALUATION(0, "evaluate the first N problems only; 0 = all")
+    out: str = EVALUATION("", "where reports go; empty = <run_dir>/eval (runs/eval for a model outside any run)")
+    save_samples: bool = EVALUATION(
+        False,
+        "also write samples.jsonl: every completion with its question, the prompt the model saw, the gold answer "
+        "and the grade",
+    )
+
+    def __post_init__(self) -> None:
+        self.names = {f.name: f"eval_{f.name}" for f in dataclasses.fields(self)}  # how the user names each key
+
+    def key(self, name: str) -> str:
+        """The key of field `name` as the user names it: eval_<name>, or under `erpo eval` its short key."""
+        return self.names[name]
+
+    def name_keys(self, short: Dict[str, str]) -> None:
+        """Name the keys by `short` ({short key: eval_<name>}, EVAL_KEYS) in every message."""
+        for short_key, key in short.items():
+            self.names[key[len("eval_"):]] = short_key
+
+    def validate(self) -> None:
+        """ConfigError naming the key on the first bad value; the protocol's own values
+        (temperatures, n_samples, k_values, batch_size) by check_protocol, as erpo.evaluate's."""
+        for name in ("max_new_tokens", "limit"):
+            at_least(self.key(name), getattr(self, name), 0)
+        try:
+            check_protocol(self.temperatures, self.n_samples, self.k_values or None, self.batch_size, key=self.key)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 @dataclass
@@ -236,60 +358,40 @@ class TrainConfig:
     progress: bool = RUN(True, "show a progress bar")
     cache_dir: str = RUN(".cache/erpo", "where the demo model's warm start is cached")
 
-    task: str = DEMO(
-        "add",
-        "the embedded task (dataset=arithmetic): add (a + b, the demo) or mixed (+, - and * of 1- to 3-digit "
-        "operands in six difficulty levels, train and held-out problems in equal parts per level)",
-        choices=("add", "mixed"),
-    )
-    task_max_operand: int = DEMO(49, "task=add: a + b with a, b in [0, task_max_operand]")
-    task_train_size: int = DEMO(1500, "arithmetic training problems")
-    task_eval_size: int = DEMO(200, "arithmetic held-out problems (eval)")
-    tiny_hidden_size: int = DEMO(64, "demo model width")
-    tiny_layers: int = DEMO(2, "demo model depth")
-    warmstart_steps: int = DEMO(1000, "supervised warm-start steps of the demo model (cached)")
-    warmstart_lr: float = DEMO(3e-3, "warm-start learning rate")
-    warmstart_unboxed: float = DEMO(
-        0.7,
-        "fraction of warm-start demonstrations answering without \\boxed{} (no reward: RL has a format to "
-        "learn)",
-    )
-    warmstart_batch_size: int = DEMO(64, "warm-start batch size")
+    demo: DemoConfig = field(default_factory=DemoConfig)  # the embedded demo's keys
+    eval: EvalConfig = field(default_factory=EvalConfig)  # `erpo eval`'s keys
 
-    eval_dataset: str = EVALUATION(
-        "",
-        "evaluation file (a MATH-style .jsonl works as it is) or arithmetic; empty = the arithmetic held-out "
-        "split, or `dataset`",
-    )
-    eval_checkpoints: List[str] = EVALUATION(
-        [],
-        "what `erpo eval` scores: run, checkpoint or model dirs, or tiny (the demo's starting model); "
-        "empty = the run's latest checkpoint",
-    )
-    eval_temperatures: List[float] = EVALUATION(
-        EVAL_TEMPERATURES,
-        "sampling temperatures, each > 0 (greedy Pass@1 is always reported)",
-    )
-    eval_n_samples: int = EVALUATION(8, "samples per problem and temperature (Avg@n, Pass@k)")
-    eval_k_values: List[int] = EVALUATION(
-        [],
-        "k of Pass@k, each <= eval_n_samples; empty = every k from 1 to eval_n_samples",
-    )
-    eval_max_new_tokens: int = EVALUATION(0, "response length at evaluation; 0 = max_new_tokens (its auto value for "
-                                              "the evaluation data outside any run)")
-    eval_batch_size: int = EVALUATION(256, "sequences per generate call at evaluation")
-    eval_limit: int = EVALUATION(0, "evaluate the first N problems only; 0 = all")
-    eval_out: str = EVALUATION("", "where reports go; empty = <run_dir>/eval (runs/eval for a model outside any run)")
-    eval_save_samples: bool = EVALUATION(
-        False,
-        "also write samples.jsonl: every completion with its question, the prompt the model saw, the gold answer "
-        "and the grade",
-    )
+    # ------------------------------------------------------------------ keys
 
-    # ------------------------------------------------------------------ helpers
+    def __init__(self, **keys: Any) -> None:
+        """A config from its keys named as in a config file (alpha=0.05, tiny_layers=1,
+        eval_n_samples=4; the others at their defaults). A sub-config may also be given whole
+        (demo=DemoConfig(...), eval=EvalConfig(...)), its keys given by name going on top."""
+        for f in dataclasses.fields(self):
+            if f.name in keys:
+                value = copy.deepcopy(keys.pop(f.name)) if f.name in SUBCONFIGS else keys.pop(f.name)
+            else:
+                value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            setattr(self, f.name, value)
+        for key, value in keys.items():
+            if key not in KEYS:
+                raise TypeError(f"TrainConfig has no key {key!r}")
+            self.set(key, value)
+
+    def get(self, key: str) -> Any:
+        """The value of config key `key`, named as in a config file (tiny_layers, eval_n_samples)."""
+        owner, f = KEYS[key]
+        return getattr(getattr(self, owner) if owner else self, f.name)
+
+    def set(self, key: str, value: Any) -> None:
+        owner, f = KEYS[key]
+        setattr(getattr(self, owner) if owner else self, f.name, value)
 
     def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        """{key: value} of every key, flat, as config.yaml holds them."""
+        return {key: copy.deepcopy(self.get(key)) for key in KEYS}
+
+    # ------------------------------------------------------------------ helpers
 
     @property
     def is_demo_model(self) -> bool:
@@ -318,14 +420,14 @@ class TrainConfig:
     @property
     def eval_is_demo_task(self) -> bool:
         """`erpo eval` scores the embedded task's held-out split."""
-        return self.eval_dataset == "arithmetic" or (not self.eval_dataset and self.is_demo_task)
+        return self.eval.dataset == "arithmetic" or (not self.eval.dataset and self.is_demo_task)
 
     @property
     def eval_max_tokens(self) -> int:
         """The response length at evaluation: eval_max_new_tokens, else max_new_tokens, else
         (auto, a model outside any run) the auto value for the evaluation data."""
         auto = DEMO_MAX_NEW_TOKENS if self.eval_is_demo_task else MAX_NEW_TOKENS
-        return self.eval_max_new_tokens or self.max_new_tokens or auto
+        return self.eval.max_new_tokens or self.max_new_tokens or auto
 
     @property
     def eval_template(self) -> str:
@@ -386,13 +488,12 @@ class TrainConfig:
 
     def validate(self) -> None:
         """ConfigError (one line: the key, what is wrong, how to fix it) on the first bad value."""
-        for name, f in FIELDS.items():
-            if f.metadata.get("choices") is not None:
-                choice(name, getattr(self, name), field_choices(name))
+        check_choices(self)
         self._validate_by_their_objects()
         self._validate_ranges()
         self._validate_combinations()
-        self._validate_eval()
+        self.demo.validate()
+        self.eval.validate()
         if not self.run_dir:
             raise ConfigError("run_dir is empty; give the run a directory, e.g. run_dir=runs/my-run")
 
@@ -414,22 +515,18 @@ class TrainConfig:
             raise ConfigError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
         for name in ("weight_decay", "max_grad_norm"):
             at_least(name, getattr(self, name), 0.0)
-        for name in ("temperature", "warmstart_lr"):
-            positive(name, getattr(self, name))
+        positive("temperature", self.temperature)
         at_least("lr", self.lr, 0.0)  # 0 = auto
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)} must lie in [0, 1)")
-        for name in ("queries_per_step", "steps", "mini_batches", "ppo_epochs",
-                     "task_train_size", "task_eval_size", "tiny_hidden_size", "tiny_layers", "warmstart_batch_size", "eval_n_samples", "eval_batch_size"):
+        for name in ("queries_per_step", "steps", "mini_batches", "ppo_epochs"):
             at_least(name, getattr(self, name), 1)
-        for name in ("cpu_threads", "max_new_tokens", "rollout_batch_size", "warmup_steps", "save_every", "keep_checkpoints", "max_prompt_tokens",
-                     "micro_batch_tokens", "warmstart_steps", "eval_max_new_tokens", "eval_limit", "task_max_operand"):
+        for name in ("cpu_threads", "max_new_tokens", "rollout_batch_size", "warmup_steps", "save_every",
+                     "keep_checkpoints", "max_prompt_tokens", "micro_batch_tokens"):
             at_least(name, getattr(self, name), 0)
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
             raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must lie in (0, 1]")
-        if not 0.0 <= self.warmstart_unboxed < 1.0:
-            raise ConfigError(f"warmstart_unboxed={self.warmstart_unboxed} must lie in [0, 1)")
 
     def _validate_combinations(self) -> None:
         """Keys that must agree with each other."""
@@ -448,26 +545,9 @@ class TrainConfig:
                 f"update takes an equal share of the step's queries (whole groups); use one of "
                 f"{', '.join(map(str, divisors))}, or change queries_per_step"
             )
-        if self.tiny_hidden_size % 4 != 0:
-            raise ConfigError(f"tiny_hidden_size={self.tiny_hidden_size} must be a multiple of 4 (4 attention heads)")
         if self.template not in ("auto", "r1", "chat", "plain") and "{prompt}" not in self.template:
             raise ConfigError(
                 f"template={self.template!r} is not r1, chat, plain or auto, and has no {{prompt}} placeholder"
-            )
-
-    def _validate_eval(self) -> None:
-        """The evaluation keys."""
-        if not self.eval_temperatures or any(not (0 < t < float("inf")) for t in self.eval_temperatures):
-            raise ConfigError(
-                f"eval_temperatures={self.eval_temperatures}: need a non-empty list of temperatures > 0; greedy "
-                f"decoding (temperature 0) is always run and reported as Pass@1"
-            )
-        if len(set(self.eval_temperatures)) != len(self.eval_temperatures):
-            raise ConfigError(f"eval_temperatures={self.eval_temperatures}: a temperature is listed twice")
-        if any(not 1 <= k <= self.eval_n_samples for k in self.eval_k_values):
-            raise ConfigError(
-                f"eval_k_values={self.eval_k_values}: each k of Pass@k must lie in [1, eval_n_samples="
-                f"{self.eval_n_samples}] (k samples are drawn from the n); raise eval_n_samples= or lower the k"
             )
 
 
@@ -476,6 +556,14 @@ def choice(name: str, value: Any, allowed: Sequence[str]) -> None:
         close = difflib.get_close_matches(str(value), allowed, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}{hint}")
+
+
+def check_choices(obj: Any) -> None:
+    """ConfigError for the first key of TrainConfig or DemoConfig `obj` (whose keys are
+    named as their fields) whose value is not among its choices."""
+    for f in dataclasses.fields(obj):
+        if f.metadata.get("choices") is not None:
+            choice(f.name, getattr(obj, f.name), field_choices(f.name))
 
 
 def at_least(name: str, value: float, low: float) -> None:
@@ -490,7 +578,24 @@ def positive(name: str, value: float) -> None:
 
 # ---------------------------------------------------------------------- loading
 
-FIELDS: Dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# The sub-configs of TrainConfig: attribute -> (class, the prefix of their keys in a config file).
+SUBCONFIGS = {"demo": (DemoConfig, ""), "eval": (EvalConfig, "eval_")}
+
+
+def _keys() -> Dict[str, Tuple[str, dataclasses.Field]]:
+    """Every key of a config file -> (the sub-config holding it, or "", its field), in field order."""
+    keys: Dict[str, Tuple[str, dataclasses.Field]] = {}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in SUBCONFIGS:
+            cls, prefix = SUBCONFIGS[f.name]
+            keys.update({prefix + g.name: (f.name, g) for g in dataclasses.fields(cls)})
+        else:
+            keys[f.name] = ("", f)
+    return keys
+
+
+KEYS = _keys()
+FIELDS: Dict[str, dataclasses.Field] = {key: f for key, (_, f) in KEYS.items()}
 
 
 def field_choices(name: str) -> Sequence[str]:
@@ -521,7 +626,7 @@ def help_text() -> str:
             if f.metadata["section"] != section.name:
                 continue
             choices = f" {{{', '.join(field_choices(name))}}}" if f.metadata.get("choices") else ""
-            text = f"{f.metadata['help']}{choices} [default: {_shown(getattr(default, name))}]"
+            text = f"{f.metadata['help']}{choices} [default: {_shown(default.get(name))}]"
             lines.append(textwrap.fill(text, HELP_WIDTH, initial_indent=f"  {name:<{width}}  ",
                                        subsequent_indent=" " * (width + 4), break_on_hyphens=False))
         blocks.append("\n".join(lines))
@@ -558,20 +663,22 @@ def _field_type(name: str) -> str:
     return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
 
 
-def coerce(name: str, value: Any) -> Any:
-    """`value` (from YAML or a key=value string) converted to the type of field `name`."""
+def coerce(name: str, value: Any, shown: str = "") -> Any:
+    """`value` (from YAML or a key=value string) converted to the type of key `name`;
+    errors name the key as the user typed it (``shown``, default `name`)."""
     kind = _field_type(name)
+    key = shown or name
     if isinstance(value, str) and kind != "str":
         text = value.strip()
         if kind.startswith("List") and text and not text.startswith("["):
             value = [v for v in text.split(",") if v.strip()]
         else:
             if not text and not kind.startswith("List"):
-                raise ConfigError(f"{name} is empty; give a value (`erpo train --help` shows the default)")
+                raise ConfigError(f"{key} is empty; give a value (`erpo train --help` shows the default)")
             try:
                 value = yaml.safe_load(text) if text else None
             except yaml.YAMLError:
-                raise ConfigError(f"{name}={value!r} is not a valid {kind}") from None
+                raise ConfigError(f"{key}={value!r} is not a valid {kind}") from None
     try:
         if kind == "str":
             return "" if value is None else str(value)
@@ -607,20 +714,23 @@ def coerce(name: str, value: Any) -> Any:
         pass
     example = {"bool": "true or false", "int": "an integer", "float": "a number", "List[int]": "a list of integers",
                "List[float]": "a list of numbers"}.get(kind, "a list")
-    raise ConfigError(f"{name}={value!r} is not {example}")
+    raise ConfigError(f"{key}={value!r} is not {example}")
 
 
-def parse_overrides(items: Sequence[str]) -> Dict[str, Any]:
-    """["key=value", ...] -> {key: typed value}; unknown keys and missing '=' are ConfigErrors."""
+def parse_overrides(items: Sequence[str], aliases: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """["key=value", ...] -> {key: typed value}; unknown keys and missing '=' are ConfigErrors.
+    ``aliases``: other names of keys ({alias: key}, `erpo eval`'s EVAL_KEYS), named in errors as typed."""
+    aliases = aliases or {}
     out: Dict[str, Any] = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"expected key=value, got {item!r} (e.g. steps=100)")
-        key, value = item.split("=", 1)
-        key = key.strip().replace("-", "_")
+        typed, value = item.split("=", 1)
+        typed = typed.strip().replace("-", "_")
+        key = aliases.get(typed, typed)
         if key not in FIELDS:
             raise unknown_key_error(key)
-        out[key] = coerce(key, value)
+        out[key] = coerce(key, value, shown=typed)
     return out
 
 
@@ -651,7 +761,8 @@ def read_yaml(path: str) -> Dict[str, Any]:
     return out
 
 
-def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Tuple[TrainConfig, Dict[str, Any]]:
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
+                aliases: Optional[Dict[str, str]] = None) -> Tuple[TrainConfig, Dict[str, Any]]:
     """(config, the explicitly given values): defaults <- YAML file <- key=value overrides.
 
     The config is not validated here (resume merges it with the saved one first).
@@ -659,7 +770,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Tu
     given: Dict[str, Any] = {}
     if path:
         given.update(read_yaml(path))
-    given.update(parse_overrides(overrides))
+    given.update(parse_overrides(overrides, aliases))
     return TrainConfig(**given), given
 
 

@@ -211,13 +211,14 @@ def read_examples(path: str, prompt_field: str, answer_field: str, key: str = "d
 
 def load_examples(cfg: TrainConfig, split: str = "train") -> List[Example]:
     """The training ("train") or evaluation ("eval") examples the config names."""
-    if split == "eval" and cfg.eval_dataset and cfg.eval_dataset != "arithmetic":
-        return read_examples(cfg.eval_dataset, cfg.prompt_field, cfg.answer_field, key="eval_dataset")
-    if cfg.is_demo_task or (split == "eval" and cfg.eval_dataset == "arithmetic"):
-        if cfg.task == "mixed":
-            train, held_out = mixed_split(cfg.task_train_size, cfg.task_eval_size, cfg.seed)
+    if split == "eval" and cfg.eval.dataset and cfg.eval.dataset != "arithmetic":
+        return read_examples(cfg.eval.dataset, cfg.prompt_field, cfg.answer_field, key=cfg.eval.key("dataset"))
+    if cfg.is_demo_task or (split == "eval" and cfg.eval.dataset == "arithmetic"):
+        if cfg.demo.task == "mixed":
+            train, held_out = mixed_split(cfg.demo.task_train_size, cfg.demo.task_eval_size, cfg.seed)
         else:
-            train, held_out = arithmetic_split(cfg.task_max_operand, cfg.task_train_size, cfg.task_eval_size, cfg.seed)
+            demo = cfg.demo
+            train, held_out = arithmetic_split(demo.task_max_operand, demo.task_train_size, demo.task_eval_size, cfg.seed)
         return train if split == "train" else held_out
     return read_examples(cfg.dataset, cfg.prompt_field, cfg.answer_field)
 

@@ -87,21 +87,21 @@ def report_settings(report: dict[str, Any]) -> dict[str, Any]:
 def _data_path(cfg: TrainConfig) -> str:
     """The evaluation data as reports record it: a file's absolute path, or the embedded
     task (arithmetic; arithmetic:mixed for task=mixed)."""
-    data = cfg.eval_dataset or cfg.dataset
+    data = cfg.eval.dataset or cfg.dataset
     if os.path.isfile(data):
         return os.path.abspath(data)
-    return f"{data}:{cfg.task}" if data == "arithmetic" and cfg.task != "add" else data
+    return f"{data}:{cfg.demo.task}" if data == "arithmetic" and cfg.demo.task != "add" else data
 
 
 def _planned_settings(cfg: TrainConfig, model_dir: str, n_problems: int, max_new_tokens: int) -> dict[str, Any]:
     """report_settings of the report this `erpo eval` is about to write for ``model_dir``."""
-    n = cfg.eval_n_samples
+    n = cfg.eval.n_samples
     return {
         "model": os.path.abspath(model_dir), "data": _data_path(cfg), "problems": n_problems,
         "template": cfg.eval_template, "reward": cfg.eval_reward,
-        "temperatures": sorted(float(t) for t in cfg.eval_temperatures), "n": n,
-        "k": sorted({int(k) for k in cfg.eval_k_values}) or list(range(1, n + 1)),
-        "max_new_tokens": max_new_tokens, "seed": cfg.seed, "batch_size": cfg.eval_batch_size,
+        "temperatures": sorted(float(t) for t in cfg.eval.temperatures), "n": n,
+        "k": sorted({int(k) for k in cfg.eval.k_values}) or list(range(1, n + 1)),
+        "max_new_tokens": max_new_tokens, "seed": cfg.seed, "batch_size": cfg.eval.batch_size,
     }
 
 
@@ -148,11 +148,11 @@ def check_no_silent_replace(out_root: str, planned: dict[str, dict[str, Any]]) -
 
 
 def _eval_entries(cfg: TrainConfig) -> list[str]:
-    """cfg.eval_checkpoints, or the run's own directory (its latest checkpoint) when empty."""
+    """cfg.eval.checkpoints, or the run's own directory (its latest checkpoint) when empty."""
     from . import checkpoint as ckpt
 
-    if cfg.eval_checkpoints:
-        return list(cfg.eval_checkpoints)
+    if cfg.eval.checkpoints:
+        return list(cfg.eval.checkpoints)
     if ckpt.latest_checkpoint(cfg.run_dir) is None:
         raise ErpoError(
             f"eval: {cfg.run_dir} holds no checkpoint to evaluate; train it first (make demo, or erpo train "
@@ -165,7 +165,7 @@ def _eval_entries(cfg: TrainConfig) -> list[str]:
 def _eval_targets(cfg: TrainConfig, log: Callable[[str], None]) -> dict[str, str]:
     """{model dir: report name} of every model= entry, each checked before the first long
     evaluation; a report per model and evaluation set (data= of another file adds its name)."""
-    suffix = f"-{os.path.splitext(os.path.basename(cfg.eval_dataset))[0]}" if cfg.eval_dataset else ""
+    suffix = f"-{os.path.splitext(os.path.basename(cfg.eval.dataset))[0]}" if cfg.eval.dataset else ""
     targets: dict[str, str] = {}
     for entry in _eval_entries(cfg):
         model_dir, name = _eval_target(entry, cfg, log)
@@ -176,7 +176,7 @@ def _eval_targets(cfg: TrainConfig, log: Callable[[str], None]) -> dict[str, str
 
 def _writable_out_root(cfg: TrainConfig) -> str:
     """The report directory (created), or an ErpoError now rather than after hours of generation."""
-    out_root = cfg.eval_out or os.path.join(cfg.run_dir, "eval")
+    out_root = cfg.eval.out or os.path.join(cfg.run_dir, "eval")
     if os.path.exists(out_root) and not os.path.isdir(out_root):
         raise ErpoError(f"out={out_root} is a file; give a directory for the reports with out=DIR")
     try:
@@ -205,11 +205,11 @@ def _evaluate_model(cfg: TrainConfig, model_dir: str, name: str, examples: Seque
     t0 = time.perf_counter()
     result = evaluate(
         model, tokenizer, prompts, [ex.answer for ex in examples], reward_fn=get_reward_fn(cfg.eval_reward),
-        temperatures=cfg.eval_temperatures, n_samples=cfg.eval_n_samples, k_values=cfg.eval_k_values or None,
-        max_new_tokens=max_new_tokens, batch_size=cfg.eval_batch_size,
-        seed=cfg.seed, progress=cfg.progress, keep_samples=cfg.eval_save_samples,
+        temperatures=cfg.eval.temperatures, n_samples=cfg.eval.n_samples, k_values=cfg.eval.k_values or None,
+        max_new_tokens=max_new_tokens, batch_size=cfg.eval.batch_size,
+        seed=cfg.seed, progress=cfg.progress, keep_samples=cfg.eval.save_samples,
     )
-    result.settings.update({"model": model_dir, "data": cfg.eval_dataset or cfg.dataset, "template": cfg.eval_template,
+    result.settings.update({"model": model_dir, "data": cfg.eval.dataset or cfg.dataset, "template": cfg.eval_template,
                             "reward": cfg.eval_reward, "seconds": round(time.perf_counter() - t0, 2),
                             "model_path": os.path.abspath(model_dir), "data_path": _data_path(cfg)})
     written = write_report(result, out, title=name, questions=[ex.prompt for ex in examples],
@@ -229,17 +229,17 @@ def _evaluate_model(cfg: TrainConfig, model_dir: str, name: str, examples: Seque
 
 
 def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, str]:
-    """`erpo eval`: evaluate each of cfg.eval_checkpoints (default: the latest checkpoint of
+    """`erpo eval`: evaluate each of cfg.eval.checkpoints (default: the latest checkpoint of
     cfg.run_dir) on the evaluation set; a table per model on the terminal, reports in
     <out>/<name>/ (eval.json, eval.md, eval.png), and with several models compare.{md,png,json}
-    in <out> (cfg.eval_out, default <run_dir>/eval). Returns {name: report dir}."""
+    in <out> (cfg.eval.out, default <run_dir>/eval). Returns {name: report dir}."""
     from .data import load_examples
     from .models import resolve_compute_dtype, resolve_device
 
     cfg.validate()
     examples = load_examples(cfg, "eval")
-    if cfg.eval_limit:
-        examples = examples[: cfg.eval_limit]
+    if cfg.eval.limit:
+        examples = examples[: cfg.eval.limit]
     targets = _eval_targets(cfg, log)  # model dir -> report name
     out_root = _writable_out_root(cfg)
     max_new_tokens = cfg.eval_max_tokens
@@ -249,9 +249,9 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
         check_no_silent_replace(out_root, planned)
     device = resolve_device(cfg)
     dtype = resolve_compute_dtype(cfg, device)
-    n_temps = len(cfg.eval_temperatures)
-    log(f"erpo: eval on {len(examples)} problems of {cfg.eval_dataset or cfg.dataset} (template {cfg.eval_template}, "
-        f"reward {cfg.eval_reward}, responses of at most {max_new_tokens} tokens), {cfg.eval_n_samples} samples at "
+    n_temps = len(cfg.eval.temperatures)
+    log(f"erpo: eval on {len(examples)} problems of {cfg.eval.dataset or cfg.dataset} (template {cfg.eval_template}, "
+        f"reward {cfg.eval_reward}, responses of at most {max_new_tokens} tokens), {cfg.eval.n_samples} samples at "
         f"each of {n_temps} temperature{'s' if n_temps > 1 else ''} + greedy")
     results, out_dirs = {}, {}
     for model_dir, name in targets.items():

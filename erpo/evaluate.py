@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .config import EVAL_TEMPERATURES
+from .config import EVAL_TEMPERATURES, check_protocol
 from .data import derived_seed
 from .rewards import CORRECT_THRESHOLD
 from .rollout import eos_ids_of, generate_ids
@@ -162,17 +161,7 @@ def _check_eval_args(answers, temperatures, n_samples, k_values, batch_size, rew
         raise ValueError("answers: need at least one problem to evaluate")
     if not callable(reward_fn):
         raise ValueError("reward_fn: must be a callable (completion, answer) -> float")
-    if len(temperatures) == 0 or any(not (t > 0) or math.isinf(t) for t in temperatures):
-        raise ValueError(f"temperatures: need finite temperatures > 0, got {tuple(temperatures)} (greedy decoding, "
-                         f"temperature 0, is always reported as Pass@1)")
-    if len(set(temperatures)) != len(temperatures):
-        raise ValueError(f"temperatures: a temperature is listed twice in {tuple(temperatures)}")
-    if n_samples < 1:
-        raise ValueError(f"n_samples: must be >= 1, got {n_samples}")
-    if k_values is not None and (len(k_values) == 0 or any(not 1 <= int(k) <= n_samples for k in k_values)):
-        raise ValueError(f"k_values: each k must be in [1, n_samples={n_samples}], got {tuple(k_values)}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+    check_protocol(temperatures, n_samples, k_values, batch_size)
 
 
 def _grade(sampler: Sampler, answers: Sequence[str], reward_fn: Callable[[str, str], float], batch_size: int,

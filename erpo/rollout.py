@@ -609,12 +609,12 @@ def check_rollout_backend(cfg: Any, device: torch.device) -> None:
     if platform.is_cpu() and cfg.is_demo_model:
         from .tiny import TINY_HEADS
 
-        head_dim, sizes = cfg.tiny_hidden_size // TINY_HEADS, cpu_attention_head_sizes(vllm)
+        head_dim, sizes = cfg.demo.tiny_hidden_size // TINY_HEADS, cpu_attention_head_sizes(vllm)
         if head_dim not in sizes:
             fit = next((s for s in sizes if s >= head_dim), sizes[-1]) * TINY_HEADS
             raise ConfigError(
                 f"rollout_backend=vllm: vLLM's CPU attention runs head_dim {', '.join(map(str, sizes))}, and the demo "
-                f"model's is {head_dim} (tiny_hidden_size={cfg.tiny_hidden_size} over {TINY_HEADS} heads): set "
+                f"model's is {head_dim} (tiny_hidden_size={cfg.demo.tiny_hidden_size} over {TINY_HEADS} heads): set "
                 f"tiny_hidden_size={fit}, as configs/demo-vllm.yaml does")
 
 

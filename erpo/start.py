@@ -132,7 +132,7 @@ def rebuild_command(cfg: TrainConfig) -> str:
         keys += list(_DEMO_TASK_KEYS)
     if cfg.is_demo_model or cfg.is_demo_task:
         keys.append("seed")
-    parts = [f"{k}={getattr(cfg, k)}" for k in keys if getattr(cfg, k) != getattr(default, k)]
+    parts = [f"{k}={cfg.get(k)}" for k in keys if cfg.get(k) != default.get(k)]
     parts.append(f"ref_cache={cfg.ref_cache}" if cfg.ref_cache else f"run_dir={cfg.run_dir}")
     if os.path.isfile(cfg.ref_cache_path):
         parts.append("overwrite=true")

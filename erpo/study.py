@@ -130,7 +130,7 @@ class StudyConfig:
             if shared:
                 raise ConfigError(f"variant {variant} sets {shared[0]}, which decides the starting model or the "
                                   f"evaluation every variant shares; set it under train: (or run another study)")
-        temps = self.base().eval_temperatures
+        temps = self.base().eval.temperatures
         for group, members in self.temperature_groups.items():
             missing = [t for t in members if t not in temps]
             if not members or missing:
@@ -243,7 +243,7 @@ class Unit:
 
     @property
     def eval_dir(self) -> str:
-        return self.cfg.eval_out
+        return self.cfg.eval.out
 
     def report_path(self, step: int) -> Optional[str]:
         """The eval.json of the unit at `step` when it has been written, else None."""
@@ -560,7 +560,7 @@ def study_command(args: Sequence[str], log: Callable[[str], None] = say) -> Dict
         cfg = runs[0].cfg
         log(f"erpo: study {spec.out}: {len(runs)} runs ({', '.join(spec.variants)} x seeds "
             f"{','.join(map(str, spec.seeds))}) of {cfg.steps} steps, evaluated every {spec.eval_every} steps at "
-            f"{len(cfg.eval_temperatures)} temperatures; {len(todo)} of {len(units)} units to do, {spec.jobs} at a "
+            f"{len(cfg.eval.temperatures)} temperatures; {len(todo)} of {len(units)} units to do, {spec.jobs} at a "
             f"time (logs in {os.path.join(spec.out, 'logs')})")
         run_units(spec, units, log)
     return write_study_report(spec, units, log)

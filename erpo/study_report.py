@@ -129,16 +129,16 @@ def collect(spec: Any, units: Sequence[Any]) -> Dict[str, Any]:
     runs = [u for u in units if u.kind == "run"]
     base = runs[0].cfg
     levels_of: Dict[int, List[str]] = {}  # seed -> the difficulty level of each evaluated problem
-    if base.is_demo_task and base.task == "mixed":
+    if base.is_demo_task and base.demo.task == "mixed":
         for u in units:
             if u.kind == "start":
-                examples = load_examples(u.cfg, "eval")[: u.cfg.eval_limit or None]
+                examples = load_examples(u.cfg, "eval")[: u.cfg.eval.limit or None]
                 levels_of[u.seed] = [difficulty_of(ex.prompt) for ex in examples]
     width = max(1, spec.eval_every // 5)
     results: Dict[str, Any] = {
         "variants": dict(spec.variants), "seeds": list(spec.seeds), "steps": [0] + runs[0].eval_steps,
-        "temperatures": sorted(base.eval_temperatures), "groups": spec.temperature_groups,
-        "n_samples": base.eval_n_samples, "levels": list(MIXED_LEVELS) if levels_of else [],
+        "temperatures": sorted(base.eval.temperatures), "groups": spec.temperature_groups,
+        "n_samples": base.eval.n_samples, "levels": list(MIXED_LEVELS) if levels_of else [],
         "eval": {}, "train": {}, "missing": [], "time": _times(spec.out), "bin_steps": width,
     }
     starts = {u.seed: u for u in units if u.kind == "start"}
@@ -442,13 +442,13 @@ def setup_section(spec: Any, units: Sequence[Any]) -> str:
     from .data import MIXED_LEVELS
 
     cfg = next(u.cfg for u in units if u.kind == "run")
-    task = (f"task=mixed ({', '.join(MIXED_LEVELS)}; {cfg.task_train_size} training and {cfg.task_eval_size} "
-            f"held-out problems, equal parts per level)" if cfg.task == "mixed" else
-            f"task={cfg.task} (a+b, operands <= {cfg.task_max_operand})") if cfg.is_demo_task else f"dataset={cfg.dataset}"
-    model = (f"the demo model (Qwen2 architecture, {cfg.tiny_layers} layers of width {cfg.tiny_hidden_size}, "
-             f"warm start of {cfg.warmstart_steps} steps, {cfg.warmstart_unboxed:.0%} of its demonstrations "
+    task = (f"task=mixed ({', '.join(MIXED_LEVELS)}; {cfg.demo.task_train_size} training and {cfg.demo.task_eval_size} "
+            f"held-out problems, equal parts per level)" if cfg.demo.task == "mixed" else
+            f"task={cfg.demo.task} (a+b, operands <= {cfg.demo.task_max_operand})") if cfg.is_demo_task else f"dataset={cfg.dataset}"
+    model = (f"the demo model (Qwen2 architecture, {cfg.demo.tiny_layers} layers of width {cfg.demo.tiny_hidden_size}, "
+             f"warm start of {cfg.demo.warmstart_steps} steps, {cfg.demo.warmstart_unboxed:.0%} of its demonstrations "
              f"without \\boxed{{}})" if cfg.is_demo_model else f"model={cfg.model}")
-    per_epoch = cfg.task_train_size // cfg.queries_per_step if cfg.is_demo_task else None
+    per_epoch = cfg.demo.task_train_size // cfg.queries_per_step if cfg.is_demo_task else None
     epochs = f", {cfg.steps / per_epoch:.1f} epochs over the training set" if per_epoch else ""
     variants = "; ".join(f"{v}: {', '.join(f'{k}={val}' for k, val in o.items()) or 'train: as it is'}"
                          for v, o in spec.variants.items())
@@ -460,9 +460,9 @@ def setup_section(spec: Any, units: Sequence[Any]) -> str:
         f"({cfg.lr_schedule}), beta={cfg.beta:g} (grpo), alpha={cfg.alpha:g} (erpo).",
         f"- Variants ({variants}), seeds {', '.join(map(str, spec.seeds))}; Policy-KL of the erpo runs measured by "
         f"a monitoring-only reference forward (monitor_policy_kl={cfg.monitor_policy_kl}).",
-        f"- Evaluated every {spec.eval_every} steps: greedy and {cfg.eval_n_samples} samples per problem at "
-        f"each temperature of {', '.join(f'{t:g}' for t in sorted(cfg.eval_temperatures))} on the held-out "
-        f"split{f' (first {cfg.eval_limit} problems)' if cfg.eval_limit else ''}.",
+        f"- Evaluated every {spec.eval_every} steps: greedy and {cfg.eval.n_samples} samples per problem at "
+        f"each temperature of {', '.join(f'{t:g}' for t in sorted(cfg.eval.temperatures))} on the held-out "
+        f"split{f' (first {cfg.eval.limit} problems)' if cfg.eval.limit else ''}.",
     ]) + "\n"
 
 

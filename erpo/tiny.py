@@ -55,9 +55,9 @@ def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
 
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=cfg.tiny_hidden_size,
-        intermediate_size=4 * cfg.tiny_hidden_size,
-        num_hidden_layers=cfg.tiny_layers,
+        hidden_size=cfg.demo.tiny_hidden_size,
+        intermediate_size=4 * cfg.demo.tiny_hidden_size,
+        num_hidden_layers=cfg.demo.tiny_layers,
         num_attention_heads=TINY_HEADS,
         num_key_value_heads=2,
         max_position_embeddings=1024,
@@ -83,7 +83,7 @@ def demonstrations(cfg: TrainConfig, examples: Sequence[Example], template: str)
     both ways, and RL has a format to learn, as in the paper's zero-RL setting.
     """
     g = torch.Generator().manual_seed(derived_seed(cfg.seed, "warmstart-format"))
-    bare = (torch.rand(len(examples), generator=g) < cfg.warmstart_unboxed).tolist()
+    bare = (torch.rand(len(examples), generator=g) < cfg.demo.warmstart_unboxed).tolist()
     return [render_prompt(template, ex.prompt) + (ex.answer if b else answer_text(ex.answer))
             for ex, b in zip(examples, bare)]
 
@@ -94,12 +94,12 @@ def warmstart_key(cfg: TrainConfig, examples: Sequence[Example], template: str) 
     spec = {
         "version": WARMSTART_VERSION,
         "seed": cfg.seed,
-        "hidden": cfg.tiny_hidden_size,
-        "layers": cfg.tiny_layers,
-        "steps": cfg.warmstart_steps,
-        "lr": cfg.warmstart_lr,
-        "batch": cfg.warmstart_batch_size,
-        "unboxed": cfg.warmstart_unboxed,
+        "hidden": cfg.demo.tiny_hidden_size,
+        "layers": cfg.demo.tiny_layers,
+        "steps": cfg.demo.warmstart_steps,
+        "lr": cfg.demo.warmstart_lr,
+        "batch": cfg.demo.warmstart_batch_size,
+        "unboxed": cfg.demo.warmstart_unboxed,
         "data": examples_fingerprint(examples),
         "template": template,
         "torch": torch.__version__.split("+")[0],
@@ -150,18 +150,18 @@ def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log
     model = build_model(cfg, tokenizer)
     texts = demonstrations(cfg, examples, template)
     seqs: List[List[int]] = [ids + [tokenizer.eos_token_id] for ids in tokenizer(texts)["input_ids"]]
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.demo.warmstart_lr, betas=(0.9, 0.99), weight_decay=0.0)
     g = torch.Generator().manual_seed(derived_seed(cfg.seed, "warmstart"))
     head = model.get_output_embeddings()
     model.train()
     loss = torch.tensor(float("nan"))
-    for step in range(cfg.warmstart_steps):
+    for step in range(cfg.demo.warmstart_steps):
         # lr: linear warm-up over 10% of the steps, then cosine to 10%
-        frac = step / max(1, cfg.warmstart_steps)
+        frac = step / max(1, cfg.demo.warmstart_steps)
         scale = min(1.0, 10 * frac + 0.1) * (0.55 + 0.45 * torch.cos(torch.tensor(frac * torch.pi)).item())
         for group in opt.param_groups:
-            group["lr"] = cfg.warmstart_lr * scale
-        pick = torch.randint(len(seqs), (cfg.warmstart_batch_size,), generator=g).tolist()
+            group["lr"] = cfg.demo.warmstart_lr * scale
+        pick = torch.randint(len(seqs), (cfg.demo.warmstart_batch_size,), generator=g).tolist()
         batch = [seqs[i] for i in pick]
         width = max(len(s) for s in batch)
         ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)  # [b, L]
@@ -183,14 +183,14 @@ def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, "erpo_warmstart.json"), "w", encoding="utf-8") as f:
-        json.dump({"steps": cfg.warmstart_steps, "final_loss": loss.item(), "seconds": time.perf_counter() - t0}, f)
+        json.dump({"steps": cfg.demo.warmstart_steps, "final_loss": loss.item(), "seconds": time.perf_counter() - t0}, f)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     try:
         os.replace(tmp, out)
     except OSError:  # another process finished the same warm start first
         shutil.rmtree(tmp, ignore_errors=True)
     log(
-        f"erpo: warm start of the demo model: {cfg.warmstart_steps} steps in {time.perf_counter() - t0:.0f}s, "
+        f"erpo: warm start of the demo model: {cfg.demo.warmstart_steps} steps in {time.perf_counter() - t0:.0f}s, "
         f"loss {loss.item():.3f} -> {out}"
     )
     return out

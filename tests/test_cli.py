@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from erpo.cli import main
-from erpo.config import FIELDS, SECTIONS, TrainConfig, field_choices, help_text, load_config
+from erpo.config import FIELDS, SECTIONS, TrainConfig, field_choices, help_text, load_config, parse_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -125,8 +125,79 @@ def test_a_config_yaml_written_before_the_sections_still_loads(tmp_path):
     path.write_text("algorithm: grpo\nalpha: 0.01\nloss_agg: seq-mean-token-mean\ngroup_size: 4\n"
                     "eval_temperatures:\n- 0.5\n- 1.0\neval_k_values: []\noverwrite: false\n")
     cfg, _ = load_config(str(path))
-    assert (cfg.algorithm, cfg.loss_agg, cfg.group_size, cfg.eval_temperatures) == (
+    assert (cfg.algorithm, cfg.loss_agg, cfg.group_size, cfg.eval.temperatures) == (
         "grpo", "seq-mean-token-mean", 4, [0.5, 1.0])
+
+
+def test_a_config_yaml_written_before_the_sub_configs_loads_resumes_and_is_written_alike(tmp_path, monkeypatch):
+    """tests/data/config-before-subconfigs.yaml was written by save_config at 4201556, when the
+    demo and eval keys were TrainConfig fields (cache_dir made relative): it loads into the
+    sub-configs, validates, merges for a resume, and this version writes the same file back
+    (same keys, same order, same values), so a run's config.yaml reads the same both ways."""
+    import yaml
+
+    from erpo.config import PATH_KEYS, ConfigError, merge_for_resume, read_yaml, resolved_path, save_config
+
+    old = os.path.join(ROOT, "tests", "data", "config-before-subconfigs.yaml")
+    monkeypatch.chdir(tmp_path)
+    cfg, _ = load_config(old)
+    cfg.validate()
+    assert (cfg.demo.tiny_layers, cfg.demo.task, cfg.steps, cfg.run_dir) == (1, "mixed", 3, "runs/old")
+    assert (cfg.eval.n_samples, cfg.eval.temperatures, cfg.eval.save_samples) == (2, [0.5], True)
+    assert cfg == TrainConfig(tiny_layers=1, task="mixed", eval_n_samples=2, eval_temperatures=[0.5],
+                              eval_save_samples=True, steps=3, run_dir="runs/old", cache_dir=".cache/erpo")
+    resumed = merge_for_resume(read_yaml(old), {"steps": 5, "eval_n_samples": 4})
+    assert (resumed.steps, resumed.eval.n_samples, resumed.demo.tiny_layers) == (5, 4, 1)
+    with pytest.raises(ConfigError, match="tiny_layers cannot change when resuming"):
+        merge_for_resume(read_yaml(old), {"tiny_layers": 2})
+    save_config(cfg, "config.yaml")
+    before = yaml.safe_load(open(old, encoding="utf-8"))
+    before.update({key: resolved_path(key, before[key]) for key in PATH_KEYS})
+    after = yaml.safe_load(open("config.yaml", encoding="utf-8"))
+    assert list(after.items()) == list(before.items())
+
+
+def test_demo_and_eval_keys_are_sub_configs_and_keep_their_flat_keys(tmp_path):
+    """cfg.demo and cfg.eval hold the embedded demo's and `erpo eval`'s keys and validate
+    themselves; the flat keys stay the config's interface: the constructor, dataclasses.replace,
+    cfg.get, key=value and config.yaml (written flat, read back equal)."""
+    import dataclasses
+
+    import yaml
+
+    from erpo.config import EVAL_KEYS, KEYS, ConfigError, DemoConfig, EvalConfig, save_config
+    from erpo.evaluate import evaluate_sampler
+
+    cfg = TrainConfig(tiny_layers=3, eval_n_samples=4, steps=7, cache_dir=str(tmp_path / "cache"))
+    assert (cfg.demo.tiny_layers, cfg.eval.n_samples, cfg.steps) == (3, 4, 7)
+    assert isinstance(cfg.demo, DemoConfig) and isinstance(cfg.eval, EvalConfig)
+    assert cfg.get("tiny_layers") == 3 and cfg.get("eval_n_samples") == 4 and cfg.get("steps") == 7
+    other = dataclasses.replace(cfg, eval_limit=5)
+    assert (other.eval.limit, other.eval.n_samples, cfg.eval.limit) == (5, 4, 0)  # a copy, not shared
+    other.eval.temperatures.append(2.0)
+    assert 2.0 not in cfg.eval.temperatures
+    assert parse_overrides(["tiny_layers=1", "eval_limit=2"]) == {"tiny_layers": 1, "eval_limit": 2}
+    path = tmp_path / "config.yaml"
+    save_config(cfg, str(path))
+    saved = yaml.safe_load(path.read_text())
+    assert list(saved) == list(KEYS) and "demo" not in saved and "eval" not in saved
+    assert saved["tiny_layers"] == 3 and saved["eval_n_samples"] == 4
+    assert load_config(str(path))[0] == cfg
+    with pytest.raises(TypeError, match="no key 'tiny_layer'"):
+        TrainConfig(tiny_layer=1)
+    # each validates itself and names its keys as the user does
+    with pytest.raises(ConfigError, match="tiny_hidden_size=30 must be a multiple of 4"):
+        TrainConfig(tiny_hidden_size=30).validate()
+    with pytest.raises(ConfigError, match="^warmstart_unboxed=1.0 must lie in"):
+        DemoConfig(warmstart_unboxed=1.0).validate()
+    with pytest.raises(ConfigError, match="^eval_n_samples=0 must be an integer >= 1$"):
+        EvalConfig(n_samples=0).validate()
+    short = EvalConfig(n_samples=2, k_values=[3])
+    short.name_keys(EVAL_KEYS)
+    with pytest.raises(ConfigError, match=r"^k=\[3\]: each k of Pass@k must lie in \[1, n=2\]"):
+        short.validate()
+    with pytest.raises(ValueError, match="^n_samples=0 must be an integer >= 1$"):  # evaluate's own check is the same
+        evaluate_sampler(lambda problems, t: ["x"] * len(problems), ["a"], reward_fn=lambda c, a: 0.0, n_samples=0)
 
 
 def test_every_shipped_config_loads_and_validates():
@@ -410,25 +481,25 @@ def test_eval_config_resolution(done_run, tmp_path):
     ckpt = os.path.join(run, "checkpoints", "step-000002")
     # a quoted glob: every match, in order, and the run they belong to
     cfg = resolve_config([f"model={run}/checkpoints/step-*"], "eval")
-    assert cfg.eval_checkpoints == [ckpt] and cfg.run_dir == run
+    assert cfg.eval.checkpoints == [ckpt] and cfg.run_dir == run
     for entry in (run, ckpt):   # a run, or a checkpoint of it: that run's config and eval/
         cfg = resolve_config([f"model={entry}"], "eval")
-        assert cfg.run_dir == run and cfg.task_eval_size == 5 and cfg.eval_checkpoints == [entry]
-        assert cfg.eval_out == ""   # = <run>/eval
+        assert cfg.run_dir == run and cfg.demo.task_eval_size == 5 and cfg.eval.checkpoints == [entry]
+        assert cfg.eval.out == ""   # = <run>/eval
     # the long form: run_dir= names the base config, the entries may lie elsewhere
     cfg = resolve_config([f"run_dir={run}", f"eval_checkpoints={tmp_path}"], "eval")
-    assert cfg.task_eval_size == 5 and cfg.eval_out == ""
+    assert cfg.demo.task_eval_size == 5 and cfg.eval.out == ""
     # a model directory outside any run: defaults, and reports in runs/eval, not in the demo's run
     outside = tmp_path / "hf-model"
     outside.mkdir()
     cfg = resolve_config([f"model={outside}"], "eval")
-    assert cfg.task_eval_size == 200 and cfg.eval_out == os.path.join("runs", "eval")
+    assert cfg.demo.task_eval_size == 200 and cfg.eval.out == os.path.join("runs", "eval")
     # several runs: reports beside them, not inside the first
     sibling = tmp_path / "runs" / "b"
     (sibling / "checkpoints").mkdir(parents=True)
     (sibling / "config.yaml").write_text("steps: 2\n")
     cfg = resolve_config([f"model={run},{sibling}"], "eval")
-    assert cfg.run_dir == run and cfg.eval_out == os.path.commonpath([str(root), str(tmp_path)]) + "/eval"
+    assert cfg.run_dir == run and cfg.eval.out == os.path.commonpath([str(root), str(tmp_path)]) + "/eval"
     # n= alone: Pass@k for every k <= n, whatever k the saved config held
     saved = TrainConfig(**{**__import__("yaml").safe_load(open(os.path.join(run, "config.yaml"))),
                            "eval_k_values": [1, 4, 8]})
@@ -436,9 +507,9 @@ def test_eval_config_resolution(done_run, tmp_path):
     (other / "checkpoints").mkdir(parents=True)
     from erpo.config import save_config
     save_config(saved, str(other / "config.yaml"))
-    assert resolve_config([f"model={other}"], "eval").eval_k_values == [1, 4, 8]
-    assert resolve_config([f"model={other}", "n=2"], "eval").eval_k_values == []
-    assert resolve_config([f"model={other}", "n=8", "k=2"], "eval").eval_k_values == [2]
+    assert resolve_config([f"model={other}"], "eval").eval.k_values == [1, 4, 8]
+    assert resolve_config([f"model={other}", "n=2"], "eval").eval.k_values == []
+    assert resolve_config([f"model={other}", "n=8", "k=2"], "eval").eval.k_values == [2]
 
 
 def test_eval_bad_input(capsys, done_run, tmp_path):
@@ -459,7 +530,7 @@ def test_eval_bad_input(capsys, done_run, tmp_path):
                    "raise n= or lower the k")
     one_line_error(capsys, ["eval", *base, "temperatures=0,1.0"], "temperatures > 0", "greedy")
     one_line_error(capsys, ["eval", *base, "temperatures=-0.5"], "temperatures > 0")
-    one_line_error(capsys, ["eval", *base, "n=0"], "n=0 must be finite and >= 1")
+    one_line_error(capsys, ["eval", *base, "n=0"], "n=0 must be an integer >= 1")
     one_line_error(capsys, ["eval", *base, "temperatures=0.5,1.0,0.5"], "a temperature is listed twice")
     one_line_error(capsys, ["eval", *base, "temps=1"], "unknown key 'temps'", "did you mean temperatures?")
     one_line_error(capsys, ["eval", f"model={run}/checkpoints/nope-*"], "matches no directory")

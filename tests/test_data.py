@@ -87,7 +87,7 @@ def test_mixed_split_levels_answers_and_disjointness():
 def test_task_key_selects_the_family_and_add_stays_the_default():
     """task=add (the default, configs/demo.yaml) is the a+b split exactly as before; task=mixed the new family."""
     cfg = TrainConfig()
-    assert cfg.task == "add"
+    assert cfg.demo.task == "add"
     assert (load_examples(cfg, "train"), load_examples(cfg, "eval")) == arithmetic_split(49, 1500, 200, 0)
     mixed = TrainConfig(task="mixed", task_train_size=600, task_eval_size=60)
     assert (load_examples(mixed, "train"), load_examples(mixed, "eval")) == mixed_split(600, 60, 0)

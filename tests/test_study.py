@@ -30,7 +30,7 @@ def test_study_configs_load_and_hold_what_the_issue_asks():
     runs = [u for u in units if u.kind == "run"]
     assert len(runs) == 12 and all(u.cfg.steps >= 1000 for u in runs)
     cfg = runs[0].cfg
-    assert cfg.task == "mixed" and cfg.steps * cfg.queries_per_step > 2 * cfg.task_train_size  # several epochs
+    assert cfg.demo.task == "mixed" and cfg.steps * cfg.queries_per_step > 2 * cfg.demo.task_train_size  # several epochs
     assert all(u.cfg.monitor_policy_kl for u in runs)  # Policy-KL of every algorithm
     by = {u.variant: u.cfg for u in runs if u.seed == 0}
     assert by["grpo"].algorithm == "grpo" and by["erpo-qkl-only"].query_weighting == "none"
