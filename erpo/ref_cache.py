@@ -9,13 +9,14 @@ written to a temp file and renamed into place (never half-written).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import textwrap
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -31,7 +32,30 @@ META_KEY = "erpo_ref_cache"
 
 
 class RefCacheError(ErpoError):
-    """A missing, stale or mismatched reference cache."""
+    """A missing, stale or mismatched reference cache. The message says what is wrong; the
+    caller, who knows how its cache is built, adds how to fix it: ``with fixed_by(command):``
+    around its reads and checks (or ``raise exc.with_fix(command)``)."""
+
+    def __init__(self, problem: str, *, missing: bool = False, fix: str = "") -> None:
+        verb = "build" if missing else "rebuild"
+        super().__init__(f"{problem}; {verb} it with: {fix}" if fix else problem)
+        self.problem, self.missing, self.fix = problem, missing, fix
+
+    def with_fix(self, command: str) -> "RefCacheError":
+        """This error, its message ending in how to (re)build the cache: with `command`
+        (kept as it is when it already names a fix, or `command` is empty)."""
+        if self.fix or not command:
+            return self
+        return RefCacheError(self.problem, missing=self.missing, fix=command)
+
+
+@contextlib.contextmanager
+def fixed_by(command: str) -> Iterator[None]:
+    """RefCacheErrors raised inside end in how to (re)build the cache: with `command`."""
+    try:
+        yield
+    except RefCacheError as exc:
+        raise exc.with_fix(command) from None
 
 
 def query_id(prompt_ids: Sequence[int]) -> int:
@@ -183,22 +207,22 @@ def save_ref_cache(cache: RefCache, path: str) -> None:
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
-def read_ref_cache(path: str, rebuild: str) -> RefCache:
-    """Read a cache file; a missing or unreadable file is a RefCacheError naming `rebuild`."""
+def read_ref_cache(path: str) -> RefCache:
+    """Read a cache file; a missing or unreadable file is a RefCacheError."""
     from safetensors import safe_open
 
     if not os.path.isfile(path):
-        raise RefCacheError(f"reference cache {path} does not exist; build it with: {rebuild}")
+        raise RefCacheError(f"reference cache {path} does not exist", missing=True)
     try:
         with safe_open(path, framework="pt") as f:
             meta_text = (f.metadata() or {}).get(META_KEY)
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         meta = json.loads(meta_text) if meta_text else None
     except Exception as exc:  # corrupt / not safetensors
-        raise RefCacheError(f"reference cache {path} is unreadable ({type(exc).__name__}); rebuild it with: {rebuild}") from None
+        raise RefCacheError(f"reference cache {path} is unreadable ({type(exc).__name__})") from None
     need = ("query_id", "n_tokens", "ref_query_logp", "score")
     if not isinstance(meta, dict) or meta.get("format") != CACHE_FORMAT or any(k not in tensors for k in need):
-        raise RefCacheError(f"reference cache {path} is not an {CACHE_FORMAT} file; rebuild it with: {rebuild}")
+        raise RefCacheError(f"reference cache {path} is not an {CACHE_FORMAT} file")
     return RefCache(meta=meta, **{k: tensors[k] for k in need})
 
 
@@ -219,18 +243,17 @@ def shown(value: Any, width: int = 60) -> str:
     return repr(textwrap.shorten(text, width, placeholder=" ...") if len(text) > width else text)
 
 
-def check_cache_meta(meta: Dict[str, Any], path: str, expect: Dict[str, str], rebuild: str) -> None:
+def check_cache_meta(meta: Dict[str, Any], path: str, expect: Dict[str, str]) -> None:
     """RefCacheError naming the first of META_CHECKS (those in ``expect``) that differs."""
     for key, what, name_key in META_CHECKS:
         if key in expect and key not in meta:
             raise RefCacheError(f"reference cache {path} does not record its {what.split(' (')[0]} (an older erpo "
-                                f"built it), so it may not match this run's; rebuild it with: {rebuild}")
+                                f"built it), so it may not match this run's")
         if key in expect and meta.get(key) != expect.get(key):
             built = f"{meta.get(name_key)} ({meta.get(key)})" if name_key else shown(meta.get(key))
             now = f"{expect.get(name_key)} ({expect.get(key)})" if name_key else shown(expect.get(key))
             raise RefCacheError(
-                f"reference cache {path} is stale: built for {what} {built}, this run uses {now}; "
-                f"rebuild it with: {rebuild}"
+                f"reference cache {path} is stale: built for {what} {built}, this run uses {now}"
             )
 
 
@@ -241,14 +264,13 @@ def validate_ref_cache(
     expect: Dict[str, str],
     prompt_ids: Sequence[Sequence[int]],
     describe: Any,
-    rebuild: str,
 ) -> torch.Tensor:
     """Check the cache against the run; return the cache row of each training query [M].
 
     expect: {"model_fingerprint", "tokenizer_fingerprint", "template"} of this run (and
     "model", only quoted). describe(i) -> a short text naming training query i.
     """
-    check_cache_meta(cache.meta, path, expect, rebuild)
+    check_cache_meta(cache.meta, path, expect)
     ids = [query_id(p) for p in prompt_ids]
     missing = cache.missing(ids)
     if missing:
@@ -256,7 +278,7 @@ def validate_ref_cache(
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise RefCacheError(
             f"reference cache {path} has no entry for training query {i} {describe(i)} "
-            f"(id {ids[i]:016x}){more}; rebuild it with: {rebuild}"
+            f"(id {ids[i]:016x}){more}"
         )
     rows = cache.rows(ids)
     n_expected = torch.tensor([len(p) - 1 for p in prompt_ids], dtype=torch.long)
@@ -264,8 +286,8 @@ def validate_ref_cache(
     if bad.numel():
         i = int(bad[0, 0])
         raise RefCacheError(
-            f"reference cache {path} disagrees on the length of training query {i} {describe(i)}; rebuild it with: {rebuild}"
+            f"reference cache {path} disagrees on the length of training query {i} {describe(i)}"
         )
     if not bool(torch.isfinite(cache.ref_query_logp).all()):
-        raise RefCacheError(f"reference cache {path} holds non-finite values; rebuild it with: {rebuild}")
+        raise RefCacheError(f"reference cache {path} holds non-finite values")
     return rows

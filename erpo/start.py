@@ -26,8 +26,8 @@ from .errors import ErpoError
 from .models import (autocast, check_vocabulary, enable_gradient_checkpointing, load_model, load_tokenizer,
                      resolve_compute_dtype, resolve_device)
 from .packing import resolve_attn_implementation, set_attn_implementation
-from .ref_cache import (RefCache, RefCacheError, build_ref_cache, check_cache_meta, model_fingerprint, query_id,
-                        read_ref_cache, save_ref_cache, shown, tokenizer_fingerprint, validate_ref_cache)
+from .ref_cache import (RefCache, RefCacheError, build_ref_cache, check_cache_meta, fixed_by, model_fingerprint,
+                        query_id, read_ref_cache, save_ref_cache, shown, tokenizer_fingerprint, validate_ref_cache)
 from .run_plan import RunPlan
 from .tiny import resolve_model_dir, warmstart_dir
 
@@ -247,21 +247,21 @@ def check_cache_early(cfg: TrainConfig, plan: RunPlan, examples: Sequence[Exampl
     the model directory it will have. Nothing to check when the cache is to be built."""
     if not plan.cache_exists:
         return
-    rebuild = rebuild_command(cfg)
-    meta = read_ref_cache(plan.cache_source, rebuild).meta
-    if plan.resuming:
-        check_cache_meta(meta, plan.cache_source, plan.saved_state["reference"], rebuild)
-        return
-    if cfg.is_demo_model:
-        planned = os.path.abspath(warmstart_dir(cfg, examples, cfg.resolved_template))
-        if not os.path.isdir(planned) and meta.get("model") != planned:
-            raise RefCacheError(
-                f"reference cache {plan.cache_source} is stale: built for model weights {meta.get('model')} "
-                f"({meta.get('model_fingerprint')}), this run starts from {planned} (a warm start of other "
-                f"settings); rebuild it with: {rebuild}"
-            )
-    expect = {"template": template_text(cfg.resolved_template), **scoring_meta(cfg, device, dtype)}
-    check_cache_meta(meta, plan.cache_source, expect, rebuild)
+    with fixed_by(rebuild_command(cfg)):
+        meta = read_ref_cache(plan.cache_source).meta
+        if plan.resuming:
+            check_cache_meta(meta, plan.cache_source, plan.saved_state["reference"])
+            return
+        if cfg.is_demo_model:
+            planned = os.path.abspath(warmstart_dir(cfg, examples, cfg.resolved_template))
+            if not os.path.isdir(planned) and meta.get("model") != planned:
+                raise RefCacheError(
+                    f"reference cache {plan.cache_source} is stale: built for model weights {meta.get('model')} "
+                    f"({meta.get('model_fingerprint')}), this run starts from {planned} (a warm start of other "
+                    f"settings)"
+                )
+        expect = {"template": template_text(cfg.resolved_template), **scoring_meta(cfg, device, dtype)}
+        check_cache_meta(meta, plan.cache_source, expect)
 
 
 @dataclass
@@ -300,7 +300,6 @@ def load_reference_cache(cfg: TrainConfig, plan: RunPlan, start: Start, examples
     """(the reference cache, the cache row of each training query [M], whether it was built
     now): read from plan.cache_source and validated, or scored under the starting model
     when there is none (resuming, the starting model must still be the run's)."""
-    rebuild = rebuild_command(cfg)
     new = not plan.cache_exists
     if new:
         model = start.model
@@ -315,12 +314,11 @@ def load_reference_cache(cfg: TrainConfig, plan: RunPlan, start: Start, examples
         cache, seconds = score(cfg, model, start.prompt_ids, start.reference, int(start.tokenizer.pad_token_id),
                                device, dtype)
         log(f"erpo: reference cache: {len(cache)} queries scored in {seconds:.1f}s")
-    else:
-        cache = read_ref_cache(plan.cache_source, rebuild)
-    rows = validate_ref_cache(
-        cache, plan.cache_source, expect=start.reference, prompt_ids=start.prompt_ids,
-        describe=lambda i: f"({examples[i].prompt[:40]!r})", rebuild=rebuild,
-    )
+    with fixed_by(rebuild_command(cfg)):
+        if not new:
+            cache = read_ref_cache(plan.cache_source)
+        rows = validate_ref_cache(cache, plan.cache_source, expect=start.reference, prompt_ids=start.prompt_ids,
+                                  describe=lambda i: f"({examples[i].prompt[:40]!r})")
     return cache, rows, new
 
 
@@ -379,7 +377,7 @@ def build_cache_command(cfg: TrainConfig, log: Callable[[str], None] = print) ->
     path = cfg.ref_cache_path
     if os.path.isfile(path) and not cfg.overwrite:  # before any model is built: it may be another run's
         try:
-            meta = read_ref_cache(path, "").meta
+            meta = read_ref_cache(path).meta
             built = f" (built for model {meta.get('model')}, template {shown(meta.get('template'), 40)})"
         except RefCacheError:
             built = " (unreadable)"

@@ -748,10 +748,10 @@ def test_stale_cache_fails_before_the_warm_start_and_ref_cache_keeps_other_runs_
     assert open(theirs, "rb").read() == before
     mine = str(tmp_path / "mine.safetensors")
     assert main([a if not a.startswith("ref_cache=") else f"ref_cache={mine}" for a in command[1:-1]]) == 0
-    assert read_ref_cache(mine, "").meta["template"] == "Q: {prompt}"
+    assert read_ref_cache(mine).meta["template"] == "Q: {prompt}"
     assert main(["train", *args, f"ref_cache={mine}"]) == 0
     assert main(command[1:]) == 0   # pasted as suggested: replaced, and the run it was suggested to trains
-    assert read_ref_cache(theirs, "").meta["template"] == "Q: {prompt}"
+    assert read_ref_cache(theirs).meta["template"] == "Q: {prompt}"
     assert main(["train", *args, f"ref_cache={theirs}", "run_dir=" + str(tmp_path / "c")]) == 0
 
 

@@ -8,6 +8,7 @@ import torch
 from erpo.ref_cache import (
     RefCacheError,
     build_ref_cache,
+    fixed_by,
     model_fingerprint,
     query_id,
     read_ref_cache,
@@ -42,8 +43,8 @@ def setup():
 
 
 def check(cache, path, meta, prompts):
-    return validate_ref_cache(cache, path, expect=meta, prompt_ids=prompts, describe=lambda i: f"(query {i})",
-                              rebuild=REBUILD)
+    with fixed_by(REBUILD):  # the caller names how its cache is rebuilt
+        return validate_ref_cache(cache, path, expect=meta, prompt_ids=prompts, describe=lambda i: f"(query {i})")
 
 
 def test_values_round_trip_and_lookup(setup, tmp_path):
@@ -53,7 +54,7 @@ def test_values_round_trip_and_lookup(setup, tmp_path):
     path = str(tmp_path / "ref_cache.safetensors")
     save_ref_cache(cache, path)
     assert os.listdir(tmp_path) == ["ref_cache.safetensors"]  # no temp file left
-    loaded = read_ref_cache(path, REBUILD)
+    loaded = read_ref_cache(path)
     rows = check(loaded, path, meta, prompts)
     assert rows[0] == rows[3]
     for name in ("query_id", "n_tokens", "ref_query_logp", "score"):
@@ -102,12 +103,15 @@ def test_atomic_write_keeps_the_old_file(setup, tmp_path, monkeypatch):
 
 def test_missing_and_corrupt_files(tmp_path):
     path = str(tmp_path / "nothing.safetensors")
-    with pytest.raises(RefCacheError, match=f"does not exist; build it with: {REBUILD}"):
-        read_ref_cache(path, REBUILD)
+    with pytest.raises(RefCacheError, match=f"does not exist; build it with: {REBUILD}$"), fixed_by(REBUILD):
+        read_ref_cache(path)
+    with pytest.raises(RefCacheError, match="does not exist$"):  # no fix given: the problem alone
+        read_ref_cache(path)
     with open(path, "wb") as f:
         f.write(b"\x00garbage")
-    with pytest.raises(RefCacheError, match=f"unreadable.*rebuild it with: {REBUILD}"):
-        read_ref_cache(path, REBUILD)
+    with pytest.raises(RefCacheError, match=f"unreadable [(].*[)]; rebuild it with: {REBUILD}$"), fixed_by("outer"):
+        with fixed_by(REBUILD):  # the innermost caller's fix is the one named, once
+            read_ref_cache(path)
 
 
 @pytest.mark.parametrize("what", ["model", "tokenizer", "template"])
@@ -115,7 +119,7 @@ def test_mismatch_is_a_clear_error(setup, tmp_path, what):
     tok, model, prompts, meta = setup
     path = str(tmp_path / "c.safetensors")
     save_ref_cache(build_ref_cache(model, prompts, meta), path)
-    cache = read_ref_cache(path, REBUILD)
+    cache = read_ref_cache(path)
     expect = dict(meta)
     if what == "model":
         other = tiny_model(seed=1)
@@ -145,7 +149,7 @@ def test_missing_query_names_it(setup, tmp_path):
     tok, model, prompts, meta = setup
     path = str(tmp_path / "c.safetensors")
     save_ref_cache(build_ref_cache(model, prompts[:2], meta), path)
-    cache = read_ref_cache(path, REBUILD)
+    cache = read_ref_cache(path)
     with pytest.raises(RefCacheError) as err:
         check(cache, path, meta, prompts)
     msg = str(err.value)

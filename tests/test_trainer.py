@@ -500,7 +500,7 @@ def test_a_cache_scored_otherwise_is_not_reused(tmp_path, cache_dir):
     with pytest.raises(RefCacheError, match="built for compute dtype .* 'bfloat16', this run uses 'float32'; "
                                             "rebuild it with: erpo ref-cache .*dtype=float32.*overwrite=true"):
         Trainer(fp32, log=quiet)
-    old = read_ref_cache(path, "")
+    old = read_ref_cache(path)
     for key in ("compute_dtype", "attn_implementation", "kernel_backend"):
         del old.meta[key]
     save_ref_cache(old, path)

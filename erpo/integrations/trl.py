@@ -50,6 +50,7 @@ from ..ref_cache import (
     RefCache,
     RefCacheError,
     build_ref_cache,
+    fixed_by,
     model_fingerprint,
     query_id,
     read_ref_cache,
@@ -389,11 +390,10 @@ class ERPOTrainer(GRPOTrainer):
         path = self.args.ref_cache
         rebuild = f"delete {path} (ERPOTrainer rebuilds a missing cache from the train dataset)" if path else ""
         if path and os.path.isfile(path):
-            cache = read_ref_cache(path, rebuild)
-            self._train_rows = validate_ref_cache(
-                cache, path, expect=expect, prompt_ids=prompt_ids,
-                describe=lambda i: f"({str(prompts[i])[:40]!r})", rebuild=rebuild,
-            )
+            with fixed_by(rebuild):
+                cache = read_ref_cache(path)
+                self._train_rows = validate_ref_cache(cache, path, expect=expect, prompt_ids=prompt_ids,
+                                                      describe=lambda i: f"({str(prompts[i])[:40]!r})")
             return cache
         was_training = model.training
         model.eval()

@@ -129,7 +129,7 @@ def test_the_cache_holds_the_runs_prompts_and_their_log_likelihood(files, built)
     prompts = run_prompts(args)
     assert len(prompts) == len(QUESTIONS) and len({tuple(p) for p in prompts}) == 5
     data = loss_fields(prompts, cache)  # a prompt the cache lacks would raise here
-    stored = read_ref_cache(cache, "")
+    stored = read_ref_cache(cache)
     assert sorted(stored.query_id.tolist()) == sorted({query_id(p) for p in prompt_token_lists(data)})
     torch.testing.assert_close(stored.n_tokens, torch.tensor([len(p) - 1 for p in dict.fromkeys(map(tuple, prompts))]))
     assert stored.meta["compute_dtype"] == "float32" and stored.meta["verl_command"].startswith(COMMAND)

@@ -76,7 +76,7 @@ from erpo_kernels.weighted_k3 import MAX_GUARD
 from ...distributed import gather_for_call
 from ...packing import lm_head_options
 from ...query_weights import SCHEMES, QueryWeighter
-from ...ref_cache import RefCache, RefCacheError, query_id, read_ref_cache
+from ...ref_cache import RefCache, RefCacheError, fixed_by, query_id, read_ref_cache
 
 __all__ = [
     "BACKEND",
@@ -369,13 +369,14 @@ def _cache(settings: ERPOPolicyLossConfig) -> RefCache:
         raise ValueError("erpo: query weights and the Query-KL need the reference cache: set "
                          "+actor_rollout_ref.actor.policy_loss.ref_cache=PATH")
     path = os.path.expanduser(settings.ref_cache)
-    if not os.path.isfile(path):
-        return read_ref_cache(path, _BUILD)  # the error naming the command
-    state = os.stat(path)
-    key = (path, state.st_mtime_ns, state.st_size)
-    if key not in _CACHES:
-        _CACHES.clear()
-        _CACHES[key] = read_ref_cache(path, _BUILD)
+    with fixed_by(_BUILD):
+        if not os.path.isfile(path):
+            return read_ref_cache(path)  # the error naming the command
+        state = os.stat(path)
+        key = (path, state.st_mtime_ns, state.st_size)
+        if key not in _CACHES:
+            _CACHES.clear()
+            _CACHES[key] = read_ref_cache(path)
     return _CACHES[key]
 
 

@@ -112,7 +112,7 @@ def cache_path(cfg: Any, overwrite: bool) -> str:
         raise ErpoError(f"{CACHE_KEY}={path} is a directory; give the cache file's path")
     if os.path.exists(path) and not overwrite:
         try:
-            built = read_ref_cache(path, "").meta.get("verl_command")
+            built = read_ref_cache(path).meta.get("verl_command")
             built = f" (built by: {built})" if built else ""
         except RefCacheError:
             built = " (not a cache erpo can read)"
