@@ -7,7 +7,7 @@ names start with "_" are private.
 """
 from . import reference
 from ._triton import HAS_TRITON, interpreting
-from ._utils import BACKENDS, resolve_backend
+from ._utils import BACKENDS, check_backend, resolve_backend
 from .linear_token_logprobs import linear_token_logprobs
 from .loss_batch import PackedLossBatch
 from .loss_config import ALGORITHMS, ROLLOUT_IS, LossConfig
@@ -35,6 +35,7 @@ __all__ = [
     "MicroBatch",
     "PackedLossBatch",
     "RowTiles",
+    "check_backend",
     "combine_metrics",
     "erpo_loss",
     "erpo_loss_from_logp",

@@ -33,6 +33,13 @@ def checking_values(validate: bool) -> bool:
     return bool(validate) and not torch.compiler.is_compiling()
 
 
+def check_backend(backend: str, name: str = "backend") -> None:
+    """ValueError naming `name` (how the caller's user names the setting) unless `backend`
+    is one of BACKENDS: the one check of a backend name (ops, TrainConfig, TRL, verl)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{name} must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
 def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
     """Return "triton" or "torch" for an op whose main input is `tensor`.
 
@@ -40,8 +47,7 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
     elsewhere. "triton": the kernels, on CUDA tensors or on CPU tensors under
     TRITON_INTERPRET=1. "torch": the reference (memory-bounded, differentiable).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend)
     if backend == "torch":
         return "torch"
     if backend == "auto":

@@ -175,3 +175,17 @@ def test_bad_values(device):
         segment_sum(torch.arange(4, device=device), cu, backend="triton")
     with pytest.raises(ValueError, match="backend"):
         segment_sum(torch.randn(4, device=device), cu, backend="cuda")
+
+
+def test_a_backend_name_is_checked_in_one_place(device):
+    """Every op, TrainConfig, TRL and verl name their backend setting through
+    erpo_kernels.check_backend (BACKENDS); an op's own argument is `backend`."""
+    from erpo_kernels import BACKENDS, check_backend
+
+    cu = torch.tensor([0, 2, 4], device=device)
+    with pytest.raises(ValueError, match="^backend must be one of auto, triton, torch, got 'fast'$"):
+        segment_sum(torch.randn(4, device=device), cu, backend="fast")
+    with pytest.raises(ValueError, match="^policy_loss.kernel_backend must be one of auto, triton, torch, got 'cuda'$"):
+        check_backend("cuda", "policy_loss.kernel_backend")
+    for backend in BACKENDS:
+        check_backend(backend)

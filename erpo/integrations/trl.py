@@ -43,7 +43,7 @@ except ImportError:
 
 import torch
 
-from erpo_kernels import BACKENDS, LossConfig, linear_token_logprobs, segment_sum, weighted_k3
+from erpo_kernels import LossConfig, check_backend, linear_token_logprobs, segment_sum, weighted_k3
 
 from ..query_weights import QueryWeighter, effective_sample_size
 from ..ref_cache import (
@@ -264,11 +264,6 @@ def _hook(model: torch.nn.Module, backend: str, verbose: bool) -> ErpoKernelsHea
     return head
 
 
-def _check_backend(name: str, backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"{name} must be one of {', '.join(BACKENDS)}, got {backend!r}")
-
-
 def use_erpo_kernels(model_or_trainer: Any, *, backend: str = "auto", verbose: bool = True) -> ErpoKernelsHead:
     """Make TRL's fused LM head run erpo_kernels.linear_token_logprobs (log-probs and entropy).
 
@@ -287,7 +282,7 @@ def use_erpo_kernels(model_or_trainer: Any, *, backend: str = "auto", verbose: b
         optional outputs (log_sum_sq_probs, mean_logits, is_top1) are refused with a
         ValueError at the first such call.
     """
-    _check_backend("backend", backend)
+    check_backend(backend)
     _install_switch()
     if isinstance(model_or_trainer, torch.nn.Module):
         return _hook(model_or_trainer, backend, verbose)
@@ -331,7 +326,7 @@ class ERPOConfig(GRPOConfig):
         super().__post_init__()
         QueryWeighter.check_config(self)  # each key checked by the object it configures
         LossConfig(alpha=self.alpha, kl_guard=self.kl_guard)
-        _check_backend("erpo_backend", self.erpo_backend)
+        check_backend(self.erpo_backend, "erpo_backend")
         if self.ref_cache is not None and os.path.isdir(self.ref_cache):
             raise ValueError(f"ref_cache={self.ref_cache} is a directory; give a file path (e.g. DIR/ref_cache.safetensors)")
 

@@ -102,7 +102,8 @@ def test_the_forward_takes_its_kernel_backend_from_fused_kernel_options(referenc
         with pytest.raises(ValueError, match="backend='triton' needs the triton package"):
             _run(ours, TAU)
         options["kernel_backend"] = "fast"
-        with pytest.raises(ValueError, match="fused_kernel_options.kernel_backend must be auto, triton or torch"):
+        with pytest.raises(ValueError,
+                           match="fused_kernel_options.kernel_backend must be one of auto, triton, torch, got 'fast'"):
             _run(ours, TAU)
         options["kernel_backend"] = "torch"
         _run(ours, TAU)

@@ -70,7 +70,7 @@ except ImportError:
 
 import torch
 
-from erpo_kernels import linear_token_logprobs, segment_sum, weighted_k3
+from erpo_kernels import check_backend, linear_token_logprobs, segment_sum, weighted_k3
 from erpo_kernels.weighted_k3 import MAX_GUARD
 
 from ...distributed import gather_for_call
@@ -96,7 +96,6 @@ LOSS_MODE = "erpo"  # policy_loss.loss_mode
 IGNORE_INDEX = -100
 PROMPT_ROWS = "erpo_prompt_rows"  # model keyword: [B, L] / [1, nnz] bool, rows that score a prompt token
 KERNEL_BACKEND = "erpo_kernel_backend"  # model keyword: fused_kernel_options.kernel_backend
-KERNEL_BACKENDS = ("auto", "triton", "torch")
 # builds the reference cache from a run's own overrides (erpo.integrations.verl.cache_command)
 REF_CACHE_COMMAND = "python -m erpo.integrations.verl ref-cache"
 # ERPO's per-sequence fields of a mini-batch (add_mini_batch_fields)
@@ -148,8 +147,7 @@ class ERPOPolicyLossConfig(PolicyLossConfig):
             raise ValueError(f"policy_loss.alpha must be finite and >= 0, got {self.alpha}")
         if not 0.0 < float(self.kl_guard) <= MAX_GUARD:
             raise ValueError(f"policy_loss.kl_guard must lie in (0, {MAX_GUARD:g}], got {self.kl_guard}")
-        if self.kernel_backend not in KERNEL_BACKENDS:
-            raise ValueError(f"policy_loss.kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}")
+        check_backend(self.kernel_backend, "policy_loss.kernel_backend")
         if self.loss_mode == LOSS_MODE and float(self.alpha) > 0 and not self.ref_cache:
             raise ValueError("policy_loss.alpha > 0 needs the reference cache: set "
                              "+actor_rollout_ref.actor.policy_loss.ref_cache=PATH (or alpha=0) and build it with "
@@ -180,9 +178,7 @@ def forward_kernel_backend(fused_kernel_options: Any) -> str:
     """The kernel backend of impl_backend=erpo's forward: fused_kernel_options.kernel_backend
     (actor_rollout_ref.model.fused_kernel_options; auto when unset), checked."""
     backend = (fused_kernel_options or {}).get("kernel_backend", "auto")
-    if backend not in KERNEL_BACKENDS:
-        raise ValueError(f"actor_rollout_ref.model.fused_kernel_options.kernel_backend must be auto, triton or torch, "
-                         f"got {backend!r}")
+    check_backend(backend, "actor_rollout_ref.model.fused_kernel_options.kernel_backend")
     return backend
 
 
