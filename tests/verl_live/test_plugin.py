@@ -71,6 +71,11 @@ def test_config_rejects_bad_values(tmp_path):
         ERPOPolicyLossConfig(alpha=-1.0)
     with pytest.raises(ValueError, match="kl_guard"):
         ERPOPolicyLossConfig(alpha=0.0, kl_guard=0.0)
+    # checked by the objects they configure, as ERPOConfig and TrainConfig: w_min by the weighter
+    with pytest.raises(ValueError, match=r"^policy_loss.w_min must lie in \[0, 1\]"):
+        ERPOPolicyLossConfig(alpha=0.0, w_min=2.0)
+    with pytest.raises(ValueError, match="^policy_loss.kernel_backend must be one of auto, triton, torch, got 'fast'$"):
+        ERPOPolicyLossConfig(alpha=0.0, kernel_backend="fast")
     with pytest.raises(ValueError, match="directory"):
         ERPOPolicyLossConfig(alpha=0.1, ref_cache=str(tmp_path))
 

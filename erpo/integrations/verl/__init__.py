@@ -70,12 +70,11 @@ except ImportError:
 
 import torch
 
-from erpo_kernels import check_backend, linear_token_logprobs, segment_sum, weighted_k3
-from erpo_kernels.weighted_k3 import MAX_GUARD
+from erpo_kernels import LossConfig, check_backend, linear_token_logprobs, segment_sum, weighted_k3
 
 from ...distributed import gather_for_call
 from ...packing import lm_head_options
-from ...query_weights import SCHEMES, QueryWeighter
+from ...query_weights import QueryWeighter
 from ...ref_cache import RefCache, RefCacheError, fixed_by, query_id, read_ref_cache
 
 __all__ = [
@@ -141,13 +140,12 @@ class ERPOPolicyLossConfig(PolicyLossConfig):
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:
             parent()
-        if self.query_weighting not in SCHEMES:
-            raise ValueError(f"policy_loss.query_weighting must be one of {SCHEMES}, got {self.query_weighting!r}")
-        if not 0.0 <= float(self.alpha) < float("inf"):
-            raise ValueError(f"policy_loss.alpha must be finite and >= 0, got {self.alpha}")
-        if not 0.0 < float(self.kl_guard) <= MAX_GUARD:
-            raise ValueError(f"policy_loss.kl_guard must lie in (0, {MAX_GUARD:g}], got {self.kl_guard}")
-        check_backend(self.kernel_backend, "policy_loss.kernel_backend")
+        try:  # each key checked by the object it configures (as ERPOConfig and TrainConfig do)
+            QueryWeighter.check_config(self)
+            LossConfig(alpha=self.alpha, kl_guard=self.kl_guard)
+            check_backend(self.kernel_backend, "kernel_backend")
+        except ValueError as exc:
+            raise ValueError(f"policy_loss.{exc}") from None
         if self.loss_mode == LOSS_MODE and float(self.alpha) > 0 and not self.ref_cache:
             raise ValueError("policy_loss.alpha > 0 needs the reference cache: set "
                              "+actor_rollout_ref.actor.policy_loss.ref_cache=PATH (or alpha=0) and build it with "
