@@ -68,6 +68,9 @@ EVALUATION = Section("evaluation", "evaluation (docs/method.md section 8; `erpo 
 SECTIONS = (OBJECTIVE, ROLLOUT, OPTIMISATION, MEMORY, MODEL, RUN, DEMO, EVALUATION)
 
 
+TINY_HEADS = 4  # query heads of the demo model (erpo.tiny builds it; head_dim = tiny_hidden_size / TINY_HEADS)
+
+
 @dataclass
 class DemoConfig:
     """The embedded demo's keys (model=tiny, dataset=arithmetic): its task and its model's
@@ -103,8 +106,9 @@ class DemoConfig:
         positive("warmstart_lr", self.warmstart_lr)
         if not 0.0 <= self.warmstart_unboxed < 1.0:
             raise ConfigError(f"warmstart_unboxed={self.warmstart_unboxed} must lie in [0, 1)")
-        if self.tiny_hidden_size % 4 != 0:
-            raise ConfigError(f"tiny_hidden_size={self.tiny_hidden_size} must be a multiple of 4 (4 attention heads)")
+        if self.tiny_hidden_size % TINY_HEADS != 0:
+            raise ConfigError(f"tiny_hidden_size={self.tiny_hidden_size} must be a multiple of {TINY_HEADS} "
+                              f"({TINY_HEADS} attention heads)")
 
 
 def check_protocol(temperatures: Sequence[float], n_samples: int, k_values: Optional[Sequence[int]],

