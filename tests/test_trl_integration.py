@@ -4,6 +4,7 @@ A tiny Qwen2 built from a config and saved to a temp directory, the demo's local
 tokenizer, a local datasets.Dataset, HF_HUB_OFFLINE=1: nothing comes from a hub.
 """
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -333,6 +334,13 @@ def test_erpo_trains_logs_and_caches(tmp_path, model_dir, tokenizer, dataset):
                         processing_class=tokenizer)
     assert cache.stat().st_mtime_ns == mtime  # loaded, not rebuilt
     assert torch.equal(again.ref_cache.ref_query_logp, trainer.ref_cache.ref_query_logp)
+    from erpo.ref_cache import RefCacheError
+
+    cache.write_bytes(b"\x00garbage")  # unreadable: the error says how ERPOTrainer rebuilds its cache
+    fix = re.escape(f"; rebuild it with: delete {cache} (ERPOTrainer rebuilds a missing cache from the train dataset)")
+    with pytest.raises(RefCacheError, match=f"^reference cache {re.escape(str(cache))} is unreadable .*{fix}$"):
+        ERPOTrainer(model=model_dir, reward_funcs=reward_digits, args=args, train_dataset=dataset,
+                    processing_class=tokenizer)
 
 
 def test_erpo_config_names_bad_fields(tmp_path):
