@@ -482,6 +482,13 @@ class _TorchOps(TorchDispatchMode):
         if impl is not None:  # a torch.library custom op: count what it runs (its ATen ops, its kernels), not it
             with self:
                 return impl(*args, **kwargs)
+        if self.sink.launch is None and func.overloadpacket not in self.flop_registry:
+            # a composite op (matmul, to, softmax, ...) seen undecomposed, as ops called inside a custom op
+            # are: count what it decomposes into (mm, _to_copy, _softmax), as outside one
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         try:
             out = func(*args, **kwargs)
         except NotImplementedError:

@@ -367,8 +367,22 @@ def _copy_op(x: torch.Tensor) -> torch.Tensor:
     return y * 2
 
 
+@torch.library.custom_op("erpo_cost_test::matmul", mutates_args=())
+def _matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(a.to(torch.float64), b.to(torch.float64))
+
+
 def test_a_custom_op_is_counted_by_what_it_runs():
     x = torch.randn(300)
     recs = cost.count_launches(lambda: _copy_op(x))
     assert [r.name for r in recs if r.loaded or r.stored] == ["_copy", "aten.mul"]  # not the op itself on top
     torch.testing.assert_close(_copy_op(x), 2 * x)
+    # composite ops inside a custom op (matmul, to) reach the counter undecomposed: counted as what they
+    # decompose into, with their FLOPs, as outside one (the reference linear op lost its FLOPs before)
+    a, b = torch.randn(5, 3), torch.randn(3, 4)
+    inside = cost.count_launches(lambda: _matmul_op(a, b))
+    outside = cost.count_launches(lambda: torch.matmul(a.to(torch.float64), b.to(torch.float64)))
+    assert [(r.name, r.flops, r.loaded, r.stored) for r in inside] == \
+        [(r.name, r.flops, r.loaded, r.stored) for r in outside]
+    assert [r.name for r in inside] == ["aten._to_copy", "aten._to_copy", "aten.mm"]
+    assert inside[-1].flops == {"fp64": 2 * 5 * 3 * 4}
