@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.erpo-installed
 
-.PHONY: install test test-main live-venvs demo eval study bench clean test-vllm
+.PHONY: install test test-main live-venvs demo eval study bench clean test-vllm demo-vllm
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -84,6 +84,11 @@ else
 test-vllm: $(STAMP)
 	$(PY) -m pytest -q -rs tests/vllm_live
 endif
+
+# configs/demo-vllm.yaml: the demo with vLLM rollouts, in .venv-vllm (vLLM's CPU build on x86-64
+# Linux, docs/vllm.md); overwrite=true as for make demo (runs/demo-vllm)
+demo-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/erpo train configs/demo-vllm.yaml overwrite=true
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) *.egg-info .pytest_cache live-venvs.log

@@ -137,6 +137,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="write bench/results/rollout-<machine>.json (tracked) and docs/vllm.md's table")
     ro.add_argument("--machine", default=None, help="results file name (default: derived from the device)")
 
+    dv = sub.add_parser("demo-vllm", help="configs/demo-vllm.yaml trained with each rollout backend, side by side "
+                                          "(the vLLM venv)")
+    dv.add_argument("overrides", nargs="*", help="key=value settings on top of the config (e.g. lr=3e-4)")
+    dv.add_argument("--label", default="shipped", help="the runs' name in the table (default: shipped)")
+    dv.add_argument("--backends", default="hf,vllm", help="comma list of rollout backends (default: hf,vllm)")
+    dv.add_argument("--out-dir", default=None,
+                    help="where demo-vllm-<machine>.json goes (default: bench/results/local, untracked; with --record: "
+                         "bench/results)")
+    dv.add_argument("--record", action="store_true",
+                    help="write bench/results/demo-vllm-<machine>.json (tracked) and docs/vllm.md's table")
+    dv.add_argument("--machine", default=None, help="results file name (default: derived from the device)")
+
     r = sub.add_parser("report", help="regenerate the README table and the plots from bench/results/*.json")
     r.add_argument("--out-dir", default=str(RESULTS_DIR))
     r.add_argument("--print", action="store_true", help="also print the generated section")
@@ -165,6 +177,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _calibrate(args)
     if args.command == "rollout":
         return _rollout(args)
+    if args.command == "demo-vllm":
+        from . import demo_vllm
+
+        demo_vllm.run(_out_dir(args), args.label, _csv(args.backends), args.overrides, args.machine,
+                      write_doc=args.record)
+        return 0
     return _step(args)
 
 

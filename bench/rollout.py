@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 import tempfile
 import time
@@ -128,13 +127,9 @@ def markdown_table(record: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def regenerate_doc(path: Path, table: str) -> None:
-    """Replace the text between BEGIN and END in `path` with `table` (atomic write)."""
-    text = path.read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        raise SystemExit(f"{path}: no generated section ({BEGIN} ... {END})")
-    new = pattern.sub(lambda _m: f"{BEGIN}\n{table}\n{END}", text)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(new, encoding="utf-8")
-    os.replace(tmp, path)
+def regenerate_doc(path: Path, table: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the text between the markers begin and end in `path` with `table` (atomic write)."""
+    from .report import write_between
+
+    if not write_between(path, begin, end, table + "\n"):
+        raise SystemExit(f"{path}: no generated section ({begin} ... {end})")

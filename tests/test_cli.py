@@ -216,7 +216,7 @@ def test_every_shipped_config_loads_and_validates():
     assert demo == TrainConfig(mini_batches=2)  # the embedded default, two updates per rollout batch
     demo_vllm, _ = load_config(os.path.join(root, "demo-vllm.yaml"))  # the same with vLLM, head_dim 32
     assert demo_vllm == TrainConfig(mini_batches=2, rollout_backend="vllm", tiny_hidden_size=128,
-                                    run_dir="runs/demo-vllm")
+                                    warmstart_lr=1.5e-3, lr=1e-4, run_dir="runs/demo-vllm")
 
 
 def test_the_demos_run_dir_response_length_and_lr_are_the_demos_only():
