@@ -14,9 +14,10 @@ import pytest  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# The live vLLM suite runs in its own venv (make test: .venv-vllm, vLLM's CPU build) by naming
-# the directory: `python -m pytest tests/vllm_live`; `pytest tests` leaves it out.
-collect_ignore = ["vllm_live"]
+# The live suites run in their own venvs (make test: .venv-vllm with vLLM's CPU build, .venv-verl
+# with verl), each by naming its directory (`python -m pytest tests/vllm_live`): a directory named
+# on the command line is collected, `pytest tests` leaves these out.
+collect_ignore = ["vllm_live", "verl_live"]
 
 
 @pytest.fixture
