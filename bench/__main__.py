@@ -38,6 +38,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-report", action="store_true", help="do not regenerate the plots (the README table is only written by `bench report`)")
 
 
+def _record_args(p: argparse.ArgumentParser, stem: str) -> None:
+    """--out-dir, --record and --machine of a subcommand writing <stem>-<machine>.json and a docs/vllm.md table."""
+    p.add_argument("--out-dir", default=None, help=f"where {stem}-<machine>.json goes (default: bench/results/local, "
+                                                   "untracked; with --record: bench/results)")
+    p.add_argument("--record", action="store_true",
+                   help=f"write bench/results/{stem}-<machine>.json (tracked) and docs/vllm.md's table")
+    p.add_argument("--machine", default=None, help="results file name (default: derived from the device)")
+
+
 def _out_dir(args: argparse.Namespace) -> str:
     """--out-dir, else bench/results with --record, else the untracked LOCAL_RESULTS_DIR."""
     if args.out_dir and args.record:
@@ -130,24 +139,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ro.add_argument("--group", type=int, default=8, help="G, responses per prompt")
     ro.add_argument("--max-new-tokens", type=int, default=32)
     ro.add_argument("--tau", type=float, default=1.0, help="sampling temperature")
-    ro.add_argument("--out-dir", default=None,
-                    help="where rollout-<machine>.json goes (default: bench/results/local, untracked; with --record: "
-                         "bench/results)")
-    ro.add_argument("--record", action="store_true",
-                    help="write bench/results/rollout-<machine>.json (tracked) and docs/vllm.md's table")
-    ro.add_argument("--machine", default=None, help="results file name (default: derived from the device)")
+    _record_args(ro, "rollout")
 
     dv = sub.add_parser("demo-vllm", help="configs/demo-vllm.yaml trained with each rollout backend, side by side "
                                           "(the vLLM venv)")
     dv.add_argument("overrides", nargs="*", help="key=value settings on top of the config (e.g. lr=3e-4)")
     dv.add_argument("--label", default="shipped", help="the runs' name in the table (default: shipped)")
     dv.add_argument("--backends", default="hf,vllm", help="comma list of rollout backends (default: hf,vllm)")
-    dv.add_argument("--out-dir", default=None,
-                    help="where demo-vllm-<machine>.json goes (default: bench/results/local, untracked; with --record: "
-                         "bench/results)")
-    dv.add_argument("--record", action="store_true",
-                    help="write bench/results/demo-vllm-<machine>.json (tracked) and docs/vllm.md's table")
-    dv.add_argument("--machine", default=None, help="results file name (default: derived from the device)")
+    _record_args(dv, "demo-vllm")
 
     r = sub.add_parser("report", help="regenerate the README table and the plots from bench/results/*.json")
     r.add_argument("--out-dir", default=str(RESULTS_DIR))
