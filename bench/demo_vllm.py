@@ -12,7 +12,7 @@ engine's start), training time (the steps' time/step_s), CPU seconds and peak RS
     .venv-vllm/bin/python -m bench demo-vllm --record             # -> bench/results/, docs/vllm.md
     .venv-vllm/bin/python -m bench demo-vllm --label 'demo lrs' --backends hf warmstart_lr=3e-3 lr=3e-4
 
-Runs are kept in bench/results/demo-vllm-<machine>.json by (label, backend): a new one
+Runs are kept in bench/results/demo-vllm-<machine>.json (its "trainings") by (label, backend): a new one
 replaces the old one of the same label and backend; docs/vllm.md's table lists them all.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def run(out_dir: str, label: str, backends: Sequence[str], overrides: Sequence[s
             runs.append(dict(base, backend=backend, **train(backend, os.path.join(tmp, backend), cache, overrides)))
             print(f"[bench]   {runs[-1]['summary']}", flush=True)
     path = Path(out_dir) / f"demo-vllm-{machine_name('cpu', machine)}.json"
-    record = merge(json.loads(path.read_text()) if path.is_file() else {"runs": []}, runs)
+    record = merge(json.loads(path.read_text()) if path.is_file() else {"command": "demo-vllm", "trainings": []}, runs)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(str(path), (json.dumps(record, indent=1) + "\n").encode())
     table = markdown_table(record)
@@ -113,9 +113,12 @@ def run(out_dir: str, label: str, backends: Sequence[str], overrides: Sequence[s
 
 
 def merge(record: Dict[str, Any], runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """record's runs with `runs` in place of those of the same label and backend."""
+    """record's runs with `runs` in place of those of the same label and backend. (The key is
+    "trainings", not "runs": `bench report` reads every bench/results/*.json with a "runs" list
+    as a machine's kernel and step results.)"""
     new = {(r["label"], r["backend"]) for r in runs}
-    return {"runs": [r for r in record["runs"] if (r["label"], r["backend"]) not in new] + list(runs)}
+    kept = [r for r in record["trainings"] if (r["label"], r["backend"]) not in new]
+    return {"command": "demo-vllm", "trainings": kept + list(runs)}
 
 
 def markdown_table(record: Dict[str, Any]) -> str:
@@ -125,17 +128,18 @@ def markdown_table(record: Dict[str, Any]) -> str:
         "largest mismatch | training s | wall s | CPU s | peak RSS MB |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in record["runs"]:
+    for r in record["trainings"]:
         lines.append(
             f"| {r['label']} | {r['backend']} | {r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
             f"{r['qkl_max']:.3g} ({r['qkl_max_step']}) | {len(r['warnings'])} | {r['mismatch_max']:.1e} | "
             f"{r['train_s']:.0f} | {r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['max_rss_mb']:.0f} |")
     lines.append("")
-    for r in record["runs"]:
+    for r in record["trainings"]:
         settings = " ".join(r["overrides"]) or "as shipped"
+        v = r["versions"]
         lines.append(f"- {r['label']}, {r['backend']}: `configs/demo-vllm.yaml` {settings}, {r['steps']} steps, at "
-                     f"commit {r['commit'][:10]} on {r['device_name']}, vLLM {r['versions'].get('vllm')}, torch {r['versions'].get('torch')}, "
-                     f"transformers {r['versions'].get('transformers')}.")
+                     f"commit {r['commit'][:10]} on {r['device_name']}, vLLM {v.get('vllm')}, torch {v.get('torch')}, "
+                     f"transformers {v.get('transformers')}.")
         if r.get("engine_line"):
             lines.append(f"  Its engine said: `{r['engine_line']}`")
     return "\n".join(lines)

@@ -29,10 +29,11 @@ def test_run_stats_reads_the_runs_metrics():
 
 
 def test_a_new_run_replaces_the_one_of_its_label_and_backend():
-    old = {"runs": [{"label": "shipped", "backend": "hf", "n": 1}, {"label": "shipped", "backend": "vllm", "n": 1},
-                    {"label": "lrs", "backend": "hf", "n": 1}]}
+    old = {"command": "demo-vllm", "trainings": [
+        {"label": "shipped", "backend": "hf", "n": 1}, {"label": "shipped", "backend": "vllm", "n": 1},
+        {"label": "lrs", "backend": "hf", "n": 1}]}
     new = demo_vllm.merge(old, [{"label": "shipped", "backend": "vllm", "n": 2}])
-    assert [(r["label"], r["backend"], r["n"]) for r in new["runs"]] == [
+    assert [(r["label"], r["backend"], r["n"]) for r in new["trainings"]] == [
         ("shipped", "hf", 1), ("lrs", "hf", 1), ("shipped", "vllm", 2)]
 
 
@@ -44,10 +45,14 @@ def test_bench_demo_vllm_trains_the_config_and_writes_its_table(tmp_path, monkey
     monkeypatch.setattr(demo_vllm, "DOC", doc)
     (run,) = demo_vllm.run(str(tmp_path / "out"), "tiny", ["hf"], TINY, machine="t", write_doc=True)
     record = json.loads((tmp_path / "out" / "demo-vllm-t.json").read_text())
-    assert record["runs"] == [run] and run["backend"] == "hf" and run["steps"] == 2
+    assert record == {"command": "demo-vllm", "trainings": [run]} and run["backend"] == "hf" and run["steps"] == 2
+    from bench.report import all_results
+
+    assert all_results(tmp_path / "out") == {}  # not a machine's kernel / step results for `bench report`
     assert run["mismatch_max"] < 1e-4 and run["cpu_s"] > 0 and run["max_rss_mb"] > 0 and run["wall_s"] > 0
     assert run["summary"].startswith("erpo: erpo finished step 2/2") and run["engine_line"] is None
     text = doc.read_text()
-    assert text.startswith(f"before\n{demo_vllm.BEGIN}\n| run | backend |") and text.endswith(f"{demo_vllm.END}\nafter\n")
+    assert text.startswith(f"before\n{demo_vllm.BEGIN}\n| run | backend |")
+    assert text.endswith(f"{demo_vllm.END}\nafter\n")
     assert f"| tiny | hf | {run['reward_first']:.3f} -> {run['reward_last']:.3f} |" in text and "old" not in text
     assert f"`configs/demo-vllm.yaml` {' '.join(TINY)}, 2 steps, at commit {run['commit'][:10]}" in text

