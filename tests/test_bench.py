@@ -274,3 +274,16 @@ def test_a_measurement_goes_to_an_untracked_file_unless_recorded(tmp_path, monke
     args = argparse.Namespace(out_dir=None, record=True)
     assert cli._out_dir(args) == str(RESULTS_DIR)
     assert cli._out_dir(argparse.Namespace(out_dir="x", record=False)) == "x"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the script's stop on a machine without a CUDA device")
+def test_gpu_check_script_parses_and_stops_without_a_gpu(tmp_path):
+    """bench/gpu_check.sh is valid bash, and without a CUDA device it stops in its first phase with
+    exit 2 and a summary.txt saying why (nothing measured, no results file written)."""
+    script = REPO / "bench" / "gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, T_TOTAL="60")
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.txt"]
+    assert "no CUDA device visible" in (tmp_path / "summary.txt").read_text()
