@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.erpo-installed
 
-.PHONY: install test test-main live-venvs demo eval study bench clean test-vllm demo-vllm
+.PHONY: install test test-main test-live demo eval study bench clean test-vllm demo-vllm
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,21 +22,26 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 # Kernels run in Triton's CPU interpreter here (tests/conftest.py sets TRITON_INTERPRET=1
-# when no GPU is present). The venvs of the live verl and vLLM suites are built while the main
-# suite runs (their pip output goes to live-venvs.log, shown if a build fails); then both run.
-test: $(STAMP)
-	$(MAKE) --no-print-directory -j2 test-main live-venvs
-	$(MAKE) --no-print-directory test-verl
-	$(MAKE) --no-print-directory test-vllm
+# when no GPU is present). The live verl and vLLM suites run beside the main suite (make -j2):
+# their venvs are built (pip's output in live-venvs.log, shown if a build fails), then each suite
+# runs into its own log (live-verl.log, live-vllm.log), printed after the main suite's output.
+LIVE_LOGS ?= live
 
-LIVE_LOG ?= live-venvs.log
+test: $(STAMP)
+	@rc=0; $(MAKE) --no-print-directory -j2 test-main test-live || rc=$$?; \
+	for suite in verl vllm; do \
+		if [ -f $(LIVE_LOGS)-$$suite.log ]; then echo "== the live $$suite suite ($(LIVE_LOGS)-$$suite.log)"; cat $(LIVE_LOGS)-$$suite.log; fi; \
+	done; exit $$rc
 
 test-main: $(STAMP)
 	$(PY) -m pytest -q tests
 
-live-venvs:
-	$(if $(LIVE_STAMPS),@echo "building the live suites' venvs beside the main suite (log: $(LIVE_LOG))",)
-	$(if $(LIVE_STAMPS),@$(MAKE) --no-print-directory $(LIVE_STAMPS) > $(LIVE_LOG) 2>&1 || { cat $(LIVE_LOG); exit 1; },)
+test-live:
+	@rm -f $(LIVE_LOGS)-venvs.log $(LIVE_LOGS)-verl.log $(LIVE_LOGS)-vllm.log
+	$(if $(LIVE_STAMPS),@echo "the live verl and vLLM suites build their venvs and run beside the main suite (their output follows it)",)
+	$(if $(LIVE_STAMPS),@$(MAKE) --no-print-directory $(LIVE_STAMPS) > $(LIVE_LOGS)-venvs.log 2>&1 || { cat $(LIVE_LOGS)-venvs.log; exit 1; },)
+	@rc=0; $(MAKE) --no-print-directory test-verl > $(LIVE_LOGS)-verl.log 2>&1 || rc=1; \
+	$(MAKE) --no-print-directory test-vllm > $(LIVE_LOGS)-vllm.log 2>&1 || rc=1; exit $$rc
 
 # configs/demo.yaml: the embedded default with two updates per rollout batch;
 # overwrite=true: a rerun of the demo replaces runs/demo (erpo train alone refuses to)
@@ -91,7 +96,7 @@ demo-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/erpo train configs/demo-vllm.yaml overwrite=true
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) *.egg-info .pytest_cache live-venvs.log
+	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) *.egg-info .pytest_cache live-*.log
 
 # The live verl suite (tests/verl_live, erpo.integrations.verl against the real verl 0.9.1) in its
 # own venv: verl needs transformers<5.11. verl is installed without its dependencies

