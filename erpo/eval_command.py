@@ -194,7 +194,7 @@ def _evaluate_model(cfg: TrainConfig, model_dir: str, name: str, examples: Seque
                     device: torch.device, dtype: torch.dtype, log: Callable[[str], None]) -> EvalResult:
     """Evaluate one model on `examples`, write its report to `out` and log its table."""
     from .data import encode_prompts, render_prompt
-    from .models import check_vocabulary, load_model, load_tokenizer
+    from .models import check_context_length, check_vocabulary, load_model, load_tokenizer
     from .rewards import get_reward_fn
 
     max_new_tokens = cfg.eval_max_tokens
@@ -202,6 +202,7 @@ def _evaluate_model(cfg: TrainConfig, model_dir: str, name: str, examples: Seque
     tokenizer = load_tokenizer(model_dir)
     check_vocabulary(model, tokenizer, model_dir)
     prompts = encode_prompts(tokenizer, examples, cfg.eval_template)  # as in training (BOS included)
+    check_context_length(model_dir, max(len(p) for p in prompts), max_new_tokens)
     t0 = time.perf_counter()
     result = evaluate(
         model, tokenizer, prompts, [ex.answer for ex in examples], reward_fn=get_reward_fn(cfg.eval_reward),

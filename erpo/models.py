@@ -131,6 +131,36 @@ def check_vocabulary(model: Any, tokenizer: Any, path: str) -> None:
                         f"rows (token ids >= {rows} have none); use the tokenizer the model was trained with")
 
 
+def context_length(path: str) -> int | None:
+    """The most positions the model in directory `path` has (its config.json's n_positions,
+    GPT-2 style learned positions, else max_position_embeddings); None when it states neither."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    for key in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context_length(path: str, longest_prompt: int, max_new_tokens: int, key: str = "max_new_tokens") -> None:
+    """ErpoError, before anything runs, when the longest prompt + `max_new_tokens` does not fit
+    in the context of the model in `path` (learned position embeddings fail mid-run with an
+    IndexError inside generate; rotary ones leave the range the model was trained on)."""
+    limit = context_length(path)
+    need = longest_prompt + max_new_tokens
+    if limit is None or need <= limit:
+        return
+    room = limit - longest_prompt
+    fix = (f"set {key}={room} or less, or use a model with a longer context" if room > 0 else
+           f"the longest prompt alone fills it: use shorter prompts (max_prompt_tokens={limit - 1} refuses longer "
+           f"ones) or a model with a longer context")
+    raise ErpoError(f"model {path!r} has a context of {limit} positions (n_positions / max_position_embeddings in its "
+                    f"config.json), but the longest prompt ({longest_prompt} tokens) + {key}={max_new_tokens} needs "
+                    f"{need}; {fix}")
+
+
 def enable_gradient_checkpointing(model: Any) -> None:
     """The model's own (transformers) activation checkpointing of each decoder layer.
 

@@ -23,8 +23,8 @@ from .config import ConfigError, TrainConfig
 from .data import (Example, batches_per_epoch, check_prompts, encode_prompts, examples_fingerprint, load_examples,
                    template_text)
 from .errors import ErpoError
-from .models import (autocast, check_vocabulary, enable_gradient_checkpointing, load_model, load_tokenizer,
-                     resolve_compute_dtype, resolve_device)
+from .models import (autocast, check_context_length, check_vocabulary, enable_gradient_checkpointing, load_model,
+                     load_tokenizer, resolve_compute_dtype, resolve_device)
 from .packing import resolve_attn_implementation, set_attn_implementation
 from .ref_cache import (RefCache, RefCacheError, build_ref_cache, check_cache_meta, fixed_by, model_fingerprint,
                         query_id, read_ref_cache, save_ref_cache, shown, tokenizer_fingerprint, validate_ref_cache)
@@ -285,6 +285,7 @@ def load_start(cfg: TrainConfig, plan: RunPlan, examples: Sequence[Example], dev
     model_dir = distributed.main_first(lambda: resolve_model_dir(cfg, examples, log))
     tokenizer, prompt_ids = setup_prompts(cfg, examples, plan.checkpoint or model_dir)
     check_micro_batch_budget(cfg, prompt_ids)
+    check_context_length(plan.checkpoint or model_dir, max(len(p) for p in prompt_ids), cfg.max_new_tokens)
     if not plan.checkpoint:
         model, reference = starting_model(cfg, model_dir, tokenizer, device, dtype)
         return Start(model_dir, tokenizer, prompt_ids, reference, model)

@@ -976,3 +976,38 @@ def test_a_model_without_its_tokenizer_is_one_line(capsys, done_run, tmp_path):
     for argv in ([*train, f"model={small}", f"run_dir={tmp_path}/r2"], [*evaluate, f"model={small}"]):
         one_line_error(capsys, argv, f"its tokenizer has {len(tokenizer)} tokens, the model's embedding "
                                      f"{len(tokenizer) - 10} rows", "use the tokenizer the model was trained with")
+
+
+def test_a_model_shorter_than_prompt_plus_max_new_tokens_is_one_line_before_anything_is_written(capsys, tmp_path):
+    """A GPT-2-style model (learned positions, n_positions) or one whose max_position_embeddings
+    cannot hold the longest prompt + max_new_tokens: one line naming both numbers and the fix,
+    from erpo train before the run directory exists and from erpo eval before any report
+    (issue 29.2: it was an IndexError inside generate at step 1, after config.yaml and the cache)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    from erpo.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    gpt2, qwen = tmp_path / "gpt2", tmp_path / "qwen"
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                               bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id)).save_pretrained(str(gpt2))
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                                 eos_token_id=tokenizer.eos_token_id)).save_pretrained(str(qwen))
+    for d in (gpt2, qwen):
+        tokenizer.save_pretrained(str(d))
+    capsys.readouterr()
+    data = tmp_path / "d.jsonl"   # "<bos>12+1=": 6 prompt tokens at most
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(8, 12)))
+    for model in (gpt2, qwen):
+        train = ["train", f"model={model}", f"dataset={data}", "template=plain", "reward=exact_match", "group_size=2",
+                 "queries_per_step=2", "max_new_tokens=12", "steps=1", "progress=false", f"run_dir={tmp_path}/r"]
+        one_line_error(capsys, train, f"model '{model}' has a context of 16 positions",
+                       "the longest prompt (6 tokens) + max_new_tokens=12 needs 18", "set max_new_tokens=10 or less")
+        assert not os.path.exists(tmp_path / "r")
+        evaluate = ["eval", f"model={model}", f"data={data}", "template=plain", "reward=exact_match", "n=1",
+                    "temperatures=1.0", "max_new_tokens=11",
+                    f"out={tmp_path}/eval"]
+        one_line_error(capsys, evaluate, "+ max_new_tokens=11 needs 17", "set max_new_tokens=10 or less")
+        assert not os.listdir(tmp_path / "eval")
