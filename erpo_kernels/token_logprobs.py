@@ -421,6 +421,24 @@ def _launch_tiles(tiles: Optional[RowTiles], blocks: Optional[RowTiles]) -> RowT
     return tiles or DEFAULT_TILES
 
 
+def _check_inplace_logits(logits: torch.Tensor) -> None:
+    """ValueError unless backward may overwrite `logits` with their gradient: they must be
+    contiguous, and neither a leaf that requires grad nor a view of one (its values, which
+    the caller holds, would be lost and its .grad would share their storage)."""
+    if not logits.is_contiguous():
+        raise ValueError(
+            "inplace_backward=True needs contiguous logits (the gradient is written into their storage); "
+            "pass logits.contiguous() or inplace_backward=False"
+        )
+    base = logits if logits._base is None else logits._base
+    if base.is_leaf and base.requires_grad:
+        raise ValueError(
+            "inplace_backward=True would overwrite logits, a leaf tensor that requires grad (or a view of one), "
+            "with their gradient: their values would be lost and .grad would share their storage; pass "
+            "inplace_backward=False, or logits computed in the graph (e.g. the lm_head's output)"
+        )
+
+
 def token_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -448,7 +466,9 @@ def token_logprobs(
         return_entropy: also return the full-vocabulary entropy of each row.
         inplace_backward: write the gradient into the logits' storage instead of a new
             [N, V] buffer (the logits must be contiguous and must not be needed after
-            backward; an op that saved them for its own backward raises there).
+            backward; an op that saved them for its own backward raises there). A leaf
+            that requires grad, or a view of one, is refused (ValueError): its values
+            would be lost and its .grad would alias them.
         softcap: None, or the Gemma-2 final soft cap c > 0: z = c tanh(x / c) of the
             (scaled) logits x, before the temperature. A runtime value.
         logit_scale: None, or a multiplier s > 0 on the logits, applied first
@@ -476,11 +496,8 @@ def token_logprobs(
         inv_temperature, n, logits.device, softcap=softcap, logit_scale=logit_scale, validate=validate
     )
     tiles = _launch_tiles(tiles, blocks)
-    if inplace_backward and not logits.is_contiguous():
-        raise ValueError(
-            "inplace_backward=True needs contiguous logits (the gradient is written into their storage); "
-            "pass logits.contiguous() or inplace_backward=False"
-        )
+    if inplace_backward:
+        _check_inplace_logits(logits)
     use_triton = resolve_kernel_backend(backend, {"logits": logits}) == "triton"
     inv_t, softcap, logit_scale, unit = transform.op_args()
     logp, entropy, _, _ = _token_logprobs_op(

@@ -262,6 +262,23 @@ def test_inplace_backward_refuses_logits_their_producer_saved(device, backend):
         logp.sum().backward()
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_inplace_backward_refuses_a_leaf_that_requires_grad(device, backend):
+    # issue 29.3: backward wrote the gradient into the caller's leaf, losing its values,
+    # with .grad sharing its storage. A leaf (or a view of one) is refused; a leaf that
+    # needs no gradient is never written (no backward reaches it).
+    x = torch.randn(4, 40, device=device)
+    targets = torch.randint(0, 40, (4,), device=device)
+    leaf = x.clone().requires_grad_()
+    for logits in (leaf, leaf.view(2, 2, 40).view(4, 40), leaf[1:]):
+        with pytest.raises(ValueError, match="leaf tensor that requires grad"):
+            token_logprobs(logits, targets[: logits.shape[0]], inplace_backward=True, backend=backend)
+    assert torch.equal(leaf.detach(), x) and leaf.grad is None
+    plain = x.clone()
+    token_logprobs(plain, targets, inplace_backward=True, backend=backend)
+    assert torch.equal(plain, x)
+
+
 def test_non_contiguous_logits(device):
     n, vocab = 5, 40
     logits, targets, g_logp, g_ent = _inputs(n, vocab, torch.float32, device)
