@@ -60,7 +60,7 @@ def warm_start(cache_dir: str, overrides: Sequence[str]) -> str:
     from erpo.tiny import warm_start as build
 
     cfg, _ = load_config(str(CONFIG), [*overrides, f"cache_dir={cache_dir}"])
-    return build(cfg, load_examples(cfg), cfg.resolved_template)
+    return build(cfg, load_examples(cfg, "warmstart"), cfg.resolved_template)
 
 
 def train(backend: str, run_dir: str, cache_dir: str, overrides: Sequence[str]) -> Dict[str, Any]:

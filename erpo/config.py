@@ -68,6 +68,8 @@ EVALUATION = Section("evaluation", "evaluation (docs/method.md section 8; `erpo 
 SECTIONS = (OBJECTIVE, ROLLOUT, OPTIMISATION, MEMORY, MODEL, RUN, DEMO, EVALUATION)
 
 
+# The six difficulty levels of task=mixed, "<digits of a><op><digits of b>" (erpo.data draws them).
+MIXED_LEVELS = ("2+1", "2-1", "2+2", "2-2", "2*1", "3+2")
 TINY_HEADS = 4  # query heads of the demo model (erpo.tiny builds it; head_dim = tiny_hidden_size / TINY_HEADS)
 
 
@@ -85,6 +87,12 @@ class DemoConfig:
     task_max_operand: int = DEMO(49, "task=add: a + b with a, b in [0, task_max_operand]")
     task_train_size: int = DEMO(1500, "arithmetic training problems")
     task_eval_size: int = DEMO(200, "arithmetic held-out problems (eval)")
+    task_rl_size: int = DEMO(
+        0,
+        "RL training prompts: a fixed subset of the task_train_size problems (task=mixed: equal parts per level); "
+        "the warm start still learns from all task_train_size, so the starting model knows more than the RL "
+        "prompts, as a pretrained model does; 0 = all of them",
+    )
     tiny_hidden_size: int = DEMO(64, "demo model width")
     tiny_layers: int = DEMO(2, "demo model depth")
     warmstart_steps: int = DEMO(1000, "supervised warm-start steps of the demo model (cached)")
@@ -104,11 +112,24 @@ class DemoConfig:
         for name in ("warmstart_steps", "task_max_operand"):
             at_least(name, getattr(self, name), 0)
         positive("warmstart_lr", self.warmstart_lr)
+        self._check_rl_size()
         if not 0.0 <= self.warmstart_unboxed < 1.0:
             raise ConfigError(f"warmstart_unboxed={self.warmstart_unboxed} must lie in [0, 1)")
         if self.tiny_hidden_size % TINY_HEADS != 0:
             raise ConfigError(f"tiny_hidden_size={self.tiny_hidden_size} must be a multiple of {TINY_HEADS} "
                               f"({TINY_HEADS} attention heads)")
+
+    def _check_rl_size(self) -> None:
+        """task_rl_size: 0, or a subset of task_train_size (task=mixed: a multiple of the levels, each given
+        the same share, and no more than each level's training problems)."""
+        rl, levels = self.task_rl_size, len(MIXED_LEVELS)
+        at_least("task_rl_size", rl, 0)
+        if rl > self.task_train_size:
+            raise ConfigError(f"task_rl_size={rl} exceeds task_train_size={self.task_train_size} (the RL prompts are "
+                              f"a subset of the warm start's problems); lower it, or 0 = all of them")
+        if self.task == "mixed" and rl and (rl % levels or rl // levels > self.task_train_size // levels):
+            raise ConfigError(f"task_rl_size={rl}: task=mixed draws equal parts of its {levels} levels, so give a "
+                              f"multiple of {levels} of at most {levels * (self.task_train_size // levels)}")
 
 
 def check_protocol(temperatures: Sequence[float], n_samples: int, k_values: Optional[Sequence[int]],

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from .config import ConfigError, TrainConfig
+from .config import MIXED_LEVELS, ConfigError, TrainConfig
 from .errors import ErpoError
 from .rewards import extract_boxed
 
@@ -64,8 +64,7 @@ def arithmetic_split(max_operand: int, train_size: int, eval_size: int, seed: in
 # The harder family (task=mixed): six difficulty levels "<digits of a><op><digits of b>"; a
 # d-digit operand lies in [10^(d-1), 10^d - 1], a - b has a >= b. The demo model's warm start
 # (2000 steps) solves a few to a third of each level at temperature 1, and many more in 8
-# tries: room for RL to learn, and for high temperatures to lose.
-MIXED_LEVELS = ("2+1", "2-1", "2+2", "2-2", "2*1", "3+2")
+# tries: room for RL to learn, and for high temperatures to lose. The levels: MIXED_LEVELS.
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
@@ -209,17 +208,32 @@ def read_examples(path: str, prompt_field: str, answer_field: str, key: str = "d
     return examples
 
 
+def rl_subset(train: Sequence[Example], rl_size: int, task: str) -> List[Example]:
+    """The RL prompts of the embedded task: the first `rl_size` of its training problems
+    (task=mixed: the first rl_size / 6 of each level's); rl_size 0 = all of them."""
+    if not rl_size:
+        return list(train)
+    if task != "mixed":
+        return list(train[:rl_size])
+    per_level, share = len(train) // len(MIXED_LEVELS), rl_size // len(MIXED_LEVELS)
+    return [ex for k in range(len(MIXED_LEVELS)) for ex in train[k * per_level:k * per_level + share]]
+
+
 def load_examples(cfg: TrainConfig, split: str = "train") -> List[Example]:
-    """The training ("train") or evaluation ("eval") examples the config names."""
+    """The examples the config names: "train" (the RL prompts), "eval" (held out) or
+    "warmstart" (the demo model's demonstrations: every training problem of the embedded
+    task, of which task_rl_size picks the RL prompts; for a dataset file, its examples)."""
     if split == "eval" and cfg.eval.dataset and cfg.eval.dataset != "arithmetic":
         return read_examples(cfg.eval.dataset, cfg.prompt_field, cfg.answer_field, key=cfg.eval.key("dataset"))
     if cfg.is_demo_task or (split == "eval" and cfg.eval.dataset == "arithmetic"):
-        if cfg.demo.task == "mixed":
-            train, held_out = mixed_split(cfg.demo.task_train_size, cfg.demo.task_eval_size, cfg.seed)
+        demo = cfg.demo
+        if demo.task == "mixed":
+            train, held_out = mixed_split(demo.task_train_size, demo.task_eval_size, cfg.seed)
         else:
-            demo = cfg.demo
             train, held_out = arithmetic_split(demo.task_max_operand, demo.task_train_size, demo.task_eval_size, cfg.seed)
-        return train if split == "train" else held_out
+        if split == "eval":
+            return held_out
+        return train if split == "warmstart" else rl_subset(train, demo.task_rl_size, demo.task)
     return read_examples(cfg.dataset, cfg.prompt_field, cfg.answer_field)
 
 

@@ -42,7 +42,7 @@ def _eval_target(entry: str, cfg: TrainConfig, log: Callable[[str], None]) -> tu
 
     if entry == "tiny":
         demo = replace(cfg, model="tiny")
-        return resolve_model_dir(demo, load_examples(demo, "train"), log), "tiny-start"
+        return resolve_model_dir(demo, load_examples(demo, "warmstart"), log), "tiny-start"
     norm = os.path.normpath(entry)
     if os.path.isdir(os.path.join(norm, ckpt.CHECKPOINTS)) or os.path.isfile(os.path.join(norm, "config.yaml")):
         latest = ckpt.latest_checkpoint(norm)

@@ -117,7 +117,7 @@ _DEMO_MODEL_KEYS = ("tiny_hidden_size", "tiny_layers", "warmstart_steps", "warms
                     "warmstart_unboxed", "cache_dir")
 
 
-_DEMO_TASK_KEYS = ("task", "task_max_operand", "task_train_size", "task_eval_size")
+_DEMO_TASK_KEYS = ("task", "task_max_operand", "task_train_size", "task_rl_size", "task_eval_size")
 
 
 def rebuild_command(cfg: TrainConfig) -> str:
@@ -253,7 +253,7 @@ def check_cache_early(cfg: TrainConfig, plan: RunPlan, examples: Sequence[Exampl
             check_cache_meta(meta, plan.cache_source, plan.saved_state["reference"])
             return
         if cfg.is_demo_model:
-            planned = os.path.abspath(warmstart_dir(cfg, examples, cfg.resolved_template))
+            planned = os.path.abspath(warmstart_dir(cfg, load_examples(cfg, "warmstart"), cfg.resolved_template))
             if not os.path.isdir(planned) and meta.get("model") != planned:
                 raise RefCacheError(
                     f"reference cache {plan.cache_source} is stale: built for model weights {meta.get('model')} "
@@ -282,7 +282,7 @@ def load_start(cfg: TrainConfig, plan: RunPlan, examples: Sequence[Example], dev
                dtype: torch.dtype, log: Callable[[str], None]) -> Start:
     """The Start of this run (ErpoError when a resumed checkpoint's tokenizer is not the run's)."""
     # the demo model's warm start: trained and cached by rank 0, read from the cache by the others
-    model_dir = distributed.main_first(lambda: resolve_model_dir(cfg, examples, log))
+    model_dir = distributed.main_first(lambda: resolve_model_dir(cfg, load_examples(cfg, "warmstart"), log))
     tokenizer, prompt_ids = setup_prompts(cfg, examples, plan.checkpoint or model_dir)
     check_micro_batch_budget(cfg, prompt_ids)
     check_context_length(plan.checkpoint or model_dir, max(len(p) for p in prompt_ids), cfg.max_new_tokens)
@@ -388,7 +388,7 @@ def build_cache_command(cfg: TrainConfig, log: Callable[[str], None] = print) ->
         )
     device, dtype = setup_device(cfg, writes_run_dir=not cfg.ref_cache)
     examples, _ = setup_data(cfg, training=False)
-    model_dir = resolve_model_dir(cfg, examples, log)
+    model_dir = resolve_model_dir(cfg, load_examples(cfg, "warmstart"), log)
     tokenizer, prompt_ids = setup_prompts(cfg, examples, model_dir)
     model, meta = starting_model(cfg, model_dir, tokenizer, device, dtype)
     cache, seconds = score_reference(cfg, model.eval(), prompt_ids, meta, int(tokenizer.pad_token_id), device, dtype)

@@ -57,7 +57,7 @@ MANAGED_KEYS = ("run_dir", "resume", "overwrite", "seed", "save_every", "progres
 # (the step-0 evaluation is theirs), so a variant may not set them.
 SHARED_KEYS = ("model", "dataset", "prompt_field", "answer_field", "template", "reward", "max_prompt_tokens",
                "max_new_tokens", "dtype", "device", "cpu_threads", "kernel_backend", "attn_implementation",
-               "cache_dir", "task", "task_max_operand", "task_train_size", "task_eval_size", "tiny_hidden_size",
+               "cache_dir", "task", "task_max_operand", "task_train_size", "task_rl_size", "task_eval_size", "tiny_hidden_size",
                "tiny_layers", "warmstart_steps", "warmstart_lr", "warmstart_unboxed", "warmstart_batch_size") + tuple(
     name for name in FIELDS if name.startswith("eval_"))
 # Keys that change nothing a unit computes: not part of its recorded settings (cache_dir only
@@ -84,6 +84,9 @@ STUDY_KEYS: Dict[str, Tuple[str, Any]] = {
                            "eval_temperatures)", DEFAULT_GROUPS),
     "doc": ("a markdown page whose <!-- study:NAME --> sections are rewritten from the results, and the figures "
             "copied beside it as <page>-<figure>.png; empty = none", ""),
+    "label": ("names this study's sections on the doc= page, <!-- study-LABEL:NAME -->, and its figures, "
+              "<page>-LABEL-<figure>, so that one page holds several studies; empty = <!-- study:NAME -->, "
+              "<page>-<figure>", ""),
     "report_only": ("write the report of what is there now, run nothing", False),
     "overwrite": ("delete the study in out= and start it over (without it, a study made with other settings there "
                   "is refused)", False),
@@ -101,6 +104,7 @@ class StudyConfig:
     jobs: int = 1
     temperature_groups: Dict[str, List[float]] = field(default_factory=lambda: dict(DEFAULT_GROUPS))
     doc: str = ""
+    label: str = ""
     report_only: bool = False
     overwrite: bool = False
     train: Dict[str, Any] = field(default_factory=dict)  # the typed train: keys (defaults not filled in)
@@ -114,6 +118,9 @@ class StudyConfig:
             raise ConfigError(f"seeds={self.seeds}: need a non-empty list of distinct seeds")
         if not self.variants:
             raise ConfigError("variants: need at least one variant (name: {train keys})")
+        if self.label and not self.label.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"label={self.label!r}: use letters, digits, - and _ (it names the doc page's "
+                              f"sections and figures)")
         for name in ("eval_every", "jobs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
@@ -271,7 +278,7 @@ def starting_model(cfg: TrainConfig) -> str:
     from .data import load_examples
     from .tiny import warmstart_dir
 
-    return os.path.basename(warmstart_dir(cfg, load_examples(cfg, "train"), cfg.resolved_template))
+    return os.path.basename(warmstart_dir(cfg, load_examples(cfg, "warmstart"), cfg.resolved_template))
 
 
 def eval_schedule(steps: int, every: int) -> List[int]:
@@ -312,7 +319,11 @@ def unit_done(unit: Unit) -> bool:
 
 
 def _first_difference(old: Dict[str, Any], new: Dict[str, Any]) -> Tuple[str, Any, Any]:
+    """The first key whose recorded value is not this study's ("" when none): a key the
+    record lacks (added to erpo since) is no difference while it keeps its default."""
     for key in list(new) + [k for k in old if k not in new]:
+        if key not in old and key in FIELDS and new[key] == TrainConfig().get(key):
+            continue
         if old.get(key) != new.get(key):
             return key, old.get(key), new.get(key)
     return "", None, None
@@ -345,7 +356,7 @@ def prepare_out(spec: StudyConfig, units: Sequence[Unit], log: Callable[[str], N
         except (OSError, ValueError, KeyError, TypeError):
             raise ErpoError(f"{path} is not a study this version can read; give another out=DIR, or "
                             f"overwrite=true to start the study over") from None
-    differ = [u for u in units if u.name in recorded and recorded[u.name] != u.settings()]
+    differ = [u for u in units if u.name in recorded and _first_difference(recorded[u.name], u.settings())[0]]
     if differ:
         unit = differ[0]
         key, old, new = _first_difference(recorded[unit.name], unit.settings())

@@ -273,7 +273,8 @@ def level_table(results: Dict[str, Any]) -> str:
 
 def trend(results: Dict[str, Any], variant: str, group: Optional[str]) -> Optional[Dict[str, Any]]:
     """How a variant's accuracy in a temperature group moved: the mean over seeds at step 0,
-    at its best checkpoint after 0 and at the last one; each seed's last minus its value at
+    at its best checkpoint (the starting model, step 0, counts: a run that only falls from
+    where it started declines) and at the last one; each seed's last minus its value at
     that best checkpoint; how many seeds end more than DECLINE below it; the first
     checkpoint after the best whose mean lies more than DECLINE below it. None without data."""
     fn = (lambda p: _group_value(p, results, group)) if group else (lambda p: p["greedy"])
@@ -283,7 +284,7 @@ def trend(results: Dict[str, Any], variant: str, group: Optional[str]) -> Option
     if not seeds:
         return None
     curve = {step: mean_sd([per_seed[s][step] for s in seeds if step in per_seed[s]])[0] for step in results["steps"]}
-    best = max((s for s in results["steps"] if s > 0 and curve[s] == curve[s]), key=lambda s: curve[s])
+    best = max((s for s in results["steps"] if curve[s] == curve[s]), key=lambda s: curve[s])
     change = [per_seed[s][last] - per_seed[s][best] for s in seeds]
     below = [s for s in results["steps"] if s > best and curve[s] < curve[best] - DECLINE]
     return {"start": curve[0], "best": curve[best], "best_step": best, "last": curve[last], "last_step": last,
@@ -437,19 +438,39 @@ def training_figure(results: Dict[str, Any]) -> bytes:
 # ---------------------------------------------------------------------- setup and time
 
 
+def _prompts(cfg: Any) -> str:
+    """The training problems of the embedded task: the warm start's and the RL prompts."""
+    demo = cfg.demo
+    if not demo.task_rl_size:
+        return f"{demo.task_train_size} training problems"
+    return (f"{demo.task_train_size} training problems, the warm start's demonstrations, of which a fixed "
+            f"{demo.task_rl_size} are the RL prompts")
+
+
+def _epochs(cfg: Any) -> str:
+    """How often a run passes over its RL prompts: per step and in all."""
+    if not cfg.is_demo_task:
+        return ""
+    from .data import batches_per_epoch
+
+    prompts = cfg.demo.task_rl_size or cfg.demo.task_train_size
+    per_epoch = batches_per_epoch(prompts, cfg.queries_per_step)  # a step of an epoch's remainder is dropped
+    return (f"; {1 / per_epoch:.4f} epochs per step ({per_epoch} steps per pass over the {prompts} RL prompts), "
+            f"{cfg.steps / per_epoch:.1f} epochs in all")
+
+
 def setup_section(spec: Any, units: Sequence[Any]) -> str:
     """The study's settings, as the runs were made."""
     from .data import MIXED_LEVELS
 
     cfg = next(u.cfg for u in units if u.kind == "run")
-    task = (f"task=mixed ({', '.join(MIXED_LEVELS)}; {cfg.demo.task_train_size} training and {cfg.demo.task_eval_size} "
+    task = (f"task=mixed ({', '.join(MIXED_LEVELS)}; {_prompts(cfg)} and {cfg.demo.task_eval_size} "
             f"held-out problems, equal parts per level)" if cfg.demo.task == "mixed" else
-            f"task={cfg.demo.task} (a+b, operands <= {cfg.demo.task_max_operand})") if cfg.is_demo_task else f"dataset={cfg.dataset}"
+            f"task={cfg.demo.task} (a+b, operands <= {cfg.demo.task_max_operand}; {_prompts(cfg)})") if cfg.is_demo_task else f"dataset={cfg.dataset}"
     model = (f"the demo model (Qwen2 architecture, {cfg.demo.tiny_layers} layers of width {cfg.demo.tiny_hidden_size}, "
              f"warm start of {cfg.demo.warmstart_steps} steps, {cfg.demo.warmstart_unboxed:.0%} of its demonstrations "
              f"without \\boxed{{}})" if cfg.is_demo_model else f"model={cfg.model}")
-    per_epoch = cfg.demo.task_train_size // cfg.queries_per_step if cfg.is_demo_task else None
-    epochs = f", {cfg.steps / per_epoch:.1f} epochs over the training set" if per_epoch else ""
+    epochs = _epochs(cfg)
     variants = "; ".join(f"{v}: {', '.join(f'{k}={val}' for k, val in o.items()) or 'train: as it is'}"
                          for v, o in spec.variants.items())
     return "\n".join([
@@ -522,28 +543,38 @@ TITLES = {"status": "Status", "setup": "Setup", "findings": "Findings", "accurac
           "pass": "Pass@n against step", "temperatures": "Every temperature", "kl": "Query-KL and Policy-KL",
           "entropy": "Entropy, response length, reward", "levels": "Accuracy per difficulty level",
           "time": "Time"}
-_BLOCK = re.compile(r"(<!-- study:(\w+) -->\n)(.*?)(<!-- /study:\2 -->)", re.S)
+def _tag(label: str) -> str:
+    """The marker word of a study's sections: study, or study-LABEL (the study key label)."""
+    return f"study-{label}" if label else "study"
 
 
-def marked(name: str, text: str) -> str:
-    return f"<!-- study:{name} -->\n{text.rstrip()}\n<!-- /study:{name} -->"
+def _block(label: str) -> "re.Pattern[str]":
+    tag = re.escape(_tag(label))
+    return re.compile(rf"(<!-- {tag}:(\w+) -->\n)(.*?)(<!-- /{tag}:\2 -->)", re.S)
 
 
-def refresh_doc(doc: str, parts: Dict[str, str], figures: Dict[str, str]) -> List[str]:
-    """Rewrite the <!-- study:NAME --> sections of `doc` from `parts` and copy the figures
-    beside it as <doc stem>-<figure>; returns the names of the sections rewritten."""
+def marked(name: str, text: str, label: str = "") -> str:
+    tag = _tag(label)
+    return f"<!-- {tag}:{name} -->\n{text.rstrip()}\n<!-- /{tag}:{name} -->"
+
+
+def refresh_doc(doc: str, parts: Dict[str, str], figures: Dict[str, str], label: str = "") -> List[str]:
+    """Rewrite the <!-- study:NAME --> sections of `doc` (<!-- study-LABEL:NAME --> with a
+    label; another study's are left alone) from `parts` and copy the figures beside it as
+    <doc stem>-<figure> (<doc stem>-LABEL-<figure>); returns the names of the sections rewritten."""
     if not os.path.isfile(doc):
         raise ErpoError(f"doc={doc} does not exist; give a markdown page with <!-- study:NAME --> sections, or doc=")
     with open(doc, encoding="utf-8") as f:
         text = f.read()
-    found = [m.group(2) for m in _BLOCK.finditer(text)]
+    block = _block(label)
+    found = [m.group(2) for m in block.finditer(text)]
     unknown = [n for n in found if n not in parts]
     if unknown:
-        raise ErpoError(f"doc={doc} marks a section study:{unknown[0]} the report does not have "
+        raise ErpoError(f"doc={doc} marks a section {_tag(label)}:{unknown[0]} the report does not have "
                         f"({', '.join(parts)})")
-    text = _BLOCK.sub(lambda m: marked(m.group(2), parts[m.group(2)]), text)
+    text = block.sub(lambda m: marked(m.group(2), parts[m.group(2)], label), text)
     atomic_write(doc, text.encode("utf-8"))
-    stem = os.path.splitext(doc)[0]
+    stem = os.path.splitext(doc)[0] + (f"-{label}" if label else "")
     for name, path in figures.items():
         shutil.copyfile(path, f"{stem}-{name}")
     return found
@@ -565,7 +596,7 @@ def write_study_report(spec: Any, units: Sequence[Any], log: Callable[[str], Non
     images = "".join(f"![{n}]({n})\n" for n in figures)
     atomic_write(paths["report"], f"# Stability study: {out}\n\n{images}\n{body}\n".encode("utf-8"))
     if spec.doc:
-        done = refresh_doc(spec.doc, parts, {n: paths[n] for n in figures})
+        done = refresh_doc(spec.doc, parts, {n: paths[n] for n in figures}, spec.label)
         log(f"erpo: study: rewrote {len(done)} sections of {spec.doc} and its figures")
         paths["doc"] = spec.doc
     log(f"erpo: study report: {paths['report']} ({parts['status'].strip()})")

@@ -18,6 +18,7 @@ from erpo.study_report import declines, trend
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "study-tiny.yaml")
 LONG = os.path.join(ROOT, "configs", "study-long.yaml")
+EPOCHS = os.path.join(ROOT, "configs", "study-epochs.yaml")
 
 
 # ---------------------------------------------------------------------- the study config
@@ -40,6 +41,29 @@ def test_study_configs_load_and_hold_what_the_issue_asks():
     assert [u.eval_steps for u in units_of(tiny) if u.kind == "run"] == [[2, 4, 6], [2, 4, 6]]
 
 
+def test_epochs_study_is_the_long_one_on_few_prompts_from_the_same_start():
+    """configs/study-epochs.yaml: the long study's grid and evaluation plus grpo-nokl, 264 RL
+    prompts (44 per level) passed over about 60 times, drawn from the long study's training
+    problems; its warm start is the long study's (same cache key), its held-out split too."""
+    from erpo.data import difficulty_of, load_examples
+    from erpo.study import starting_model
+
+    epochs, long = load_study(EPOCHS), load_study(LONG)
+    assert list(epochs.variants) == list(long.variants) + ["grpo-nokl"] and epochs.seeds == long.seeds
+    assert epochs.variants["grpo-nokl"] == {"algorithm": "grpo", "beta": 0.0}
+    assert epochs.eval_every == long.eval_every and epochs.temperature_groups == long.temperature_groups
+    assert epochs.label and epochs.doc == long.doc and epochs.out != long.out
+    assert {k: v for k, v in epochs.train.items() if k != "task_rl_size"} == long.train
+    for e, lng in zip([u for u in units_of(epochs) if u.kind == "start"], [u for u in units_of(long) if u.kind == "start"]):
+        rl, pool = load_examples(e.cfg, "train"), load_examples(e.cfg, "warmstart")
+        assert pool == load_examples(lng.cfg, "train") and set(rl) < set(pool) and len(rl) == 264
+        assert sorted(map(difficulty_of, (x.prompt for x in rl))).count("2*1") == 44
+        assert load_examples(e.cfg, "eval") == load_examples(lng.cfg, "eval")
+        assert starting_model(e.cfg) == starting_model(lng.cfg)  # the long study's cached warm start serves
+    cfg = units_of(epochs)[1].cfg
+    assert 55 <= cfg.steps / (264 // cfg.queries_per_step) <= 65  # the paper's ~60 passes by step 1000
+
+
 @pytest.mark.parametrize("args, message", [
     (["seedz=1"], "unknown key 'seedz': neither a study key nor an erpo train key; did you mean seeds?"),
     (["lrr=1"], "unknown key 'lrr': .*; did you mean lr?"),
@@ -48,6 +72,8 @@ def test_study_configs_load_and_hold_what_the_issue_asks():
     (["run_dir=x"], "train: sets run_dir, which the study sets for every run"),
     (["jobs=two"], "jobs='two' is not an integer"),
     (["eval_temperatures=0.5,1.0"], "temperature_groups: high = \\[1.5\\] needs temperatures of eval_temperatures"),
+    (["task_rl_size=21"], "task_rl_size=21 exceeds task_train_size=20"),
+    (["label=a b"], "label='a b': use letters, digits"),
 ])
 def test_bad_study_input_is_one_line(args, message, capsys):
     assert main(["study", TINY, *args]) == 2
@@ -252,5 +278,9 @@ def test_findings_rule_calls_a_decline_only_when_most_seeds_fall():
     assert t["first_below"] == 200 and t["change"][0] == pytest.approx(-0.07, abs=1e-9)
     rising = _made_up({0: {0: 0.5, 100: 0.6, 200: 0.7}, 1: {0: 0.5, 100: 0.62, 200: 0.6}, 2: {0: 0.5, 100: 0.6, 200: 0.65}})
     assert not declines(trend(rising, "grpo", "high"))
+    never_better = _made_up({0: {0: 0.4, 100: 0.25, 200: 0.3}, 1: {0: 0.4, 100: 0.3, 200: 0.3},
+                             2: {0: 0.4, 100: 0.35, 200: 0.35}})
+    t = trend(never_better, "grpo", "high")  # the starting model is the best checkpoint: falling from it declines
+    assert t["best_step"] == 0 and t["first_below"] == 100 and t["declining_seeds"] == 3 and declines(t)
     one_seed = _made_up({0: {0: 0.5, 100: 0.9, 200: 0.5}, 1: {0: 0.5, 100: 0.6, 200: 0.61}, 2: {0: 0.5, 100: 0.6, 200: 0.6}})
     assert not declines(trend(one_seed, "grpo", "high"))  # the mean falls, but one seed is not most

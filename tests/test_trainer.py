@@ -324,7 +324,7 @@ def test_rebuild_command_names_every_key_of_the_demo_cache():
     from erpo.tiny import warmstart_key
 
     def key(cfg):
-        return warmstart_key(cfg, load_examples(cfg, "train"), cfg.resolved_template)
+        return warmstart_key(cfg, load_examples(cfg, "warmstart"), cfg.resolved_template)
 
     base = TrainConfig(run_dir="runs/x")
     changed = dict(seed=1, tiny_hidden_size=32, tiny_layers=1, warmstart_steps=7, warmstart_lr=1e-3,
@@ -334,6 +334,9 @@ def test_rebuild_command_names_every_key_of_the_demo_cache():
         cfg = dataclasses.replace(base, **{name: value})
         assert key(cfg) != key(base), name
         assert f" {name}={value} " in rebuild_command(cfg), name
+    # the RL prompts: another cache, the same warm start (it learns from every training problem)
+    subset = dataclasses.replace(base, task_rl_size=30)
+    assert " task_rl_size=30 " in rebuild_command(subset) and key(subset) == key(base)
     assert rebuild_command(base) == "erpo ref-cache run_dir=runs/x"
 
 
