@@ -37,12 +37,17 @@ def _eval_target(entry: str, cfg: TrainConfig, log: Callable[[str], None]) -> tu
 
     from . import checkpoint as ckpt
     from .data import load_examples
-    from .models import check_model_dir
+    from .models import check_model_dir, resolve_device
     from .tiny import resolve_model_dir
 
-    if entry == "tiny":
+    if entry == "tiny":  # its warm start trains on the demo model's threads (cpu_threads, else 1), as erpo train's
         demo = replace(cfg, model="tiny")
-        return resolve_model_dir(demo, load_examples(demo, "warmstart"), log), "tiny-start"
+        threads = torch.get_num_threads()
+        resolve_device(demo)
+        try:
+            return resolve_model_dir(demo, load_examples(demo, "warmstart"), log), "tiny-start"
+        finally:
+            torch.set_num_threads(threads)
     norm = os.path.normpath(entry)
     if os.path.isdir(os.path.join(norm, ckpt.CHECKPOINTS)) or os.path.isfile(os.path.join(norm, "config.yaml")):
         latest = ckpt.latest_checkpoint(norm)
@@ -241,6 +246,7 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
     examples = load_examples(cfg, "eval")
     if cfg.eval.limit:
         examples = examples[: cfg.eval.limit]
+    device = resolve_device(cfg)  # and cpu_threads, before a warm start of model=tiny trains
     targets = _eval_targets(cfg, log)  # model dir -> report name
     out_root = _writable_out_root(cfg)
     max_new_tokens = cfg.eval_max_tokens
@@ -248,7 +254,6 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
                for model_dir, name in targets.items()}
     if not cfg.overwrite:
         check_no_silent_replace(out_root, planned)
-    device = resolve_device(cfg)
     dtype = resolve_compute_dtype(cfg, device)
     n_temps = len(cfg.eval.temperatures)
     log(f"erpo: eval on {len(examples)} problems of {cfg.eval.dataset or cfg.dataset} (template {cfg.eval_template}, "

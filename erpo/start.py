@@ -283,6 +283,7 @@ def load_start(cfg: TrainConfig, plan: RunPlan, examples: Sequence[Example], dev
     """The Start of this run (ErpoError when a resumed checkpoint's tokenizer is not the run's)."""
     # the demo model's warm start: trained and cached by rank 0, read from the cache by the others
     model_dir = distributed.main_first(lambda: resolve_model_dir(cfg, load_examples(cfg, "warmstart"), log))
+    log(f"erpo: loading {plan.checkpoint or model_dir} and tokenizing {len(examples)} prompts ...")
     tokenizer, prompt_ids = setup_prompts(cfg, examples, plan.checkpoint or model_dir)
     check_micro_batch_budget(cfg, prompt_ids)
     check_context_length(plan.checkpoint or model_dir, max(len(p) for p in prompt_ids), cfg.max_new_tokens)
@@ -311,6 +312,7 @@ def load_reference_cache(cfg: TrainConfig, plan: RunPlan, start: Start, examples
                     f"resume={cfg.resume}: the reference cache {plan.cache_path} is gone and {start.model_dir} no "
                     f"longer holds the run's starting weights, so it cannot be rebuilt; restore either"
                 )
+        log(f"erpo: reference cache: scoring the {len(start.prompt_ids)} training prompts under the starting model ...")
         score = score_reference_sharded if distributed.world_size() > 1 else score_reference
         cache, seconds = score(cfg, model, start.prompt_ids, start.reference, int(start.tokenizer.pad_token_id),
                                device, dtype)

@@ -144,6 +144,8 @@ def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log
     from erpo_kernels import linear_token_logprobs
 
     quiet_transformers()
+    log(f"erpo: training the demo model's warm start ({cfg.demo.warmstart_steps} supervised steps on "
+        f"{torch.get_num_threads()} CPU thread(s); cached for later runs in {out}) ...")
     t0 = time.perf_counter()
     tokenizer = build_tokenizer()
     model = build_model(cfg, tokenizer)

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import erpo.tiny as tiny_module
 from erpo.cli import main
 from erpo.config import FIELDS, SECTIONS, TrainConfig, field_choices, help_text, load_config, parse_overrides
 
@@ -1013,3 +1014,28 @@ def test_a_model_shorter_than_prompt_plus_max_new_tokens_is_one_line_before_anyt
                     f"out={tmp_path}/eval"]
         one_line_error(capsys, evaluate, "+ max_new_tokens=11 needs 17", "set max_new_tokens=10 or less")
         assert not os.listdir(tmp_path / "eval")
+
+
+@pytest.mark.parametrize("threads, expect", [(0, 1), (2, 2)])
+def test_eval_of_tiny_applies_cpu_threads_before_its_warm_start_and_says_it_trains(capsys, tmp_path, threads, expect):
+    """`erpo eval model=tiny` without a cached warm start trains one: on the threads erpo train
+    would use (cpu_threads, else 1 for the demo model), announced before it starts (issue 29.4:
+    it ran on torch's default threads, silent, for minutes)."""
+    seen = []
+    real = tiny_module.warm_start
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    torch.set_num_threads(3)
+    argv = ["eval", "model=tiny", f"cpu_threads={threads}", f"cache_dir={tmp_path}/cache", f"out={tmp_path}/eval",
+            "tiny_hidden_size=16", "tiny_layers=1", "warmstart_steps=2", "task_eval_size=2", "n=1",
+            "temperatures=1.0", "max_new_tokens=2", "progress=false"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiny_module, "warm_start", recording)
+        assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert seen == [expect]
+    start = out.index("erpo: training the demo model's warm start (2 supervised steps")
+    assert start < out.index("erpo: warm start of the demo model: 2 steps in")
