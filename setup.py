@@ -7,7 +7,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["erpo_kernels", "erpo_kernels.*", "erpo", "erpo.*", "bench", "bench.*"]),
+    # the benchmark suite installs as erpo_bench (python -m erpo_bench), never as a top-level `bench`
+    # that any other bench module would collide with; in a checkout it stays bench/ (python -m bench)
+    packages=find_packages(include=["erpo_kernels", "erpo_kernels.*", "erpo", "erpo.*"]) + ["erpo_bench"],
+    package_dir={"erpo_bench": "bench"},
     install_requires=[
         "torch>=2.4",
         "triton>=3.0; platform_system == 'Linux'",
@@ -28,7 +31,8 @@ setup(
         # the peers the benchmark compares against (each optional at run time), at the versions whose
         # code paths bench/cost_subjects.py counts (e.g. Liger's chunk rule)
         "bench": ["liger-kernel==0.8.5", "cut-cross-entropy==25.1.1", "matplotlib"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis"],
+        # setuptools >= 70.1 builds wheels itself (tests/test_packaging.py builds one, offline)
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "setuptools>=70.1"],
         # erpo.integrations.trl: our kernel inside TRL's GRPOTrainer, and ERPOTrainer (tested with this TRL)
         "trl": ["trl==1.16.0"],
         # rollout_backend=vllm (CUDA only): the version erpo.rollout's vLLM engine is written and tested against

@@ -247,7 +247,7 @@ def _cost(args: argparse.Namespace, argv: List[str]) -> int:
 
     if os.environ.get("TRITON_INTERPRET") != "1":  # read when kernels are decorated: start afresh with it
         env = dict(os.environ, TRITON_INTERPRET="1")
-        return subprocess.run([sys.executable, "-m", "bench", *argv], env=env).returncode
+        return subprocess.run([sys.executable, "-m", __package__, *argv], env=env).returncode  # bench / erpo_bench
     from . import cost_subjects as cs
     from . import report
     from .measure import commit_hash, versions

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO / "bench" / "results"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"  # bench/results in a checkout
 MIB = float(1 << 20)
 
 SPEED_DEFINITION = (
@@ -380,7 +380,7 @@ def run_worker(kind: str, spec: Dict[str, Any], timeout_s: float) -> Dict[str, A
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the CPU suite measures the PyTorch paths, never the interpreter
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "bench", "_worker", kind, json.dumps(spec)]
+    cmd = [sys.executable, "-m", __package__, "_worker", kind, json.dumps(spec)]  # bench, or erpo_bench installed
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:

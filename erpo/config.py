@@ -381,7 +381,8 @@ class TrainConfig:
     keep_checkpoints: int = RUN(2, "newest checkpoints kept; 0 = keep all")
     ref_cache: str = RUN("", "reference-cache file; empty = <run_dir>/ref_cache.safetensors (built when missing)")
     progress: bool = RUN(True, "show a progress bar")
-    cache_dir: str = RUN(".cache/erpo", "where the demo model's warm start is cached")
+    cache_dir: str = RUN("auto", "where the demo model's warm start is cached; auto = the user cache: "
+                                 "$XDG_CACHE_HOME/erpo, else ~/.cache/erpo")
 
     demo: DemoConfig = field(default_factory=DemoConfig)  # the embedded demo's keys
     eval: EvalConfig = field(default_factory=EvalConfig)  # `erpo eval`'s keys
@@ -417,6 +418,15 @@ class TrainConfig:
         return {key: copy.deepcopy(self.get(key)) for key in KEYS}
 
     # ------------------------------------------------------------------ helpers
+
+    @property
+    def resolved_cache_dir(self) -> str:
+        """cache_dir, auto resolved to the platform's user cache ($XDG_CACHE_HOME/erpo, else
+        ~/.cache/erpo): one warm start per user, whatever directory erpo runs from."""
+        if self.cache_dir != "auto":
+            return self.cache_dir
+        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(root, "erpo")
 
     @property
     def is_demo_model(self) -> bool:
@@ -801,7 +811,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
 
 # Keys naming files or directories, and the names among their values that are not paths.
 PATH_KEYS = {"model": ("tiny",), "dataset": ("arithmetic",), "eval_dataset": ("arithmetic", ""), "ref_cache": ("",),
-             "cache_dir": ()}
+             "cache_dir": ("auto",)}
 
 
 def resolved_path(key: str, value: str) -> str:

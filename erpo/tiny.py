@@ -2,9 +2,10 @@
 Qwen2 model, and a short supervised warm start on the task (cached on disk), so that
 `erpo train` runs with no download and starts from rewards that are not all zero.
 
-The warm start lives in <cache_dir>/warmstart-<hash>/, a normal Hugging Face model
-directory; the hash covers everything that determines its weights, so a rerun with
-the same settings loads it instead of training again.
+The warm start lives in <cache_dir>/warmstart-<hash>/ (cache_dir=auto: the user cache,
+$XDG_CACHE_HOME/erpo or ~/.cache/erpo), a normal Hugging Face model directory; the hash
+covers everything that determines its weights, so a rerun with the same settings, from
+any directory, loads it instead of training again.
 """
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ def resolve_model_dir(cfg: TrainConfig, examples: Sequence[Example], log: Callab
 
 def warmstart_dir(cfg: TrainConfig, examples: Sequence[Example], template: str) -> str:
     """Where the warm-started demo model for these settings lives (whether trained yet or not)."""
-    return os.path.join(cfg.cache_dir, f"warmstart-{warmstart_key(cfg, examples, template)}")
+    return os.path.join(cfg.resolved_cache_dir, f"warmstart-{warmstart_key(cfg, examples, template)}")
 
 
 def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log=print) -> str:

@@ -3,7 +3,10 @@ set here, at import time, before erpo_kernels is imported: on a machine without 
 every Triton kernel runs in the interpreter on CPU tensors; with a GPU (bench/gpu_check.sh)
 the compiled kernels run on CUDA tensors.
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
 
@@ -11,6 +14,11 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+
+# cache_dir=auto is the user cache ($XDG_CACHE_HOME/erpo): a test that does not name its own
+# cache_dir (and every subprocess it starts) writes into a cache of this session, never the user's.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="erpo-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

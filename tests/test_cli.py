@@ -6,6 +6,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -1039,3 +1040,24 @@ def test_eval_of_tiny_applies_cpu_threads_before_its_warm_start_and_says_it_trai
     assert seen == [expect]
     start = out.index("erpo: training the demo model's warm start (2 supervised steps")
     assert start < out.index("erpo: warm start of the demo model: 2 steps in")
+
+
+def test_cache_dir_defaults_to_the_user_cache_whatever_the_working_directory(tmp_path, monkeypatch):
+    """cache_dir=auto: $XDG_CACHE_HOME/erpo, else ~/.cache/erpo, the same from every working
+    directory (issue 29.5: it was .cache/erpo under each one); cache_dir= overrides it, and
+    config.yaml keeps auto (each machine's own user cache). The suite's own user cache is a
+    temporary directory (tests/conftest.py), never the user's."""
+    from erpo.config import read_yaml, save_config
+
+    assert TrainConfig().cache_dir == "auto"
+    assert os.environ["XDG_CACHE_HOME"].startswith(tempfile.gettempdir())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for cwd in (tmp_path, ROOT):
+        monkeypatch.chdir(cwd)
+        assert TrainConfig().resolved_cache_dir == str(tmp_path / "xdg" / "erpo")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert TrainConfig().resolved_cache_dir == str(tmp_path / "home" / ".cache" / "erpo")
+    assert TrainConfig(cache_dir="mine").resolved_cache_dir == "mine"
+    save_config(TrainConfig(), str(tmp_path / "config.yaml"))
+    assert read_yaml(str(tmp_path / "config.yaml"))["cache_dir"] == "auto"
