@@ -650,25 +650,34 @@ class _Launch:
 MERGE_BLOCK = 256
 
 
+def _forward_splits(launch: _Launch, want_entropy: bool) -> torch.Tensor:
+    """The forward kernel's statistics [4, splits, N] fp32: m, l, a, t of each vocabulary
+    split (see `_ltl_fwd_kernel`) at compact positions, only the first n_valid written.
+    `_forward` merges them; the vocabulary-parallel op (vocab_parallel.py) merges them
+    over the ranks' shards. N >= 1."""
+    n = launch.n
+    splits, per_split = _split_vocab(launch.weight.shape[0], launch.tiles)
+    stats = torch.empty(4, splits, n, dtype=torch.float32, device=launch.hidden.device)
+    m, l, a, t = stats.unbind(0)
+    _ltl_fwd_kernel[launch.grid_rows(splits)](
+        max_ptr=m, sum_ptr=l, entropy_ptr=a, target_logit_ptr=t,
+        n_rows=n, v_per_split=per_split, WANT_ENTROPY=want_entropy, **launch.common(),
+    )
+    return stats
+
+
 def _forward(launch: _Launch, want_entropy: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """logp [N], entropy [N] or None, and lse_parts [2, N] (M, log l) saved for the
     backward; all fp32, 0 in ignored rows."""
     n = launch.n
-    vocab = launch.weight.shape[0]
     f32 = dict(dtype=torch.float32, device=launch.hidden.device)
     logp = torch.zeros(n, **f32)
     entropy = torch.zeros(n, **f32) if want_entropy else None
     lse_parts = torch.zeros(2, n, **f32)
     if n == 0:
         return logp, entropy, lse_parts
-    splits, per_split = _split_vocab(vocab, launch.tiles)
-    stats = torch.empty(4, splits, n, **f32)
-    m, l, a, t = stats.unbind(0)
-    common = launch.common()
-    _ltl_fwd_kernel[launch.grid_rows(splits)](
-        max_ptr=m, sum_ptr=l, entropy_ptr=a, target_logit_ptr=t,
-        n_rows=n, v_per_split=per_split, WANT_ENTROPY=want_entropy, **common,
-    )
+    m, l, a, t = _forward_splits(launch, want_entropy).unbind(0)
+    splits = m.shape[0]
     _ltl_merge_kernel[(_cdiv(n, MERGE_BLOCK),)](
         max_ptr=m, sum_ptr=l, entropy_part_ptr=a, target_logit_ptr=t,
         order_ptr=launch.order, n_valid_ptr=launch.n_valid,
@@ -910,6 +919,10 @@ def linear_token_logprobs(
             validated. Shapes, dtypes and devices are always checked.
         tiles: the Triton launch configuration, a Tiles (None: DEFAULT_TILES for the
             dtype); results depend on it.
+    weight (and bias) may be DTensors sharded Shard(0) on a 1-D mesh (the lm_head
+    vocabulary-parallel over a tensor-parallel group, hidden and targets the same on
+    every rank): each rank works on its rows only and the ranks combine per-row
+    statistics (erpo_kernels/vocab_parallel.py, docs/distributed.md).
     Returns:
         logp [N] fp32 (fp64 for fp64 inputs), and entropy [N] when return_entropy.
         Gradients flow to hidden, weight and bias (deterministic on the Triton
@@ -928,6 +941,14 @@ def linear_token_logprobs(
     states work), and the softmax side stays fp32. Gradients reach the uncast tensors
     in their own dtypes.
     """
+    from .vocab_parallel import is_dtensor, vocab_parallel_linear_token_logprobs  # here: it imports this module
+
+    if is_dtensor(weight) or is_dtensor(bias):  # the lm_head sharded on the vocabulary (tensor parallel)
+        return vocab_parallel_linear_token_logprobs(
+            hidden, weight, targets, bias=bias, inv_temperature=inv_temperature, ignore_index=ignore_index,
+            return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale, backend=backend,
+            validate=validate, tiles=tiles,
+        )
     hidden, weight, bias = _checked_operands(hidden, weight, bias)
     n = hidden.shape[0]
     check_targets(targets, n, weight.shape[0], ignore_index, hidden.device, validate=validate)
