@@ -9,14 +9,22 @@ from . import reference
 from ._triton import HAS_TRITON, interpreting
 from ._utils import BACKENDS, check_backend, resolve_backend
 from .linear_token_logprobs import linear_token_logprobs
-from .loss_batch import PackedLossBatch
-from .loss_config import ALGORITHMS, ROLLOUT_IS, LossConfig
-from .loss_metrics import combine_metrics, metrics_to_floats
-from .loss_normalizers import LossNormalizers
-from .micro_batches import MicroBatch, plan_micro_batches, split_batch
-from .objective import erpo_loss, erpo_loss_from_logp
-from .policy_loss import LOSS_AGGS
-from .query_kl import query_logp_from_logp
+from .objective import (
+    ALGORITHMS,
+    LOSS_AGGS,
+    ROLLOUT_IS,
+    LossConfig,
+    LossNormalizers,
+    MicroBatch,
+    PackedLossBatch,
+    combine_metrics,
+    erpo_loss,
+    erpo_loss_from_logp,
+    metrics_to_floats,
+    plan_micro_batches,
+    query_logp_from_logp,
+    split_batch,
+)
 from .segment_sum import segment_sum
 from .token_logprobs import RowTiles, token_logprobs
 from .weighted_k3 import MAX_GUARD, weighted_k3

@@ -11,8 +11,8 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 
-from .loss_batch import PackedLossBatch, raise_failed_check
-from .row_layout import LossRows
+from .batch import PackedLossBatch, raise_failed_check
+from .rows import LossRows
 
 
 def batch_metrics(

@@ -39,15 +39,15 @@ once: the metrics' transfer, which carries the value checks too; `validate=True`
 in a transfer of its own before any kernel, and `sync_metrics=False` keeps the metrics
 on the device. Under torch.compile nothing is read back.
 
-The pieces, each in its own file, run with the caller's `backend`:
-    loss_batch.py         PackedLossBatch (the row layout it describes) and its validation
-    loss_normalizers.py   LossNormalizers, the mini-batch's denominators
-    loss_config.py        LossConfig
-    row_layout.py         RowLayout and LossRows: what every term reads, once per call
+The pieces, each in its own file of erpo_kernels/objective/, run with the caller's `backend`:
+    batch.py              PackedLossBatch and its validation, its RowLayout, and
+                          LossNormalizers, the mini-batch's denominators
+    config.py             LossConfig and its checks
+    rows.py               LossRows: what every term reads, once per call
     query_kl.py           l_theta(q) (segment_sum) and R_query (weighted_k3)
     policy_loss.py        L_PG: the clipped surrogate, its aggregation, truncated IS
     reference_kl.py       the KL to a reference (grpo's beta term, the policy_kl metric)
-    loss_metrics.py       the other metrics, their transfer and their combination
+    metrics.py            the other metrics, their transfer and their combination
     micro_batches.py      the micro-batch plan
 """
 from __future__ import annotations
@@ -56,16 +56,15 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ._utils import FLOAT_DTYPES, check_rows, check_tensor, checking_values
-from .linear_token_logprobs import linear_token_logprobs
-from .loss_batch import PackedLossBatch
-from .loss_config import LossConfig
-from .loss_metrics import batch_metrics, metrics_out
-from .loss_normalizers import LossNormalizers
+from .._utils import FLOAT_DTYPES, check_rows, check_tensor, checking_values
+from ..linear_token_logprobs import linear_token_logprobs
+from .batch import LossNormalizers, PackedLossBatch
+from .config import LossConfig
+from .metrics import batch_metrics, metrics_out
 from .policy_loss import policy_term
 from .query_kl import query_kl_metrics, query_kl_term
 from .reference_kl import reference_kl_term
-from .row_layout import LossRows
+from .rows import LossRows
 
 
 def _check_batch_against(batch: PackedLossBatch, name: str, tensor: torch.Tensor) -> None:

@@ -12,8 +12,8 @@ from contextlib import nullcontext
 
 import torch
 
-from .row_layout import LossRows
-from .weighted_k3 import weighted_k3
+from ..weighted_k3 import weighted_k3
+from .rows import LossRows
 
 
 def reference_kl_term(

@@ -1,42 +1,15 @@
-"""The row layout of a packed batch, and the per-call row view every term of the loss
-reads (docs/method.md sections 2-5). Row space throughout: no gather of the response
-rows, which would need their count on the host.
+"""LossRows: the per-call row view every term of the loss reads (docs/method.md
+sections 2-5), built from the batch's RowLayout. Row space throughout: no gather of the
+response rows, which would need their count on the host.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from ._utils import compute_dtype
-
-if TYPE_CHECKING:  # annotations only (no import cycle)
-    from .loss_batch import PackedLossBatch
-    from .loss_normalizers import LossNormalizers
-
-
-class RowLayout:
-    """Row bookkeeping of a batch (integer work on the device, no host sync, no gradients).
-
-    span_id [N] (2b = prompt of sequence b, 2b + 1 = its response), sequence [N] (b),
-    scored [N] (the row scores a token), response [N] (a scored response row),
-    prompt_scored [B] (sequence b's prompt span scores a token), response_length [B] (L_b).
-    """
-
-    def __init__(self, batch: "PackedLossBatch") -> None:
-        dev = batch.targets.device
-        cu = batch.span_cu_seqlens.long()
-        n_spans = cu.shape[0] - 1
-        self.span_id = torch.repeat_interleave(
-            torch.arange(n_spans, device=dev), cu[1:] - cu[:-1], output_size=batch.num_rows
-        )
-        self.sequence = self.span_id // 2
-        self.scored = batch.targets != batch.ignore_index
-        self.response = self.scored & (self.span_id % 2 == 1)
-        counts = torch.zeros(n_spans, dtype=torch.long, device=dev).index_add_(0, self.span_id, self.scored.long())
-        self.prompt_scored = counts[0::2] > 0  # [B]
-        self.response_length = counts[1::2]  # [B]
+from .._utils import compute_dtype
+from .batch import LossNormalizers, PackedLossBatch, RowLayout
 
 
 @dataclass
@@ -53,7 +26,7 @@ class LossRows:
 
     dtype: torch.dtype
     layout: RowLayout
-    normalizers: "LossNormalizers"
+    normalizers: LossNormalizers
     logp: torch.Tensor
     response: torch.Tensor
     response_mask: torch.Tensor
@@ -68,7 +41,7 @@ class LossRows:
 
     @staticmethod
     def build(
-        logp: torch.Tensor, batch: "PackedLossBatch", normalizers: "LossNormalizers", query_weighted: bool
+        logp: torch.Tensor, batch: PackedLossBatch, normalizers: LossNormalizers, query_weighted: bool
     ) -> "LossRows":
         """The rows of `batch` for per-row log-probs `logp` [N]; query_weighted: use the
         batch's query_weights (erpo) or ones (grpo)."""

@@ -23,36 +23,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from ._utils import check_number
-from .loss_batch import PackedLossBatch
-from .row_layout import LossRows
+from .batch import PackedLossBatch
+from .config import LossConfig
+from .rows import LossRows
 
-if TYPE_CHECKING:  # annotations only: loss_config imports this module
-    from .loss_config import LossConfig
-
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
 LOG_RATIO_CLAMP = 20.0
 # The rollout/trainer mismatch metric counts tokens whose pi_old / pi_rollout lies outside this band.
 MISMATCH_BAND = (0.9, 1.1)
-
-
-def check_clip_args(eps_low: float, eps_high: float, dual_clip: float) -> None:
-    """ValueError unless 0 <= eps_low < 1, eps_high >= 0 and dual_clip > 1 (all finite numbers)."""
-    if not (0.0 <= check_number("eps_low", eps_low) < 1.0):
-        raise ValueError(f"eps_low must lie in [0, 1), got {eps_low}")
-    if not (0.0 <= check_number("eps_high", eps_high) < float("inf")):
-        raise ValueError(f"eps_high must be finite and >= 0, got {eps_high}")
-    if not (1.0 < check_number("dual_clip", dual_clip) < float("inf")):
-        raise ValueError(f"dual_clip must be finite and > 1, got {dual_clip}")
-
-
-def check_loss_agg(loss_agg: str) -> None:
-    if loss_agg not in LOSS_AGGS:
-        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
 
 
 def token_surrogate(
@@ -96,7 +77,7 @@ def aggregation_coef(rows: LossRows, loss_agg: str) -> torch.Tensor:
 
 
 def rollout_importance_weights(
-    rows: LossRows, batch: PackedLossBatch, old_logp: torch.Tensor, config: "LossConfig"
+    rows: LossRows, batch: PackedLossBatch, old_logp: torch.Tensor, config: LossConfig
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(is_weight [N], log_w [N]): the truncated importance weight of each row
     (module docstring; 1 with rollout_is="none") and log pi_old / pi_rollout (0 off
@@ -150,7 +131,7 @@ def _old_logp(rows: LossRows, old_logp: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.where(rows.response, old_logp.detach().to(rows.dtype), rows.logp.detach())
 
 
-def policy_term(rows: LossRows, batch: PackedLossBatch, config: "LossConfig") -> PolicyTerm:
+def policy_term(rows: LossRows, batch: PackedLossBatch, config: LossConfig) -> PolicyTerm:
     """L_PG of the scored response rows (module docstring), weighted by rows.weights."""
     old = _old_logp(rows, batch.old_logp)  # [N]
     advantages = batch.advantages.detach().to(rows.dtype)[rows.layout.sequence]  # [N]

@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .loss_batch import PackedLossBatch
+from .batch import PackedLossBatch
 
 
 @dataclass

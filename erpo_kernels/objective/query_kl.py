@@ -17,12 +17,12 @@ from typing import Dict, Tuple
 
 import torch
 
-from ._utils import FLOAT_DTYPES, check_tensor, checking_values
-from .loss_batch import PackedLossBatch
-from .reference import k3_guarded
-from .row_layout import LossRows, RowLayout
-from .segment_sum import segment_sum
-from .weighted_k3 import weighted_k3
+from .._utils import FLOAT_DTYPES, check_tensor, checking_values
+from ..reference import k3_guarded
+from ..segment_sum import segment_sum
+from ..weighted_k3 import weighted_k3
+from .batch import PackedLossBatch, RowLayout
+from .rows import LossRows
 
 
 def prompt_logp(

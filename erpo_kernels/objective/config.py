@@ -3,12 +3,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._utils import check_number
-from .policy_loss import check_clip_args, check_loss_agg
-from .weighted_k3 import MAX_GUARD
+from .._utils import check_number
+from ..weighted_k3 import MAX_GUARD
 
 ALGORITHMS = ("erpo", "grpo")
 ROLLOUT_IS = ("none", "token", "sequence")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
+
+
+def check_clip_args(eps_low: float, eps_high: float, dual_clip: float) -> None:
+    """ValueError unless 0 <= eps_low < 1, eps_high >= 0 and dual_clip > 1 (all finite numbers)."""
+    if not (0.0 <= check_number("eps_low", eps_low) < 1.0):
+        raise ValueError(f"eps_low must lie in [0, 1), got {eps_low}")
+    if not (0.0 <= check_number("eps_high", eps_high) < float("inf")):
+        raise ValueError(f"eps_high must be finite and >= 0, got {eps_high}")
+    if not (1.0 < check_number("dual_clip", dual_clip) < float("inf")):
+        raise ValueError(f"dual_clip must be finite and > 1, got {dual_clip}")
+
+
+def check_loss_agg(loss_agg: str) -> None:
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
 
 
 @dataclass

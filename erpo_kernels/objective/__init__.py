@@ -1,0 +1,29 @@
+"""The objective of docs/method.md: ERPO (or GRPO) loss and metrics of a packed batch.
+
+Plain PyTorch over the fused ops of erpo_kernels (segment_sum, weighted_k3,
+linear_token_logprobs); the pieces are listed in loss.py's docstring. Everything public
+is re-exported by erpo_kernels.
+"""
+from .batch import LossNormalizers, PackedLossBatch
+from .config import ALGORITHMS, LOSS_AGGS, ROLLOUT_IS, LossConfig
+from .loss import erpo_loss, erpo_loss_from_logp
+from .metrics import combine_metrics, metrics_to_floats
+from .micro_batches import MicroBatch, plan_micro_batches, split_batch
+from .query_kl import query_logp_from_logp
+
+__all__ = [
+    "ALGORITHMS",
+    "LOSS_AGGS",
+    "ROLLOUT_IS",
+    "LossConfig",
+    "LossNormalizers",
+    "MicroBatch",
+    "PackedLossBatch",
+    "combine_metrics",
+    "erpo_loss",
+    "erpo_loss_from_logp",
+    "metrics_to_floats",
+    "plan_micro_batches",
+    "query_logp_from_logp",
+    "split_batch",
+]
