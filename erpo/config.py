@@ -280,6 +280,26 @@ class TrainConfig:
         0.3, "vllm: the fraction of GPU memory the engine may take (weights and KV cache) while it generates "
         "(CUDA; on a CPU the KV cache is sized to the rollout)"
     )
+    filter_groups: bool = ROLLOUT(
+        False,
+        "DAPO's dynamic sampling: drop the groups whose rewards are all equal (advantage 0, no learning signal) and "
+        "refill the step with the groups of new queries, sampled in further rollout batches of queries_per_step, "
+        "until queries_per_step groups are kept or filter_groups_max_batches batches were sampled (then the step "
+        "fills up with dropped groups and warns); filter_groups/* logs the batches and the dropped groups",
+    )
+    filter_groups_max_batches: int = ROLLOUT(
+        10, "filter_groups: the most rollout batches one step samples, its own included (verl's "
+            "max_num_gen_batches); 0 = no limit"
+    )
+    overlong_buffer: int = ROLLOUT(
+        0,
+        "DAPO's overlong reward shaping: a response longer than max_new_tokens - overlong_buffer tokens gets "
+        "-overlong_penalty * (length - (max_new_tokens - overlong_buffer)) / overlong_buffer added to its reward "
+        "(down to -overlong_penalty at max_new_tokens); 0 = off",
+    )
+    overlong_penalty: float = ROLLOUT(
+        1.0, "overlong_buffer: the penalty of a response max_new_tokens long (verl's overlong_buffer.penalty_factor)"
+    )
 
     lr: float = OPTIMISATION(
         0.0, f"AdamW learning rate; 0 = auto: {DEMO_LR:g} for the demo model (model=tiny), {LR:g} otherwise (TRL's "
@@ -534,13 +554,16 @@ class TrainConfig:
 
     def _validate_by_their_objects(self) -> None:
         """The keys of the objective (alpha, beta, eps_low, eps_high, dual_clip, kl_guard,
-        rollout_is_cap, ...) and of the query weights (bins, gamma, weight_temperature,
-        w_min, w_max) are checked by LossConfig and QueryWeighter themselves."""
+        rollout_is_cap, ...), of the query weights (bins, gamma, weight_temperature,
+        w_min, w_max) and of the overlong shaping (overlong_buffer, overlong_penalty) are
+        checked by LossConfig, QueryWeighter and erpo.rewards themselves."""
         from .query_weights import QueryWeighter
+        from .rewards import check_overlong
 
         try:
             self.loss_config()
             QueryWeighter.check_config(self)
+            check_overlong(self.overlong_buffer, self.overlong_penalty, self.max_new_tokens)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
@@ -558,7 +581,7 @@ class TrainConfig:
         for name in ("queries_per_step", "steps", "mini_batches", "ppo_epochs"):
             at_least(name, getattr(self, name), 1)
         for name in ("cpu_threads", "max_new_tokens", "rollout_batch_size", "warmup_steps", "save_every",
-                     "keep_checkpoints", "max_prompt_tokens", "micro_batch_tokens"):
+                     "keep_checkpoints", "max_prompt_tokens", "micro_batch_tokens", "filter_groups_max_batches"):
             at_least(name, getattr(self, name), 0)
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
             raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must lie in (0, 1]")
@@ -675,7 +698,8 @@ ALIASES = {
     "output_dir": "run_dir", "model_name_or_path": "model", "kl_coef": "beta", "epsilon": "eps_low",
     "epsilon_high": "eps_high", "clip_ratio_low": "eps_low", "clip_ratio_high": "eps_high",
     "loss_agg_mode": "loss_agg", "save_steps": "save_every", "train_batch_size": "queries_per_step",
-    "dataset_name": "dataset", "reward_funcs": "reward",
+    "dataset_name": "dataset", "reward_funcs": "reward", "max_num_gen_batches": "filter_groups_max_batches",
+    "overlong_buffer_len": "overlong_buffer", "overlong_penalty_factor": "overlong_penalty",
 }
 
 

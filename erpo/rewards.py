@@ -14,6 +14,10 @@ float`` in [0, 1]; the registry ``REWARDS`` maps the config name to it.
   killable worker process in any other thread (signals only work in the main
   thread). A call that runs out of time scores 0. (Windows has neither SIGALRM nor
   select on pipes: there the check runs without a deadline.)
+
+DAPO's overlong reward shaping (``overlong_penalty``) is added to the reward of a
+response by its length alone: 0 up to ``max_new_tokens - buffer`` tokens, then a
+penalty growing linearly to ``-penalty`` at ``max_new_tokens``.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ __all__ = [
     "extract_boxed",
     "get_reward_fn",
     "math_verify_reward",
+    "overlong_penalty",
 ]
 
 # A response counts as correct (reward/accuracy, evaluation) when its reward reaches this;
@@ -355,3 +360,31 @@ def get_reward_fn(name: str) -> Callable[[str, str], float]:
     except KeyError:
         known = ", ".join(sorted(REWARDS))
         raise ValueError(f"reward: unknown reward {name!r}; known rewards: {known}") from None
+
+
+def check_overlong(buffer: int, penalty: float, max_new_tokens: int) -> None:
+    """ValueError naming the key unless 0 <= buffer <= max_new_tokens (integers) and
+    penalty is a finite number >= 0; a max_new_tokens <= 0 (0: auto, not yet resolved)
+    bounds nothing."""
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 0:
+        raise ValueError(f"overlong_buffer={buffer!r} must be an integer >= 0 (0 = no overlong shaping)")
+    if max_new_tokens > 0 and buffer > max_new_tokens:
+        raise ValueError(f"overlong_buffer={buffer} exceeds max_new_tokens={max_new_tokens}: the penalty starts "
+                         f"max_new_tokens - overlong_buffer tokens in; lower overlong_buffer or raise max_new_tokens")
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0.0 <= penalty < float("inf"):
+        raise ValueError(f"overlong_penalty={penalty!r} must be a finite number >= 0")
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; verl's DAPO reward
+    manager), added to the reward of a response of `length` tokens (its EOS included):
+
+        0                                              length <= max_new_tokens - buffer
+        -penalty * (length - (max_new_tokens - buffer)) / buffer     beyond, down to -penalty
+
+    (a response is at most max_new_tokens long). buffer 0: always 0."""
+    check_overlong(buffer, penalty, max_new_tokens)
+    if buffer == 0:
+        return 0.0
+    exceed = length - (max_new_tokens - buffer)
+    return min(-exceed / buffer * penalty, 0.0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import math
 import os
 import sys
 import time
@@ -34,9 +35,10 @@ from .data import derived_seed, step_indices
 from .models import autocast
 from .packing import PackedSequences, forward_hidden, lm_head_options, pack, prompt_lengths
 from .divergence import DivergenceMonitor
+from .dynamic_sampling import SampledGroups, refill_indices, uniform_groups
 from .plot import CURVES_FILE, METRICS_FILE, plot_runs, read_metrics
 from .query_weights import QueryWeighter
-from .rewards import CORRECT_THRESHOLD, get_reward_fn
+from .rewards import CORRECT_THRESHOLD, get_reward_fn, overlong_penalty
 from .rollout import Rollout, RolloutEngine, check_rollout_backend, eos_ids_of, make_engine
 from .run_plan import apply_plan, plan_run
 from .start import (check_cache_early, check_world_size, load_optimizer, load_policy, load_reference_cache, load_start,
@@ -64,7 +66,7 @@ def group_advantages(rewards: torch.Tensor, adv_norm: str = "std") -> torch.Tens
     """
     r = rewards.to(torch.float32)
     centred = r - r.mean(dim=1, keepdim=True)  # [m, G]
-    same = (r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values)  # [m, 1]
+    same = uniform_groups(r)[:, None]  # [m, 1]
     centred = torch.where(same, torch.zeros_like(centred), centred)
     if adv_norm == "none":
         return centred
@@ -142,48 +144,107 @@ class Trainer:
         world = distributed.world_size()
         rank_seed = ("rank", distributed.rank()) if world > 1 else ()  # one process: the seeds of a plain run
         torch.manual_seed(derived_seed(cfg.seed, "step", step, *rank_seed))  # the sampler's randomness
-        idx = step_indices(len(self.examples), cfg.queries_per_step, step, cfg.seed)  # m training queries
-        idx = distributed.rank_items(idx, cfg.mini_batches)  # this rank's share of each mini-batch (all in one process)
-        prompts = [self.prompt_ids[i] for i in idx]  # m token lists
+        queries = step_indices(len(self.examples), cfg.queries_per_step, step, cfg.seed)  # the step's m queries
 
-        # 1. rollout: G responses per query, sampled at tau
+        # 1. rollout: G responses per query, sampled at tau, and 2. their rewards (this rank's share of each mini-batch)
+        drawn = self._sample(distributed.rank_items(queries, cfg.mini_batches))
+        groups, metrics = drawn, {}
+        if cfg.filter_groups:  # DAPO's dynamic sampling: the groups with a learning signal, refilled from new queries
+            groups, metrics = self._dynamic_sampling(step, queries, drawn)
+        t_rollout = time.perf_counter() - t0
+
+        # 3. group advantages (section 4), of the rewards with DAPO's overlong shaping when it is on
+        rewards = groups.rewards  # [m, G]
+        if cfg.overlong_buffer:
+            penalties = self._overlong_penalties(groups)  # [m, G] <= 0
+            rewards = rewards + penalties
+            metrics.update(self._overlong_metrics(penalties))
+        advantages = group_advantages(rewards, cfg.adv_norm)  # [m, G]
+
+        # 4.-7. mini_batches x ppo_epochs updates, each: pack, forward, objective, optimizer step
+        updates, num_rows = self._updates(groups.idx, groups.prompts, groups.responses, advantages, groups.logprobs)
+        self.scheduler.step()  # the learning rate moves once per rollout batch
+        self.engine.sync_weights(self.model)
+
+        step_s = time.perf_counter() - t0
+        num_rows = int(distributed.all_reduce_sum(torch.tensor(num_rows)))
+        metrics.update(mean_metrics(updates))  # the step's value of each loss metric: the mean over its updates
+        metrics.update(self._rollout_metrics(drawn))
+        metrics.update({"time/rollout_s": t_rollout, "time/step_s": step_s, "throughput/tokens_per_s": num_rows / step_s})
+        return {"step": step, **{k: metrics[k] for k in sorted(metrics)}}
+
+    def _sample(self, idx: Sequence[int]) -> SampledGroups:
+        """1. rollout: G responses to each query of `idx`, sampled at tau; 2. their rewards."""
+        cfg = self.cfg
+        prompts = [self.prompt_ids[i] for i in idx]  # m token lists
         with autocast(self.device, self.compute_dtype):
             rollout = self.engine.generate(prompts, cfg.group_size, cfg.temperature, cfg.max_new_tokens)
         responses = rollout.responses  # [m][G] token lists
-        t_rollout = time.perf_counter() - t0
         truncated = torch.tensor([[float(len(r) >= cfg.max_new_tokens and r[-1] not in self.eos_ids) for r in group]
                                   for group in responses])  # [m, G] 1 = cut off at max_new_tokens, no EOS
-
-        # 2. rewards and 3. group advantages (section 4)
         rewards = torch.tensor([
             [float(self.reward_fn(self.tokenizer.decode(r, skip_special_tokens=True), self.examples[i].answer))
              for r in group]
             for i, group in zip(idx, responses)
         ])  # [m, G]
-        advantages = group_advantages(rewards, cfg.adv_norm)  # [m, G]
+        return SampledGroups(list(idx), prompts, responses, rollout.logprobs, rewards, truncated)
 
-        # 4.-7. mini_batches x ppo_epochs updates, each: pack, forward, objective, optimizer step
-        updates, num_rows = self._updates(idx, prompts, responses, advantages, rollout.logprobs)
-        self.scheduler.step()  # the learning rate moves once per rollout batch
-        self.engine.sync_weights(self.model)
-
-        step_s = time.perf_counter() - t0
-        rewards = distributed.all_gather_items(rewards, cfg.mini_batches)  # [m, G] of every rank, in step order
-        truncated = distributed.all_gather_items(truncated, cfg.mini_batches)  # [m, G]
-        num_rows = int(distributed.all_reduce_sum(torch.tensor(num_rows)))
-        same = (rewards.max(dim=1).values == rewards.min(dim=1).values).float().mean()
-        metrics = mean_metrics(updates)  # the step's value of each loss metric: the mean over its updates
-        metrics.update({
+    def _rollout_metrics(self, drawn: SampledGroups) -> Dict[str, float]:
+        """reward/* and response_length/truncated_frac of the step's own queries (every
+        rank's; with filter_groups: before any group is dropped, as a run without it)."""
+        cfg = self.cfg
+        rewards = distributed.all_gather_items(drawn.rewards, cfg.mini_batches)  # [m, G] of every rank, in step order
+        truncated = distributed.all_gather_items(drawn.truncated, cfg.mini_batches)  # [m, G]
+        return {
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()),
             "reward/accuracy": float((rewards >= CORRECT_THRESHOLD).float().mean()),
-            "reward/zero_std_frac": float(same),
+            "reward/zero_std_frac": float(uniform_groups(rewards).float().mean()),
             "response_length/truncated_frac": float(truncated.mean()),
-            "time/rollout_s": t_rollout,
-            "time/step_s": step_s,
-            "throughput/tokens_per_s": num_rows / step_s,
-        })
-        return {"step": step, **{k: metrics[k] for k in sorted(metrics)}}
+        }
+
+    def _dynamic_sampling(self, step: int, queries: Sequence[int], drawn: SampledGroups
+                          ) -> Tuple[SampledGroups, Dict[str, float]]:
+        """DAPO's dynamic sampling (docs/training.md): of the step's groups `drawn` (this
+        rank's share of `queries`), those whose rewards are not all equal, refilled from
+        further rollout batches of new queries (refill_indices) until queries_per_step
+        are kept or filter_groups_max_batches batches were sampled; short of that, the
+        step fills up with dropped groups. Every rank samples its share of each batch and
+        the choice is made over every rank's groups; returns this rank's share of the
+        step's groups (rank_items) and the filter_groups/* metrics."""
+        cfg = self.cfg
+        m = cfg.queries_per_step
+        limit = cfg.filter_groups_max_batches or math.inf  # 0: no limit
+        batches = [drawn]  # this rank's groups of each rollout batch
+        kept = int(distributed.all_reduce_sum((~uniform_groups(drawn.rewards)).sum()))  # over every rank
+        while kept < m and len(batches) < limit:
+            idx = refill_indices(len(self.examples), m, step, cfg.seed, len(batches), queries)
+            if not idx:
+                break  # the dataset holds no further batch of new queries
+            batches.append(self._sample(distributed.rank_items(idx)))
+            kept += int(distributed.all_reduce_sum((~uniform_groups(batches[-1].rewards)).sum()))
+        every = distributed.all_gather_object(batches)  # [rank][batch]
+        groups = SampledGroups.concat([g for parts in zip(*every) for g in parts])  # batch by batch, ranks in order
+        uniform = uniform_groups(groups.rewards)  # [n]
+        order = torch.cat([torch.nonzero(~uniform), torch.nonzero(uniform)]).flatten()[:m]  # signal first, then fill
+        metrics = {
+            "filter_groups/batches": float(len(batches)),
+            "filter_groups/dropped_frac": float(uniform.float().mean()),
+            "filter_groups/filled_frac": max(0, m - kept) / m,
+        }
+        return groups.take(order.tolist()).take(distributed.rank_items(list(range(m)), cfg.mini_batches)), metrics
+
+    def _overlong_penalties(self, groups: SampledGroups) -> torch.Tensor:
+        """[m, G] <= 0: DAPO's overlong penalty of each response (erpo.rewards.overlong_penalty)."""
+        cfg = self.cfg
+        return torch.tensor([[overlong_penalty(len(r), cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+                              for r in group] for group in groups.responses])
+
+    def _overlong_metrics(self, penalties: torch.Tensor) -> Dict[str, float]:
+        """reward/overlong_penalty (the mean penalty) and reward/overlong_frac (the fraction
+        of responses penalised) of the step's trained groups, every rank's."""
+        every = distributed.all_gather_items(penalties, self.cfg.mini_batches)  # [m, G]
+        return {"reward/overlong_penalty": float(every.mean()), "reward/overlong_frac": float((every < 0).float().mean())}
 
     def _updates(self, idx: Sequence[int], prompts: List[List[int]], responses: List[List[List[int]]],
                  advantages: torch.Tensor, rollout_logprobs: Optional[List[List[List[float]]]] = None
@@ -351,7 +412,7 @@ class Trainer:
                        file=sys.stderr)
         checkpoint = ckpt.latest_checkpoint(cfg.run_dir)
         monitor = DivergenceMonitor()
-        warned_truncation = False
+        warned: set = set()  # the setting warnings given in this call (each once)
         try:
             for step in range(self.start_step + 1, last + 1):
                 metrics = self.step(step)
@@ -361,11 +422,7 @@ class Trainer:
                 warnings, fatal = monitor.check(metrics)  # divergence: one line each, with what to try
                 if fatal:  # non-finite: stop before this step's checkpoint (every rank sees the same metrics)
                     raise ErpoError(warnings[0])
-                if metrics["response_length/truncated_frac"] == 1.0 and not warned_truncation:
-                    warned_truncation = True  # once a run: the length is a setting, not an episode
-                    warnings.append(f"step {step}: every response reached max_new_tokens={cfg.max_new_tokens} "
-                                    f"without ending; answers are cut off, so rewards may miss them (raise "
-                                    f"max_new_tokens=)")
+                warnings += self._setting_warnings(step, metrics, warned)
                 for line in warnings:
                     self._warn(f"erpo: warning: {line}", bar)
                 if bar is not None:
@@ -383,6 +440,25 @@ class Trainer:
         summary = self._summary(history, run_rows, time.perf_counter() - t_start, checkpoint, plot)
         self.log(summary["line"])
         return summary
+
+    def _setting_warnings(self, step: int, metrics: Dict[str, float], warned: set) -> List[str]:
+        """Warnings about a setting rather than an episode, each once (its name then joins `warned`)."""
+        cfg = self.cfg
+        lines = []
+        if metrics["response_length/truncated_frac"] == 1.0 and "truncation" not in warned:
+            warned.add("truncation")
+            lines.append(f"step {step}: every response reached max_new_tokens={cfg.max_new_tokens} without ending; "
+                         f"answers are cut off, so rewards may miss them (raise max_new_tokens=)")
+        filled = metrics.get("filter_groups/filled_frac", 0.0)
+        if filled > 0 and "filter_groups" not in warned:
+            warned.add("filter_groups")
+            lines.append(f"step {step}: filter_groups found fewer than queries_per_step={cfg.queries_per_step} groups "
+                         f"with unequal rewards in {metrics['filter_groups/batches']:.0f} rollout batches (the limit "
+                         f"filter_groups_max_batches={cfg.filter_groups_max_batches}, or the dataset's new queries ran "
+                         f"out); {filled:.0%} of the step are groups of equal rewards, which add no policy gradient "
+                         f"(filter_groups/filled_frac logs it every step; raise filter_groups_max_batches=, 0 = no "
+                         f"limit)")
+        return lines
 
     @staticmethod
     def _append_metrics(path: str, metrics: Dict[str, float]) -> None:
