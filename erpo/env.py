@@ -46,6 +46,22 @@ def op_backends(device: torch.device, backend: str = "auto") -> List[Tuple[str, 
     return rows
 
 
+def _kernels_lines(cuda: bool) -> List[str]:
+    """What runs the Triton kernels here: without CUDA, backend="auto" keeps the reference
+    on CPU tensors and the kernels run only in the interpreter (TRITON_INTERPRET=1), when
+    forced with backend="triton": then they are run once here too."""
+    if cuda:
+        return []
+    if not interpreting():
+        return ["no CUDA device: the compiled Triton kernels run on CUDA tensors (see the README's \"On a GPU "
+                "machine\"); here only in Triton's CPU interpreter, with TRITON_INTERPRET=1 and backend=\"triton\""]
+    lines = ["backend=\"triton\" on this device (TRITON_INTERPRET=1: the kernels in the CPU interpreter, slowly):"]
+    lines += [f"  {name:<22} {chosen:<7} {check}" for name, chosen, check in op_backends(torch.device("cpu"), "triton")]
+    lines.append("no CUDA device: backend=\"auto\" runs the PyTorch reference on CPU tensors; the compiled kernels "
+                 "need a CUDA device (see the README's \"On a GPU machine\")")
+    return lines
+
+
 def env_report() -> str:
     """The lines `erpo env` prints."""
     triton_version = "not installed"
@@ -61,12 +77,9 @@ def env_report() -> str:
         f"torch:   {torch.__version__} (CUDA build: {torch.version.cuda or 'none, a CPU-only build'})",
         f"CUDA:    {'available, ' + str(torch.cuda.device_count()) + ' device(s)' if cuda else 'not available'}",
         f"triton:  {triton_version}"
-        + ("  (TRITON_INTERPRET=1: kernels run in the CPU interpreter)" if interpreting() else ""),
+        + ("  (TRITON_INTERPRET=1: backend=\"triton\" runs the kernels in the CPU interpreter)" if interpreting() else ""),
         "backend=\"auto\" on this device (triton = the fused kernels; torch = the PyTorch reference):",
     ]
     for name, chosen, check in op_backends(device):
         lines.append(f"  {name:<22} {chosen:<7} {check}")
-    if not cuda:
-        lines.append("no CUDA device: the Triton kernels run only on CUDA tensors (see the README's "
-                     "\"On a GPU machine\")")
-    return "\n".join(lines)
+    return "\n".join(lines + _kernels_lines(cuda))

@@ -92,6 +92,11 @@ class MiniBatch:
         return self.packed.input_ids[micro.rows], self.packed.position_ids[micro.rows]
 
 
+def steps_phrase(first: int, last: int) -> str:
+    """'step 3' for one step, 'steps 3-5' for several."""
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
 def mean_metrics(updates: Sequence[Dict[str, float]]) -> Dict[str, float]:
     """{key: mean over the updates} of the updates' metrics (one update: its own values)."""
     return {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
@@ -495,10 +500,12 @@ class Trainer:
         k = max(1, min(10, len(run_rows) // 10))
         first = sum(h["reward/mean"] for h in run_rows[:k]) / k
         final = sum(h["reward/mean"] for h in run_rows[-k:]) / k
-        these = f" (steps {history[0]['step']}-{history[-1]['step']} in this start)" if history[0]["step"] > 1 else ""
+        these = f" ({steps_phrase(history[0]['step'], history[-1]['step'])} in this start)" if history[0]["step"] > 1 else ""
+        a, b = run_rows[0]["step"], run_rows[-1]["step"]
+        over = f"means of the run's first and last {k} steps" if k > 1 else f"step {a}" + (f" -> step {b}" if b > a else "")
         line = (
             f"erpo: {cfg.algorithm} finished step {history[-1]['step']}/{cfg.steps} in {seconds:.0f}s{these}: "
-            f"reward {first:.3f} -> {final:.3f} (mean of the run's first/last {k} steps), "
+            f"reward {first:.3f} -> {final:.3f} ({over}), "
             f"Query-KL {history[-1]['qkl/value']:.2e}; run {cfg.run_dir} (metrics.jsonl, {CURVES_FILE}, "
             f"{os.path.relpath(checkpoint, cfg.run_dir) if checkpoint else 'no checkpoint'})"
         )

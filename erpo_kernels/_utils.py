@@ -16,6 +16,7 @@ Two kinds of checks:
 """
 from __future__ import annotations
 
+import numbers
 from typing import Dict, Iterable, Optional, Union
 
 import torch
@@ -144,7 +145,7 @@ def row_inv_temperature(
         if checking_values(validate) and n > 0 and not bool(((inv > 0) & torch.isfinite(inv)).all()):
             raise ValueError("inv_temperature must be positive and finite in every row")
         return inv
-    if isinstance(inv_temperature, bool) or not isinstance(inv_temperature, (int, float)):
+    if not is_number(inv_temperature):
         raise ValueError(f"inv_temperature must be None, a float or a [N] tensor, got {type(inv_temperature).__name__}")
     value = float(inv_temperature)
     if not (value > 0 and value != float("inf")):
@@ -152,10 +153,16 @@ def row_inv_temperature(
     return torch.full((n,), value, dtype=torch.float32, device=device)
 
 
+def is_number(value: object) -> bool:
+    """Whether `value` is a real number where a float is meant: a Python int or float, a
+    numpy scalar (np.float32(2), np.int64(1)); never a bool or a string float() would parse."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy registers its scalars there
+
+
 def check_number(name: str, value: object) -> float:
-    """`value` as a float when it is an int or a float (not a bool, not a string that
-    float() would parse); else a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """`value` as a float when it is a number (is_number: an int, a float, a numpy scalar;
+    not a bool, not a string that float() would parse); else a ValueError naming `name`."""
+    if not is_number(value):
         raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     return float(value)
 
@@ -165,7 +172,7 @@ def optional_positive_float(name: str, value: object) -> Optional[float]:
     ValueError naming `name`."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise ValueError(f"{name} must be None or a positive float, got {type(value).__name__}")
     value = float(value)
     if not (value > 0 and value != float("inf")):

@@ -18,7 +18,8 @@ import torch
 
 from . import reference
 from ._triton import interpreting, round_to, tl, triton
-from ._utils import FLOAT_DTYPES, check_rows, check_tensor, checking_values, no_autocast, resolve_kernel_backend
+from ._utils import (FLOAT_DTYPES, check_rows, check_tensor, checking_values, is_number, no_autocast,
+                     resolve_kernel_backend)
 
 BLOCK = 1024
 # exp(guard) must stay far from fp32 overflow (3.4e38 = exp(88.7)).
@@ -276,7 +277,7 @@ def weighted_k3(
             if bool(bad.any()):
                 i = int(bad.nonzero()[0, 0])
                 raise ValueError(f"weight must be finite and >= 0 everywhere, got weight[{i}] = {float(weight[i])}")
-    if isinstance(guard, bool) or not isinstance(guard, (int, float)):
+    if not is_number(guard):
         raise ValueError(f"guard must be a float, got {type(guard).__name__}")
     guard = float(guard)
     if not 0 < guard <= MAX_GUARD:

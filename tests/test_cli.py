@@ -590,8 +590,9 @@ def test_env_prints_versions_and_the_backend_of_each_op(capsys):
     expected = "triton" if torch.cuda.is_available() else "torch"
     for needle in ("device:", f"torch:   {torch.__version__}", "CUDA:", "triton:"):
         assert needle in out, out
+    auto = out.split('backend="triton" on this device')[0]  # the interpreter's rows follow under TRITON_INTERPRET=1
     for op in ("token_logprobs", "linear_token_logprobs", "segment_sum", "weighted_k3"):
-        row = [line for line in out.splitlines() if line.split()[:1] == [op]]
+        row = [line for line in auto.splitlines() if line.split()[:1] == [op]]
         assert len(row) == 1 and row[0].split()[1] == expected and "ran;" in row[0], out
     # the same check with the kernels forced (the CPU interpreter here): they run and match
     for op, chosen, check in op_backends(torch.device("cpu"), backend="triton"):
@@ -1061,3 +1062,27 @@ def test_cache_dir_defaults_to_the_user_cache_whatever_the_working_directory(tmp
     assert TrainConfig(cache_dir="mine").resolved_cache_dir == "mine"
     save_config(TrainConfig(), str(tmp_path / "config.yaml"))
     assert read_yaml(str(tmp_path / "config.yaml"))["cache_dir"] == "auto"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only report (a CUDA device is present)")
+def test_env_under_the_interpreter_does_not_contradict_itself(capsys, monkeypatch):
+    """TRITON_INTERPRET=1 erpo env said the kernels run in the interpreter, then that they run
+    only on CUDA tensors (issue 29.7): it now says backend="triton" runs them in the interpreter
+    and runs each there once; without the interpreter, where else they run."""
+    import erpo.env as env
+
+    assert env.interpreting()  # tests/conftest.py, no GPU
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "only on CUDA" not in out, out
+    forced = out[out.index('backend="triton" on this device (TRITON_INTERPRET=1'):].splitlines()[1:5]
+    assert [line.split()[:2] for line in forced] == [[op, "triton"] for op in
+                                                      ("token_logprobs", "linear_token_logprobs", "segment_sum",
+                                                       "weighted_k3")], out
+    assert all("ran;" in line and "MISMATCH" not in line for line in forced), out
+    assert 'backend="auto" runs the PyTorch reference on CPU tensors' in out
+    monkeypatch.setattr(env, "interpreting", lambda: False)
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "interpreter)" not in out and 'backend="triton" on this device' not in out
+    assert "here only in Triton's CPU interpreter, with TRITON_INTERPRET=1" in out

@@ -422,3 +422,30 @@ def test_blocks_is_the_older_name_of_tiles(device):
         token_logprobs(logits, targets, backend="triton", tiles=SMALL, blocks=SMALL)
     with pytest.raises(ValueError, match="tiles"):
         token_logprobs(logits, targets, backend="triton", tiles=(16, 32))
+
+
+def test_numpy_scalars_are_numbers_where_a_float_is_meant(device):
+    """inv_temperature=np.float32(2) (and numpy ints, softcap, logit_scale, weighted_k3's guard)
+    is the number it holds, as in PyTorch (issue 29.7: refused as "not a float"); a bool, a
+    numpy bool or a string is still refused."""
+    import numpy as np
+
+    from erpo_kernels import linear_token_logprobs, weighted_k3
+
+    logits = torch.randn(5, 33, device=device)
+    hidden, weight = torch.randn(5, 8, device=device), torch.randn(33, 8, device=device)
+    targets = torch.randint(0, 33, (5,), device=device)
+    want = token_logprobs(logits, targets, inv_temperature=2.0, softcap=30.0, logit_scale=0.5, backend="triton")
+    want_linear = linear_token_logprobs(hidden, weight, targets, inv_temperature=2.0, backend="triton")
+    for two in (np.float32(2), np.float64(2), np.int64(2), np.float16(2)):
+        got = token_logprobs(logits, targets, inv_temperature=two, softcap=np.float32(30), logit_scale=np.float64(0.5),
+                             backend="triton")
+        assert torch.equal(got, want), type(two)
+        assert torch.equal(linear_token_logprobs(hidden, weight, targets, inv_temperature=two, backend="triton"),
+                           want_linear), type(two)
+    logp, ref = -torch.rand(4, device=device), -torch.rand(4, device=device)
+    assert torch.equal(weighted_k3(logp, ref, guard=np.float32(5), backend="triton"),
+                       weighted_k3(logp, ref, guard=5.0, backend="triton"))
+    for bad in (True, np.bool_(True), "2"):
+        with pytest.raises(ValueError, match="inv_temperature"):
+            token_logprobs(logits, targets, inv_temperature=bad)

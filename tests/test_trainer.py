@@ -532,8 +532,25 @@ def test_the_summary_of_a_resumed_run_covers_the_whole_run(tmp_path, cache_dir):
     Trainer(resolve_config([f"resume={first.cfg.run_dir}", "steps=4"]), log=lines.append).train()
     rows = read_metrics(first.cfg.run_dir)
     assert lines[-1].startswith("erpo: erpo finished step 4/4") and "(steps 3-4 in this start)" in lines[-1]
-    assert f"reward {rows[0]['reward/mean']:.3f} -> {rows[-1]['reward/mean']:.3f} (mean of the run's first/last 1 " \
-           f"steps)" in lines[-1], lines[-1]
+    assert f"reward {rows[0]['reward/mean']:.3f} -> {rows[-1]['reward/mean']:.3f} (step 1 -> step 4)" in lines[-1], \
+        lines[-1]
+
+
+def test_the_closing_line_names_one_step_as_one_step():
+    """No "first/last 1 steps" or "(steps 3-3 in this start)" (issue 29.7): one step is "step N",
+    a mean over several is named as one."""
+    from types import SimpleNamespace
+
+    rows = [{"step": i, "reward/mean": i / 100, "qkl/value": 0.0} for i in range(1, 31)]
+    me = SimpleNamespace(cfg=SimpleNamespace(algorithm="erpo", steps=30, run_dir="runs/x"), start_step=0)
+
+    def line(history, run_rows):
+        return Trainer._summary(me, history, run_rows, 1.0, None, None)["line"]
+
+    assert "(step 3 in this start): reward 0.010 -> 0.030 (step 1 -> step 3)" in line(rows[2:3], rows[:3])
+    assert "(steps 2-3 in this start)" in line(rows[1:3], rows[:3])
+    assert "in 1s: reward 0.010 -> 0.010 (step 1)," in line(rows[:1], rows[:1])
+    assert "reward 0.020 -> 0.290 (means of the run's first and last 3 steps)" in line(rows, rows)
 
 
 @pytest.mark.parametrize("algorithm", ["erpo", "grpo"])
