@@ -337,6 +337,12 @@ class TrainConfig:
         "recompute each decoder layer's activations in the backward instead of keeping them (the model's own "
         "transformers checkpointing): less memory, about one more forward of time",
     )
+    tp_size: int = MEMORY(
+        1,
+        "under torchrun: ranks per tensor-parallel group; the lm_head (on the vocabulary, never gathered) and each "
+        "decoder layer's projections sharded over tp_size ranks, FSDP2 over the world / tp_size groups; must "
+        "divide the number of ranks; 1 = FSDP2 alone",
+    )
 
     model: str = MODEL(
         "tiny",
@@ -578,7 +584,7 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)} must lie in [0, 1)")
-        for name in ("queries_per_step", "steps", "mini_batches", "ppo_epochs"):
+        for name in ("queries_per_step", "steps", "mini_batches", "ppo_epochs", "tp_size"):
             at_least(name, getattr(self, name), 1)
         for name in ("cpu_threads", "max_new_tokens", "rollout_batch_size", "warmup_steps", "save_every",
                      "keep_checkpoints", "max_prompt_tokens", "micro_batch_tokens", "filter_groups_max_batches"):

@@ -110,26 +110,71 @@ def barrier() -> None:
         dist.barrier()
 
 
+# ---------------------------------------------------------------------- tensor parallel
+
+# The (data, tensor) layout of the ranks: set by use_tensor_parallel, once per process.
+_LAYOUT: Dict[str, Any] = {"tp": 1, "mesh": None}
+
+
+def use_tensor_parallel(device_type: str, tp: int) -> None:
+    """Arrange the ranks as a (world / tp, tp) device mesh ("dp", "tp"): ranks
+    d * tp ... d * tp + tp - 1 form tensor-parallel group d, which takes data-parallel
+    share d (its ranks run the same data). A collective; tp 1 (FSDP2 alone): every rank
+    is its own data-parallel rank. world must divide by tp (start.check_world_size)."""
+    if tp == 1 or not is_initialized():
+        _LAYOUT.update(tp=1, mesh=None)
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+    _LAYOUT.update(tp=tp, mesh=mesh)
+
+
+def tp_size() -> int:
+    """Ranks per tensor-parallel group (1: none)."""
+    return _LAYOUT["tp"]
+
+
+def data_rank() -> int:
+    """This rank's data-parallel share (its rank without tensor parallelism)."""
+    return rank() // tp_size()
+
+
+def data_world() -> int:
+    """Number of data-parallel shares (world size / tp_size)."""
+    return world_size() // tp_size()
+
+
+def data_group() -> Any:
+    """The process group of this rank's data-parallel peers (None: every rank)."""
+    mesh = _LAYOUT["mesh"]
+    return None if mesh is None else mesh.get_group("dp")
+
+
 # ---------------------------------------------------------------------- collectives
 
 
+# The collectives of the data below run over the data-parallel ranks: every rank, or with
+# tp_size > 1 one rank of each tensor-parallel group (whose ranks hold the same data).
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum `t` (a tensor of per-rank sums or counts) over the ranks, in place; returned
-    for chaining. Unchanged in a one-process run."""
-    if is_initialized() and world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
+    """Sum `t` (a tensor of per-rank sums or counts) over the data-parallel ranks, in
+    place; returned for chaining. Unchanged in a one-process run."""
+    return all_reduce(t, "sum")
 
 
 def all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
-    """In-place all-reduce with op "sum", "min" or "max" (unchanged in a one-process run)."""
-    if is_initialized() and world_size() > 1:
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+    """In-place all-reduce over the data-parallel ranks with op "sum", "min" or "max"
+    (unchanged in a one-process run)."""
+    if is_initialized() and data_world() > 1:
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op],
+                        group=data_group())  # fmt: skip
     return t
 
 
 def max_over_ranks(n: int) -> int:
-    """The largest `n` of any rank (`n` in a one-process run)."""
+    """The largest `n` of any data-parallel rank (`n` in a one-process run)."""
     return int(all_reduce(torch.tensor(n, dtype=torch.long), "max"))
 
 
@@ -152,9 +197,10 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 
 def rank_share(n: int, rank_: Optional[int] = None, world: Optional[int] = None) -> slice:
-    """The contiguous slice of n items (n divisible by the world size) that `rank_` owns."""
-    r = rank() if rank_ is None else rank_
-    w = world_size() if world is None else world
+    """The contiguous slice of n items (n divisible by the data-parallel world) that data
+    rank `rank_` owns."""
+    r = data_rank() if rank_ is None else rank_
+    w = data_world() if world is None else world
     if n % w:
         raise ValueError(f"{n} items do not divide over {w} ranks")
     k = n // w
@@ -167,9 +213,9 @@ def rank_items(items: Sequence[Any], parts: int = 1, rank_: Optional[int] = None
     queries cut into mini-batches): its contiguous slice of every part, in order. Cut
     again into `parts` equal parts, the share gives this rank's slice of each part, so N
     ranks together hold exactly the parts one process would. len(items) must divide by
-    parts * world."""
-    r = rank() if rank_ is None else rank_
-    w = world_size() if world is None else world
+    parts * world. Rank and world: the data-parallel ones (a tensor-parallel group shares one)."""
+    r = data_rank() if rank_ is None else rank_
+    w = data_world() if world is None else world
     n = len(items)
     if n % (parts * w):
         raise ValueError(f"{n} items do not divide into {parts} parts over {w} ranks")
@@ -185,7 +231,7 @@ def all_gather_items(t: torch.Tensor, parts: int = 1) -> torch.Tensor:
     """The inverse of rank_items on rows: every rank's `t` (its rank_items share, rows
     along dim 0) gathered back into the one-process order of the items."""
     whole = all_gather_tensor(t)  # [world * n, ...] in rank order
-    w = world_size()
+    w = data_world()
     if w == 1 or parts == 1:
         return whole
     per = t.shape[0] // parts  # rows of one part on one rank
@@ -193,12 +239,12 @@ def all_gather_items(t: torch.Tensor, parts: int = 1) -> torch.Tensor:
 
 
 def all_gather_tensor(t: torch.Tensor) -> torch.Tensor:
-    """Every rank's `t` (same shape on each) concatenated along dim 0 in rank order
-    (`t` itself in a one-process run)."""
-    if not (is_initialized() and world_size() > 1):
+    """Every data-parallel rank's `t` (same shape on each) concatenated along dim 0 in
+    rank order (`t` itself in a one-process run)."""
+    if not (is_initialized() and data_world() > 1):
         return t
-    parts = [torch.empty_like(t) for _ in range(world_size())]
-    dist.all_gather(parts, t.contiguous())
+    parts = [torch.empty_like(t) for _ in range(data_world())]
+    dist.all_gather(parts, t.contiguous(), group=data_group())
     return torch.cat(parts, dim=0)
 
 
@@ -207,8 +253,8 @@ def reduce_metrics(metrics: Dict[str, float]) -> Dict[str, float]:
     over ranks: keys ending in "max" by max, "min" by min, every other key by sum (the
     rule erpo_kernels.combine_metrics applies to micro-batches; with the
     mini-batch's normalisers summed over ranks every such metric is a sum of parts).
-    Unchanged in a one-process run."""
-    if not (is_initialized() and world_size() > 1):
+    Unchanged in a one-process run (and over a tensor-parallel group, whose ranks agree)."""
+    if not (is_initialized() and data_world() > 1):
         return dict(metrics)
     keys = list(metrics)
     out: Dict[str, float] = {}
@@ -293,7 +339,11 @@ def shard_model(model: Any, compute_dtype: torch.dtype = torch.float32) -> Any:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     device = next(model.parameters()).device
-    mesh = init_device_mesh(device.type, (world_size(),))
+    if tp_size() > 1:  # tensor parallel inside each group, FSDP2 over the groups (a 2-D mesh)
+        parallelize_decoder(model, _LAYOUT["mesh"]["tp"])
+        mesh = _LAYOUT["mesh"]["dp"]
+    else:
+        mesh = init_device_mesh(device.type, (world_size(),))
     kwargs: Dict[str, Any] = {"mesh": mesh}
     if compute_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -307,6 +357,52 @@ def shard_model(model: Any, compute_dtype: torch.dtype = torch.float32) -> Any:
     setattr(model, BASE_FORWARD, types.MethodType(_base_forward, model))
     register_fsdp_forward_method(model, BASE_FORWARD)
     return model
+
+
+# torch's tensor-parallel plan of a Llama / Qwen2-style decoder layer: the projections
+# into heads and into the MLP split by output columns, the ones out of them by input rows
+# (one all-reduce each after attention and after the MLP); norms and residuals replicated.
+LAYER_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+              "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+              "mlp.down_proj": "rowwise"}
+
+
+def check_tensor_parallel(config: Any, tp: int) -> None:
+    """ValueError unless the model's heads, key/value heads and MLP width divide over tp ranks."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, name, None)
+        if value is not None and value % tp:
+            raise ValueError(f"tp_size={tp}: the model's {name}={value} does not divide over {tp} ranks; "
+                             f"use a tp_size that divides it")
+
+
+def _submodule(module: torch.nn.Module, name: str) -> Optional[torch.nn.Module]:
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def parallelize_decoder(model: Any, tp_mesh: Any) -> None:
+    """torch's parallelize_module on `model` in place over the 1-D mesh tp_mesh: LAYER_PLAN
+    on every decoder layer, and the lm_head split on the vocabulary (Shard(0) rows; its own
+    forward, used only by generation, gathers the logits). The trainer's loss never calls
+    the lm_head: it hands the Shard(0) weight to the vocabulary-parallel fused op."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    check_tensor_parallel(model.config, tp_mesh.size())
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError("tp_size > 1 needs separate input and output embeddings (tie_word_embeddings=False): "
+                         "a tied lm_head would shard the input embedding too")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for layer in decoder_layers(model):
+        missing = [name for name in LAYER_PLAN if not isinstance(_submodule(layer, name), torch.nn.Linear)]
+        if missing:
+            raise ValueError(f"tp_size > 1: {type(layer).__name__} has no {missing[0]} (the plan is Llama / Qwen2's)")
+        parallelize_module(layer, tp_mesh, {name: styles[style]() for name, style in LAYER_PLAN.items()})
+    head = model.get_output_embeddings()
+    parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
 
 
 def is_sharded(model: Any) -> bool:
@@ -328,10 +424,42 @@ def gather_for_call(t: torch.Tensor) -> torch.Tensor:
 
 def lm_head_for_call(model: Any) -> tuple:
     """(weight [V, D], bias [V] or None) of the output projection, whole: gathered by FSDP
-    after a BASE_FORWARD call, or with gather_for_call outside that window."""
+    after a BASE_FORWARD call, or with gather_for_call outside that window. With
+    tensor parallelism (tp_size > 1), after a BASE_FORWARD call: this rank's vocabulary
+    rows as they are, a DTensor Shard(0) on the tensor-parallel mesh (FSDP2 gathered the
+    data-parallel shards only), which linear_token_logprobs takes without gathering it."""
     head = model.get_output_embeddings()
     bias = getattr(head, "bias", None)
+    if tp_size() > 1:
+        return head.weight, bias
     return gather_for_call(head.weight), None if bias is None else gather_for_call(bias)
+
+
+def clip_grad_norm(params: List[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ on the model's parameters; returns the total norm (a
+    plain tensor). With tensor parallelism the parameters are DTensors on two meshes (the
+    projections on the 2-D mesh, the rest on the data-parallel one), which torch's cannot
+    stack: each mesh's gradients' norm is made whole, then the total of them all, then the clip."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(params)
+    if tp_size() == 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2: a DTensor
+    grads = [p.grad for p in params if p.grad is not None]
+    by_mesh: Dict[Any, List[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.tensor(0.0)
+    coef = min(1.0, max_norm / (float(total) + 1e-6))  # clip_grad_norm_'s coefficient
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total
 
 
 # ---------------------------------------------------------------------- checkpoints

@@ -153,14 +153,21 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
 
 def check_world_size(cfg: TrainConfig, world: int) -> None:
     """ErpoError, before anything runs, when `world` ranks (torchrun --nproc-per-node)
-    cannot run cfg: every rank needs an equal share of whole groups, and a run resumes on
-    the world size it was trained on (data shares, sampler seeds and optimizer shards are per rank)."""
+    cannot run cfg: tp_size divides the ranks, every data-parallel rank (every rank, or
+    every tensor-parallel group) needs an equal share of whole groups, and a run resumes
+    on the world size it was trained on (data shares, sampler seeds and optimizer shards
+    are per rank)."""
     last = ckpt.resume_point(cfg.resume)[1] if cfg.resume else None
     saved = int(ckpt.read_state(last).get("world_size", 1)) if last else world
     if saved != world:
         how = "erpo train (one process)" if saved == 1 else f"torchrun --nproc-per-node {saved} -m erpo train"
         raise ErpoError(f"resume={cfg.resume}: the run was trained on {saved} rank(s) and this start has {world}; "
                         f"resume it with {how} resume={cfg.resume}, or start a new run")
+    tp = cfg.tp_size
+    if world % tp:
+        raise ErpoError(f"tp_size={tp} does not divide the {world} rank(s) of this start: each tensor-parallel group "
+                        f"is tp_size ranks; use torchrun --nproc-per-node with a multiple of {tp} or another tp_size")
+    world //= tp  # the data-parallel ranks: a tensor-parallel group takes one share
     m = cfg.queries_per_step
     if world > m:
         raise ErpoError(f"torchrun started {world} ranks but queries_per_step={m}: every rank needs at least one "

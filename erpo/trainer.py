@@ -116,6 +116,7 @@ class Trainer:
         self.log = log if distributed.is_main() else (lambda _msg: None)  # rank 0 speaks for the run
         check_world_size(cfg, distributed.world_size())
         self.device, self.compute_dtype = setup_device(cfg)
+        distributed.use_tensor_parallel(self.device.type, cfg.tp_size)  # the (data, tensor) mesh; tp_size 1: none
         check_rollout_backend(cfg, self.device)
         self.reward_fn = get_reward_fn(cfg.resolved_reward)
         self.examples, self.data_fingerprint = setup_data(cfg)
@@ -146,8 +147,8 @@ class Trainer:
         returns the step's metrics (section 6; loss metrics are means over the updates)."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        world = distributed.world_size()
-        rank_seed = ("rank", distributed.rank()) if world > 1 else ()  # one process: the seeds of a plain run
+        world = distributed.data_world()  # a tensor-parallel group samples and trains on one share, alike
+        rank_seed = ("rank", distributed.data_rank()) if world > 1 else ()  # one process: the seeds of a plain run
         torch.manual_seed(derived_seed(cfg.seed, "step", step, *rank_seed))  # the sampler's randomness
         queries = step_indices(len(self.examples), cfg.queries_per_step, step, cfg.seed)  # the step's m queries
 
@@ -303,7 +304,7 @@ class Trainer:
         loss); returns the loss's metrics with grad_norm and lr."""
         cfg = self.cfg
         norm = None  # one micro-batch on one rank: the batch normalises itself
-        if len(mini.plan) > 1 or distributed.world_size() > 1:
+        if len(mini.plan) > 1 or distributed.data_world() > 1:
             norm = LossNormalizers.of(mini.batch)  # T, B, m, G_q, sum w of the mini-batch
             distributed.reduce_normalizers(norm)  # under torchrun: of every rank's share (summed)
         parts = []
@@ -322,8 +323,7 @@ class Trainer:
         metrics = metrics_to_floats(combine_metrics(parts))  # the update's one device-to-host transfer
         metrics = distributed.reduce_metrics(metrics)  # under torchrun: each rank's parts of the mini-batch's
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
+        grad_norm = distributed.clip_grad_norm(self.model.parameters(), max_norm)
         metrics.update({"grad_norm": float(grad_norm), "lr": float(self.optimizer.param_groups[0]["lr"])})
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -7,6 +7,7 @@ from those files and the exit code (never from a rank's own asserts alone).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -147,14 +148,66 @@ def train(out_dir: str, *overrides: str) -> dict:
     plans = []  # micro-batches of each mini-batch on this rank
     updates = trainer._updates
 
+    gathers = []  # the shape of every DTensor made whole in an update (the no-grad passes and the steps)
+
     def recording_updates(*args):
-        out = updates(*args)
+        with recording_gathers(gathers):
+            out = updates(*args)
         plans.append([len(mini.plan) for mini in trainer.last_mini_batches])
         return out
 
     trainer._updates = recording_updates
-    trainer.train()
-    return {"rank": D.rank(), "rollouts": trainer.engine.calls, "micro_batches": plans}
+    with recording_lm_head(D) as heads:
+        trainer.train()
+    return {"rank": D.rank(), "rollouts": trainer.engine.calls, "micro_batches": plans, "lm_heads": heads,
+            "gathered_shapes": gathers}
+
+
+@contextlib.contextmanager
+def recording_lm_head(D):
+    """What every fused call got as the lm_head weight: [kind, placements, local rows]."""
+    from torch.distributed.tensor import DTensor
+
+    seen = []
+    real = D.lm_head_for_call
+
+    def recorded(model):
+        weight, bias = real(model)
+        if isinstance(weight, DTensor):
+            seen.append(["DTensor", str(tuple(weight.placements)), weight.device_mesh.ndim, weight.to_local().shape[0]])
+        else:
+            seen.append(["Tensor", "", 0, weight.shape[0]])
+        return weight, bias
+
+    D.lm_head_for_call = recorded
+    try:
+        yield seen
+    finally:
+        D.lm_head_for_call = real
+
+
+@contextlib.contextmanager
+def recording_gathers(seen):
+    """Appends to `seen` the global shape of every DTensor made whole (full_tensor, or a
+    redistribute to all Replicate) inside the block."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    real_full, real_redistribute = DTensor.full_tensor, DTensor.redistribute
+
+    def full_tensor(self, *a, **k):
+        seen.append(list(self.shape))
+        return real_full(self, *a, **k)
+
+    def redistribute(self, device_mesh=None, placements=None, *a, **k):
+        if placements is not None and all(p == Replicate() for p in placements):
+            seen.append(list(self.shape))
+        return real_redistribute(self, device_mesh, placements, *a, **k)
+
+    DTensor.full_tensor, DTensor.redistribute = full_tensor, redistribute
+    try:
+        yield seen
+    finally:
+        DTensor.full_tensor, DTensor.redistribute = real_full, real_redistribute
 
 
 def main() -> None:

@@ -1,10 +1,10 @@
-"""The vocabulary-parallel linear_token_logprobs (issue 28): the lm_head a DTensor
-Shard(0) over 2 and 3 gloo ranks on CPU, V = 1003 split unevenly (502 + 501,
-335 + 335 + 333), against the unsharded op on the same inputs, forward and backward,
-fp32, on the kernels (Triton's interpreter) and on the reference.
-
-One torchrun launch per group size runs every case (tests/_vocab_parallel_worker.py);
-pass or fail comes from the files the ranks wrote plus the exit code.
+"""Tensor parallelism over the vocabulary (issue 28). The op: linear_token_logprobs with
+the lm_head a DTensor Shard(0) over 2 and 3 gloo ranks on CPU, V = 1003 split unevenly
+(502 + 501, 335 + 335 + 333), against the unsharded op on the same inputs, forward and
+backward, fp32, on the kernels (Triton's interpreter) and on the reference; one torchrun
+launch per group size runs every case (tests/_vocab_parallel_worker.py). The trainer:
+`erpo train tp_size=2` on 2 ranks against one process on the same batches. Pass or fail
+comes from the files the ranks wrote plus the exit code.
 """
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_distributed import ROOT, torchrun
+from test_distributed import (ROOT, TINY, WEIGHT_TOL, Replay, _keep_torch_threads, metrics_of, overrides,  # noqa: F401
+                              rank_files, run_cli, torchrun, weights_of)
 
 WORKER = os.path.join(ROOT, "tests", "_vocab_parallel_worker.py")
+DIST_WORKER = os.path.join(ROOT, "tests", "_dist_worker.py")
 N = 37  # rows of the worker's batches (3 of them ignored)
 D = 24
 # max |sharded - unsharded| / max |unsharded| per tensor, fp32 (the issue's bound)
@@ -113,3 +115,71 @@ def test_misuse_is_a_value_error_naming_the_argument(two_ranks):
     assert errors["row_sharded_hidden"].startswith("hidden must be the same on every rank")
     assert errors["target_out_of_range"].startswith("targets[0] = 1003 is outside [0, 1003)")
     assert errors["wrong_d"] == "weight has D = 24 columns but hidden has D = 5"
+
+
+# ---------------------------------------------------------------------- erpo train tp_size=2
+
+# test_distributed's tiny default, 2 steps (checkpoint at step 2)
+TP_TRAIN = dict(TINY, steps=2, save_every=2)
+LOSSES = ("loss", "pg/loss", "qkl/loss")
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    """`erpo train tp_size=2` on 2 gloo ranks (one tensor-parallel group: the lm_head and
+    the decoder's projections sharded, FSDP2 over a data-parallel mesh of 1), its rollouts,
+    lm_head weights and every gather inside its updates recorded."""
+    out = tmp_path_factory.mktemp("tp-train")
+    run_dir, cache_dir = out / "run", out / "cache"
+    proc = torchrun([DIST_WORKER, "train", str(out), *overrides(**TP_TRAIN, tp_size=2, run_dir=run_dir,
+                                                                  cache_dir=cache_dir)], cwd=out)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, cache_dir, rank_files(out)
+
+
+def test_erpo_train_tp_size_2_matches_one_process(tp_run, tmp_path, _keep_torch_threads):
+    """The same global batches (the tensor-parallel run's rollouts replayed, its reference
+    cache) in one process: every step's rewards equal, losses within 1e-5, weights after 2
+    steps within 1e-5 (test_distributed's WEIGHT_TOL); the fused calls got this rank's
+    Shard(0) rows of the lm_head and nothing of [V, ...] was made whole in an update."""
+    from erpo.config import TrainConfig
+    from erpo.trainer import Trainer
+
+    run_dir, cache_dir, ranks = tp_run
+    cfg = TrainConfig(**TP_TRAIN, run_dir=str(tmp_path / "one"), cache_dir=str(cache_dir),
+                      ref_cache=str(run_dir / "ref_cache.safetensors"))
+    replay = Replay(ranks)
+    one = Trainer(cfg, log=lambda _msg: None, engine=replay)
+    one.train()
+    vocab, width = one.model.lm_head.weight.shape
+    assert replay.calls == 2 and not replay.groups
+    a, b = metrics_of(run_dir), metrics_of(cfg.run_dir)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    for ra, rb in zip(a, b):
+        assert sorted(ra) == sorted(rb)
+        for key in ra:
+            if key.startswith("reward/"):
+                assert ra[key] == rb[key], key
+        for key in LOSSES:
+            assert abs(ra[key] - rb[key]) < 1e-5, (key, ra[key], rb[key])
+    two, mine = weights_of(run_dir / "checkpoints" / "step-000002"), one.model.state_dict()
+    assert sorted(two) == sorted(mine)
+    assert max(float((two[k] - mine[k]).abs().max()) for k in two) < WEIGHT_TOL
+    for res, rows in zip(ranks, (-(-vocab // 2), vocab // 2)):  # torch's chunks of the vocabulary
+        heads = res["lm_heads"]
+        assert heads and all(h == ["DTensor", "(Shard(dim=0),)", 1, rows] for h in heads), heads[:3]
+        assert [] in res["gathered_shapes"]  # the recorder sees gathers: the gradient norm (a scalar) made whole
+        assert not [s for s in res["gathered_shapes"] if s and s[0] == vocab], res["gathered_shapes"]
+    assert width == TINY["tiny_hidden_size"]
+
+
+@pytest.mark.parametrize("world, tp, expected", [
+    (None, 2, "tp_size=2 does not divide the 1 rank(s) of this start"),
+    (2, 3, "tp_size=3 does not divide the 2 rank(s) of this start"),
+    (4, 2, "queries_per_step=2 does not divide over 2 mini-batches x 2 ranks"),
+])
+def test_bad_tp_size_is_one_line(tmp_path, monkeypatch, capsys, world, tp, expected):
+    cfg = dict(TINY, queries_per_step=2 if world == 4 else 4)
+    code, err = run_cli(["train", *overrides(**cfg, tp_size=tp, run_dir=tmp_path / "run", cache_dir=tmp_path)],
+                        monkeypatch, capsys, world=world)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"erpo: error: {expected}"), err
