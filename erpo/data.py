@@ -151,6 +151,7 @@ def _read_records(path: str) -> List[Dict[str, Any]]:
 
 # Where a MATH-style record keeps what the default fields name: the question under
 # "problem" or "question", the answer only as the last \boxed{} of its "solution".
+DEFAULT_PROMPT_FIELD, DEFAULT_ANSWER_FIELD = "prompt", "answer"  # prompt_field's and answer_field's defaults
 PROMPT_FALLBACKS = ("problem", "question")
 SOLUTION_FIELD = "solution"
 
@@ -159,10 +160,10 @@ def _record_example(rec: Dict[str, Any], prompt_field: str, answer_field: str) -
     """(question, answer) of one record, or None for a field it lacks. With the default
     field names a MATH-style record (problem, solution with a \\boxed{} answer) works too."""
     prompt = rec.get(prompt_field)
-    if prompt is None and prompt_field == "prompt":
+    if prompt is None and prompt_field == DEFAULT_PROMPT_FIELD:
         prompt = next((rec[k] for k in PROMPT_FALLBACKS if rec.get(k) is not None), None)
     answer = rec.get(answer_field)
-    if answer is None and answer_field == "answer" and isinstance(rec.get(SOLUTION_FIELD), str):
+    if answer is None and answer_field == DEFAULT_ANSWER_FIELD and isinstance(rec.get(SOLUTION_FIELD), str):
         answer = extract_boxed(rec[SOLUTION_FIELD])
     return prompt, answer
 
@@ -194,7 +195,7 @@ def read_examples(path: str, prompt_field: str, answer_field: str, key: str = "d
             if value is None:
                 fields = ", ".join(sorted(map(str, rec))) or "none"
                 also = ""
-                if flag == "answer_field" and answer_field == "answer":
+                if flag == "answer_field" and answer_field == DEFAULT_ANSWER_FIELD:
                     also = (f" and its {SOLUTION_FIELD!r} holds no \\boxed{{}} answer" if SOLUTION_FIELD in rec
                             else f" nor a {SOLUTION_FIELD!r} with a \\boxed{{}} answer")
                 if field in rec:  # the field is there, its value is null
@@ -219,12 +220,28 @@ def rl_subset(train: Sequence[Example], rl_size: int, task: str) -> List[Example
     return [ex for k in range(len(MIXED_LEVELS)) for ex in train[k * per_level:k * per_level + share]]
 
 
+def _read_eval_examples(cfg: TrainConfig) -> List[Example]:
+    """The evaluation file's examples under the run's prompt_field / answer_field, else (a
+    file without them, e.g. MATH-style records evaluated after a run on q / gold fields)
+    read as it is: prompt / answer, or problem and the \\boxed{} of solution."""
+    key = cfg.eval.key("dataset")
+    try:
+        return read_examples(cfg.eval.dataset, cfg.prompt_field, cfg.answer_field, key=key)
+    except DataError as exc:
+        if (cfg.prompt_field, cfg.answer_field) == (DEFAULT_PROMPT_FIELD, DEFAULT_ANSWER_FIELD):
+            raise
+        try:
+            return read_examples(cfg.eval.dataset, DEFAULT_PROMPT_FIELD, DEFAULT_ANSWER_FIELD, key=key)
+        except DataError:
+            raise exc from None
+
+
 def load_examples(cfg: TrainConfig, split: str = "train") -> List[Example]:
     """The examples the config names: "train" (the RL prompts), "eval" (held out) or
     "warmstart" (the demo model's demonstrations: every training problem of the embedded
     task, of which task_rl_size picks the RL prompts; for a dataset file, its examples)."""
     if split == "eval" and cfg.eval.dataset and cfg.eval.dataset != "arithmetic":
-        return read_examples(cfg.eval.dataset, cfg.prompt_field, cfg.answer_field, key=cfg.eval.key("dataset"))
+        return _read_eval_examples(cfg)
     if cfg.is_demo_task or (split == "eval" and cfg.eval.dataset == "arithmetic"):
         demo = cfg.demo
         if demo.task == "mixed":

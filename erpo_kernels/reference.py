@@ -103,15 +103,16 @@ def _rows_grad(
     logits (the linear path), so no row needs masking. inv_t None: temperature 1.
     """
     s = _scaled(z, inv_t)
-    if g_entropy is None:
-        grad = torch.softmax(s, dim=-1).mul_(-g_logp[:, None])  # -g_logp * p
+    p = torch.softmax(s, dim=-1)  # [c, V]
+    if g_entropy is not None:
+        # -g_logp p - g_H p (log p + H), the entropy's term apart, with p log p = 0 where p = 0:
+        # g_H = 0 (compile's zero gradient of an entropy output the loss does not use) adds
+        # an exact 0, so the gradient is the one without it, bit for bit
+        term = torch.log_softmax(s, dim=-1).add_(entropy[:, None]).mul_(p).masked_fill_(p == 0, 0.0)
+        grad = p.mul_(-g_logp[:, None]).sub_(term.mul_(g_entropy[:, None]))
+        del term
     else:
-        # -p (g_logp + g_H (log p + H)), with p log p = 0 where p = 0
-        log_p = torch.log_softmax(s, dim=-1)
-        p = torch.exp(log_p)
-        grad = log_p.add_(entropy[:, None]).mul_(g_entropy[:, None]).add_(g_logp[:, None]).mul_(p).neg_()
-        grad.masked_fill_(p == 0, 0.0)
-        del p
+        grad = p.mul_(-g_logp[:, None])  # -g_logp * p
     grad.scatter_add_(1, tgt[:, None], g_logp[:, None])
     if inv_t is not None:
         grad.mul_(inv_t)

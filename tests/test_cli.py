@@ -1086,3 +1086,26 @@ def test_env_under_the_interpreter_does_not_contradict_itself(capsys, monkeypatc
     out = capsys.readouterr().out
     assert "interpreter)" not in out and 'backend="triton" on this device' not in out
     assert "here only in Triton's CPU interpreter, with TRITON_INTERPRET=1" in out
+
+
+def test_the_docs_say_what_eval_and_config_yaml_do(tmp_path, monkeypatch):
+    """docs/evaluation.md's response length for a model outside any run, and docs/training.md's
+    account of config.yaml's paths, are what the code does (issue 29.6: 8 tokens, 'every path
+    absolute')."""
+    from erpo.cli import resolve_config
+    from erpo.config import DEMO_MAX_NEW_TOKENS, MAX_NEW_TOKENS, read_yaml, save_config
+
+    text = " ".join(open(os.path.join(ROOT, "docs", "evaluation.md"), encoding="utf-8").read().split())
+    assert (f"for a model outside any run {MAX_NEW_TOKENS} on a file and {DEMO_MAX_NEW_TOKENS} on the embedded "
+            f"task") in text
+    (tmp_path / "m").mkdir()
+    (tmp_path / "d.jsonl").write_text("")
+    assert resolve_config([f"model={tmp_path}/m", f"data={tmp_path}/d.jsonl"], "eval").eval_max_tokens == MAX_NEW_TOKENS
+    assert resolve_config(["model=tiny", "data=arithmetic"], "eval").eval_max_tokens == DEMO_MAX_NEW_TOKENS
+    monkeypatch.chdir(tmp_path)
+    save_config(TrainConfig(run_dir="runs/r", resume="runs/q", dataset="d.jsonl"), "config.yaml")
+    saved = read_yaml("config.yaml")
+    assert (saved["run_dir"], saved["resume"], saved["dataset"]) == ("runs/r", "runs/q", str(tmp_path / "d.jsonl"))
+    training = " ".join(open(os.path.join(ROOT, "docs", "training.md"), encoding="utf-8").read().split())
+    assert "config.yaml stores every path absolute" not in training
+    assert "(`run_dir` and `resume` are stored as given" in training

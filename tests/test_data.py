@@ -107,3 +107,24 @@ def test_eval_reports_and_the_cache_command_name_the_task():
     assert _planned_settings(add, "m", 6, 8)["data"] == "arithmetic"  # reports made before the key read the same
     assert _planned_settings(mixed, "m", 6, 8)["data"] == "arithmetic:mixed"
     assert " task=mixed " in rebuild_command(mixed) and "task=" not in rebuild_command(add)
+
+
+def test_eval_data_of_another_file_reads_math_style_records_after_a_run_on_other_fields(tmp_path):
+    """A run trained with prompt_field=q answer_field=gold, evaluated on a MATH-style file
+    (problem, solution with a \\boxed{} answer): the records read as they are (issue 29.6:
+    it demanded q, then gold); a file with the run's fields still reads by them, and a file
+    with neither names the run's fields."""
+    math = tmp_path / "math.jsonl"
+    math.write_text(json.dumps({"problem": "1+1?", "solution": "so \\boxed{2}"}) + "\n"
+                    + json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n")
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text(json.dumps({"q": "3+3?", "gold": "6", "prompt": "no", "answer": "no"}) + "\n")
+    neither = tmp_path / "neither.jsonl"
+    neither.write_text(json.dumps({"x": "1"}) + "\n")
+    run = dict(dataset=str(ours), prompt_field="q", answer_field="gold")
+    assert [(e.prompt, e.answer) for e in load_examples(TrainConfig(**run, eval_dataset=str(math)), "eval")] == [
+        ("1+1?", "2"), ("2+2?", "4")]
+    assert [(e.prompt, e.answer) for e in load_examples(TrainConfig(**run, eval_dataset=str(ours)), "eval")] == [
+        ("3+3?", "6")]
+    with pytest.raises(DataError, match="has no 'q' field.*set prompt_field=NAME"):
+        load_examples(TrainConfig(**run, eval_dataset=str(neither)), "eval")

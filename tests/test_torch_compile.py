@@ -62,6 +62,37 @@ def test_linear_token_logprobs_compiles_without_graph_break(device, backend, wit
     _compare(loss, leaves)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_an_entropy_returned_beside_a_loss_of_the_logp_alone_keeps_the_eager_gradient(device, backend):
+    """The trainer's pattern (issue 29.6): the entropy is an output (a metric) and only the
+    log-prob feeds the loss. Compiled, AOT autograd hands the op a zero gradient for the
+    entropy where eager hands it none; the op's gradient is the eager one bit for bit."""
+    targets = torch.tensor([1, -100, 3, 36, 0, 7, 2, 9, 11, 30, 5], device=device)
+    weights = torch.rand(11, device=device)
+
+    def token(z):
+        logp, ent = token_logprobs(z, targets, inv_temperature=0.9, return_entropy=True, backend=backend,
+                                   validate=False)
+        return (logp * weights).sum(), ent.detach().mean(), ent
+
+    def linear(h, w):
+        logp, ent = linear_token_logprobs(h, w, targets, return_entropy=True, backend=backend, validate=False)
+        return (logp * weights).sum(), ent
+
+    cases = [(token, [3 * torch.randn(11, 37, device=device)]),
+             (linear, [torch.randn(11, 16, device=device), 0.5 * torch.randn(37, 16, device=device)])]
+    for fn, leaves in cases:
+        grads = []
+        for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+            torch._dynamo.reset()
+            inputs = [t.clone().requires_grad_() for t in leaves]
+            outputs = f(*inputs)
+            outputs[0].backward()
+            grads.append([outputs[0].detach(), outputs[-1].detach()] + [t.grad for t in inputs])
+        for eager, compiled in zip(*grads):
+            assert torch.equal(eager, compiled), (fn.__name__, (eager - compiled).abs().max())
+
+
 def test_token_logprobs_has_one_autograd_path():
     """Eager and compile run the same custom op: the module defines no autograd.Function
     (a second path that could drift), and an eager call dispatches to the op."""
