@@ -26,6 +26,13 @@ gradient as replicated and keeps only the local rows of this rank's gradient, dr
 the other ranks' contributions); `to_local(grad_placements=[Partial()])` makes the
 backward a reduce-scatter (sum) into the shard. tests/test_distributed.py checks both.
 
+Tensor parallelism (`tp_size` > 1, docs/distributed.md): the ranks form a (world / tp,
+tp) mesh; each tp-rank group runs one data-parallel share (the data collectives here run
+over the data-parallel ranks), its decoder layers and lm_head split with torch's
+parallelize_module, FSDP2 over the groups. lm_head_for_call then returns this rank's
+Shard(0) rows of the lm_head, which linear_token_logprobs takes as they are
+(erpo_kernels/vocab_parallel.py): the weight is never gathered.
+
 Shutdown: `shutdown()` is a barrier, then destroy_process_group (without the barrier a
 rank can abort in gloo's teardown while another still finishes its last collective).
 """
@@ -37,6 +44,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from .errors import ErpoError
 
 # Name of the method installed on an FSDP root that runs its base model (decoder without
 # lm_head) through FSDP's forward hooks; erpo.packing.forward_hidden calls it when present.
@@ -368,11 +377,11 @@ LAYER_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "sel
 
 
 def check_tensor_parallel(config: Any, tp: int) -> None:
-    """ValueError unless the model's heads, key/value heads and MLP width divide over tp ranks."""
+    """ErpoError unless the model's heads, key/value heads and MLP width divide over tp ranks."""
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, name, None)
         if value is not None and value % tp:
-            raise ValueError(f"tp_size={tp}: the model's {name}={value} does not divide over {tp} ranks; "
+            raise ErpoError(f"tp_size={tp}: the model's {name}={value} does not divide over {tp} ranks; "
                              f"use a tp_size that divides it")
 
 
@@ -393,13 +402,13 @@ def parallelize_decoder(model: Any, tp_mesh: Any) -> None:
 
     check_tensor_parallel(model.config, tp_mesh.size())
     if getattr(model.config, "tie_word_embeddings", False):
-        raise ValueError("tp_size > 1 needs separate input and output embeddings (tie_word_embeddings=False): "
+        raise ErpoError("tp_size > 1 needs separate input and output embeddings (tie_word_embeddings=False): "
                          "a tied lm_head would shard the input embedding too")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for layer in decoder_layers(model):
         missing = [name for name in LAYER_PLAN if not isinstance(_submodule(layer, name), torch.nn.Linear)]
         if missing:
-            raise ValueError(f"tp_size > 1: {type(layer).__name__} has no {missing[0]} (the plan is Llama / Qwen2's)")
+            raise ErpoError(f"tp_size > 1: {type(layer).__name__} has no {missing[0]} (the plan is Llama / Qwen2's)")
         parallelize_module(layer, tp_mesh, {name: styles[style]() for name, style in LAYER_PLAN.items()})
     head = model.get_output_embeddings()
     parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
