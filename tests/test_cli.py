@@ -623,7 +623,8 @@ def test_eval_uses_the_runs_own_template_and_reward(capsys, done_run, tmp_path):
     assert (settings["template"], settings["reward"]) == ("r1", "exact_match")
     outside = tmp_path / "hf-model"   # the same weights as a plain Hugging Face directory
     shutil.copytree(os.path.join(run, "checkpoints", "step-000002"), outside)
-    assert main(["eval", f"model={outside}", *common, f"out={tmp_path}/outside"]) == 0
+    # max_new_tokens: the auto 1024 + an r1 prompt would not fit the demo model's 1024 positions
+    assert main(["eval", f"model={outside}", *common, "max_new_tokens=8", f"out={tmp_path}/outside"]) == 0
     settings = _eval_json(tmp_path / "outside" / "hf-model-sums")["settings"]
     assert (settings["template"], settings["reward"]) == ("r1", "math_verify")
 
