@@ -260,6 +260,17 @@ class TrainConfig:
         choices=("auto",) + ("none", "token", "sequence"),
     )
     rollout_is_cap: float = OBJECTIVE(2.0, "C, the truncation of the rollout importance weight (rollout_is)")
+    entropy_coeff: float = OBJECTIVE(
+        0.0,
+        "entropy bonus: the loss minus entropy_coeff times the response tokens' entropy, aggregated with loss_agg "
+        "(verl's entropy_coeff; differentiated through the fused kernel's entropy); 0 = off",
+    )
+    top_entropy_quantile: float = OBJECTIVE(
+        1.0,
+        "rho of 'Beyond the 80/20 Rule' (TRL's top_entropy_quantile): the policy loss (and the entropy bonus) "
+        "trains only on the response tokens whose entropy reaches the mini-batch's (1 - rho)-quantile, the other "
+        "tokens counting with loss 0; 0.2 = the paper's; 1 = every token",
+    )
 
     group_size: int = ROLLOUT(8, "G, responses sampled per query")
     queries_per_step: int = ROLLOUT(16, "m, distinct queries per step (a step trains on m * G sequences)")

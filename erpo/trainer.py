@@ -24,8 +24,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from erpo_kernels import (LossNormalizers, MicroBatch, PackedLossBatch, combine_metrics, erpo_loss, linear_token_logprobs,
-                          metrics_to_floats, plan_micro_batches, split_batch)
+from erpo_kernels import (LossNormalizers, MicroBatch, PackedLossBatch, combine_metrics, entropy_threshold, erpo_loss,
+                          linear_token_logprobs, metrics_to_floats, plan_micro_batches, response_entropies, split_batch)
 
 from . import checkpoint as ckpt
 from . import distributed
@@ -307,6 +307,8 @@ class Trainer:
         if len(mini.plan) > 1 or distributed.data_world() > 1:
             norm = LossNormalizers.of(mini.batch)  # T, B, m, G_q, sum w of the mini-batch
             distributed.reduce_normalizers(norm)  # under torchrun: of every rank's share (summed)
+            if cfg.top_entropy_quantile < 1:  # the entropy quantile of every micro-batch's and rank's tokens
+                norm.entropy_threshold = self._entropy_threshold(mini)
         parts = []
         # 5. forward to hidden states (no logits), micro-batch by micro-batch
         for batch, hidden, weight, bias, repeat in self._micro_batch_passes(self.model, mini):
@@ -344,6 +346,25 @@ class Trainer:
             if not repeat:
                 out.append(logp.float())
         return torch.cat(out)
+
+    @torch.no_grad()
+    def _entropy_threshold(self, mini: MiniBatch) -> torch.Tensor:
+        """top_entropy_quantile's threshold (0-d fp32) over the response tokens of the whole
+        mini-batch, every rank's, at the current weights: a no-grad pass as _row_logp's, with
+        the entropy (needed once the mini-batch is split over micro-batches or ranks)."""
+        values = []
+        for batch, hidden, weight, bias, repeat in self._micro_batch_passes(self.model, mini):
+            _, entropy = linear_token_logprobs(
+                hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,
+                ignore_index=batch.ignore_index, return_entropy=True, backend=self.cfg.kernel_backend,
+                validate=False, **lm_head_options(self.model),
+            )  # [n_k]
+            if not repeat:
+                values.append(response_entropies(entropy, batch))  # [n_k], +inf off the response rows
+        local = torch.cat(values)  # [N]
+        longest = distributed.max_over_ranks(local.shape[0])
+        padded = torch.cat([local, local.new_full((longest - local.shape[0],), float("inf"))])  # [longest]
+        return entropy_threshold(distributed.all_gather_tensor(padded), self.cfg.top_entropy_quantile)
 
     def _micro_batch_passes(self, model: Any, mini: MiniBatch) -> Iterator[
             Tuple[PackedLossBatch, torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool]]:

@@ -232,3 +232,245 @@ def test_a_tiny_run_trains_with_filter_groups_and_overlong_shaping(tmp_path, cac
         assert 1 <= row["filter_groups/batches"] <= 2 and 0 <= row["filter_groups/dropped_frac"] <= 1
         assert -1 <= row["reward/overlong_penalty"] <= 0 and all(v == v for v in row.values())
     assert os.path.isdir(os.path.join(cfg.run_dir, "checkpoints"))
+
+
+# ---------------------------------------------------------------------- entropy bonus and top-entropy tokens
+
+from types import SimpleNamespace  # noqa: E402
+
+from erpo_kernels import (LossConfig, LossNormalizers, combine_metrics, entropy_threshold, erpo_loss,  # noqa: E402
+                          erpo_loss_from_logp, linear_token_logprobs, metrics_to_floats, response_entropies,
+                          split_batch)
+from test_micro_batches import PLANS  # noqa: E402
+from test_objective import fl, make_point, objective_formula, token_loss_formula  # noqa: E402
+
+
+def trl_high_entropy_mask(entropies, mask, top_entropy_quantile):
+    """TRL 1.16's own GRPOTrainer.get_high_entropy_mask on [B, L] tensors, one process."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    one_process = SimpleNamespace(accelerator=SimpleNamespace(pad_across_processes=lambda t, dim, pad_index: t,
+                                                              gather=lambda t: t))
+    return GRPOTrainer.get_high_entropy_mask(one_process, entropies, mask, 1 - top_entropy_quantile)
+
+
+def padded(desc, values):
+    """Row-space values [N] -> ([B, L_max] per response token, [B, L_max] mask), the layout TRL reads."""
+    width = max(len(rr) for _, _, rr in desc)
+    out = torch.zeros(len(desc), width, dtype=values.dtype)
+    mask = torch.zeros(len(desc), width)
+    for i, (_, _, rr) in enumerate(desc):
+        out[i, :len(rr)] = values[list(rr)]
+        mask[i, :len(rr)] = 1
+    return out, mask
+
+
+def selected_rows(desc, entropy, rho):
+    """The response rows TRL's mask keeps, by row index."""
+    pad, mask = padded(desc, entropy)
+    keep = trl_high_entropy_mask(pad, mask, rho)
+    return {r for i, (_, _, rr) in enumerate(desc) for t, r in enumerate(rr) if keep[i, t]}
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.2, 0.5, 0.77, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_entropy_selection_is_trls_get_high_entropy_mask(rho, dtype):
+    """TRL computes its quantile in fp32; ours is in the entropies' dtype: the same bits
+    for fp32, and for fp64 entropies (here fp32-representable, so TRL's rounding cannot
+    move its selection) the same tokens, the threshold torch.quantile's in fp64."""
+    batch, desc, _, entropy = make_point()
+    entropy = entropy.float().to(dtype)
+    entropy[list(desc[1][2])[:2]] = float(entropy[desc[0][2][0]])  # ties at some value
+    values = response_entropies(entropy, batch)  # +inf off the response rows
+    threshold = entropy_threshold(values, rho)
+    ours = {int(r) for r in torch.nonzero((entropy >= threshold) & torch.isfinite(values)).flatten()}
+    theirs = selected_rows(desc, entropy, rho)
+    assert ours == theirs and len(theirs) >= 1
+    if rho == 0.0:
+        assert len(theirs) == 1  # the largest entropy alone
+    pad, mask = padded(desc, entropy)
+    assert threshold.dtype == dtype and threshold == torch.quantile(pad[mask.bool()], 1 - rho)  # bit for bit
+    assert torch.isinf(entropy_threshold(torch.full((5,), float("inf")), rho))  # no response token: none selected
+
+
+def entropy_formula(logp, entropy, desc, batch, cfg):
+    """The loss with entropy_coeff and top_entropy_quantile, by loops: the plain objective's
+    (objective_formula, at entropy_coeff 0 and every token), its policy loss replaced by the
+    one over TRL's selected tokens (the denominators unchanged), minus entropy_coeff times
+    the selected tokens' entropy aggregated with loss_agg at w = 1."""
+    plain = LossConfig(**{**cfg.__dict__, "entropy_coeff": 0.0, "top_entropy_quantile": 1.0})
+    total, metrics = objective_formula(logp, desc, batch, plain, entropy.detach())
+    keep = selected_rows(desc, entropy.detach(), cfg.top_entropy_quantile)
+    m = batch.ref_query_logp.numel()
+    w = batch.query_weights.tolist() if cfg.algorithm == "erpo" else [1.0] * m
+    adv = batch.advantages.tolist()
+    old = batch.old_logp if batch.old_logp is not None else logp.detach()
+    n_total = sum(len(rr) for _, _, rr in desc)
+    g_count = [sum(1 for qq, _, _ in desc if qq == q) for q in range(m)]
+    pg_all = pg_kept = bonus = torch.zeros((), dtype=torch.float64)
+    for i, (q, _, rr) in enumerate(desc):
+        c = 1.0 / n_total if cfg.loss_agg == "token-mean" else (1.0 / (m * g_count[q] * len(rr)) if rr else 0.0)
+        for r in rr:
+            loss = token_loss_formula(logp[r], old[r], adv[i], cfg)[0]
+            pg_all = pg_all + c * w[q] * loss
+            if r in keep:
+                pg_kept = pg_kept + c * w[q] * loss
+                bonus = bonus + c * entropy[r]
+    assert abs(fl(pg_all) - metrics["pg/loss"]) < 1e-12  # the same policy loss over every token
+    total = total - pg_all + pg_kept - cfg.entropy_coeff * bonus
+    return total, {"entropy/bonus": fl(bonus), "entropy/selected_frac": len(keep) / n_total, "loss": fl(total)}
+
+
+ENTROPY_CASES = [("erpo", agg, rho, coeff) for agg in ("token-mean", "seq-mean-token-mean")
+                 for rho, coeff in ((0.2, 0.05), (1.0, 0.3), (0.5, 0.0))]
+ENTROPY_CASES += [("grpo", "token-mean", 0.2, 0.05), ("grpo", "seq-mean-token-mean", 0.35, 0.1)]
+
+
+@pytest.mark.parametrize("algorithm,loss_agg,rho,coeff", ENTROPY_CASES)
+def test_entropy_bonus_and_top_entropy_tokens_match_the_formula_float64(algorithm, loss_agg, rho, coeff):
+    batch, desc, logp, entropy = make_point("softmax", with_ref_logp=True)  # non-unit query weights, a reference
+    cfg = LossConfig(algorithm=algorithm, alpha=0.3, beta=0.05, loss_agg=loss_agg, entropy_coeff=coeff,
+                     top_entropy_quantile=rho)
+    x, h = logp.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
+    loss, metrics = erpo_loss_from_logp(x, batch, cfg, entropy=h, backend="torch")
+    grad_x, grad_h = torch.autograd.grad(loss, (x, h), allow_unused=True)
+    grad_h = torch.zeros_like(h) if grad_h is None else grad_h  # entropy_coeff 0: the entropy only selects
+    y, e = logp.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
+    ref, ref_metrics = entropy_formula(y, e, desc, batch, cfg)
+    ref_x, ref_h = torch.autograd.grad(ref, (y, e), allow_unused=True)
+    ref_h = torch.zeros_like(e) if ref_h is None else ref_h
+
+    assert abs(fl(loss) - fl(ref)) <= 1e-12 * (1 + abs(fl(ref)))
+    assert torch.allclose(grad_x, ref_x, rtol=1e-11, atol=1e-13), (grad_x - ref_x).abs().max()
+    assert torch.allclose(grad_h, ref_h, rtol=1e-11, atol=1e-13), (grad_h - ref_h).abs().max()
+    assert grad_h.abs().sum() > 0 if coeff > 0 else grad_h.eq(0).all()
+    assert abs(metrics["entropy/bonus"] - ref_metrics["entropy/bonus"]) <= 1e-12
+    assert ("entropy/selected_frac" in metrics) == (rho < 1)
+    if rho < 1:
+        assert metrics["entropy/selected_frac"] == pytest.approx(ref_metrics["entropy/selected_frac"], abs=1e-15)
+        assert 0 < metrics["entropy/selected_frac"] < 1
+
+
+@pytest.mark.parametrize("plan_name", ["shuffled", "singletons"])
+def test_micro_batches_with_the_mini_batchs_threshold_add_up_to_the_mini_batch(plan_name):
+    batch, desc, logp, entropy = make_point("softmax", with_ref_logp=True)
+    cfg = LossConfig(algorithm="erpo", alpha=0.3, loss_agg="seq-mean-token-mean", entropy_coeff=0.1,
+                     top_entropy_quantile=0.3)
+    x, h = logp.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
+    loss, metrics = erpo_loss_from_logp(x, batch, cfg, entropy=h, backend="torch")
+    grads = torch.autograd.grad(loss, (x, h))
+
+    micro = split_batch(batch, PLANS[plan_name])
+    norm = LossNormalizers.of(batch)
+    norm.entropy_threshold = entropy_threshold(torch.cat([response_entropies(entropy[mb.rows], mb.batch)
+                                                          for mb in micro]), 0.3)
+    y, e = logp.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
+    total, parts = torch.zeros((), dtype=torch.float64), []
+    for mb in micro:
+        part, part_metrics = erpo_loss_from_logp(y[mb.rows], mb.batch, cfg, entropy=e[mb.rows], backend="torch",
+                                                 normalizers=norm)
+        total, parts = total + part, parts + [part_metrics]
+    micro_grads = torch.autograd.grad(total, (y, e))
+    assert abs(fl(total) - fl(loss)) <= 1e-12 * (1 + abs(fl(loss)))
+    for g, mg in zip(grads, micro_grads):
+        assert torch.allclose(mg, g, rtol=1e-11, atol=1e-13)
+    combined = metrics_to_floats(combine_metrics(parts))
+    for key in ("entropy/bonus", "entropy/selected_frac", "pg/loss", "loss"):
+        assert combined[key] == pytest.approx(metrics[key], rel=1e-11, abs=1e-13), key
+    # each micro-batch's own quantile selects other tokens: the shared threshold matters
+    own = sum(erpo_loss_from_logp(logp[mb.rows], mb.batch, cfg, entropy=entropy[mb.rows], backend="torch",
+                                  normalizers=LossNormalizers.of(batch))[1]["entropy/selected_frac"] for mb in micro)
+    assert abs(own - metrics["entropy/selected_frac"]) > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_entropy_bonus_differentiates_through_the_fused_kernel(backend):
+    """erpo_loss(hidden, weight) with entropy_coeff: its gradient in hidden and weight is
+    that of the float64 loss built from explicit logits (softmax entropy at each row's temperature)."""
+    batch, desc, _, _ = make_point()
+    n, d, v = batch.targets.shape[0], 8, 50
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(n, d, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, d, generator=g, dtype=torch.float64) * 0.5
+    cfg = LossConfig(algorithm="grpo", beta=0.0, entropy_coeff=0.7, top_entropy_quantile=0.6)
+    batch.old_logp = None
+    dt = torch.float32 if backend == "triton" else torch.float64
+    hx, wx = hidden.to(dt).requires_grad_(True), weight.to(dt).requires_grad_(True)
+    loss, _ = erpo_loss(hx, wx, batch, cfg, backend=backend)
+    grads = torch.autograd.grad(loss, (hx, wx))
+
+    hy, wy = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logits = (hy @ wy.T) * batch.inv_temperature.float().double()[:, None]  # the op takes 1 / tau in fp32
+    logprobs = torch.log_softmax(logits, dim=-1)
+    ent = -(logprobs.exp() * logprobs).sum(-1)  # [N]
+    target = batch.targets.clamp(min=0)
+    lp = logprobs.gather(1, target[:, None])[:, 0]
+    ref, _ = entropy_formula(lp, ent, desc, batch, cfg)
+    ref_grads = torch.autograd.grad(ref, (hy, wy))
+    tol = dict(rtol=1e-10, atol=1e-12) if dt == torch.float64 else dict(rtol=2e-4, atol=2e-6)
+    assert abs(fl(loss) - fl(ref)) <= tol["rtol"] * 10 * (1 + abs(fl(ref)))
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, **tol)
+
+
+def test_a_loss_that_reads_the_entropy_refuses_a_call_without_it():
+    batch, _, logp, _ = make_point()
+    cfg = LossConfig(entropy_coeff=0.1)
+    with pytest.raises(ValueError, match="the entropy is required for entropy_coeff=0.1"):
+        erpo_loss_from_logp(logp, batch, cfg, backend="torch")
+    with pytest.raises(ValueError, match="with_entropy=True"):
+        erpo_loss(torch.zeros(batch.targets.shape[0], 4, dtype=torch.float64), torch.zeros(50, 4, dtype=torch.float64),
+                  batch, LossConfig(top_entropy_quantile=0.5), with_entropy=False, backend="torch")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(entropy_coeff=-0.1), "entropy_coeff must be finite and >= 0"),
+    (dict(entropy_coeff=float("nan")), "entropy_coeff must be finite and >= 0"),
+    (dict(top_entropy_quantile=1.5), r"top_entropy_quantile must lie in \[0, 1\]"),
+    (dict(top_entropy_quantile="0.2"), "top_entropy_quantile must be a number"),
+])
+def test_bad_entropy_settings_raise_naming_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LossConfig(**kwargs)
+
+
+def test_entropy_keys_in_erpo_train(capsys):
+    _one_line_error(capsys, ["train", "entropy_coeff=-1"], "entropy_coeff must be finite and >= 0")
+    _one_line_error(capsys, ["train", "top_entropy_quantile=2"], "top_entropy_quantile must lie in [0, 1]")
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "  entropy_coeff " in out and "  top_entropy_quantile " in out
+
+
+@pytest.mark.parametrize("algorithm", ["erpo", "grpo"])
+def test_micro_batches_give_the_top_entropy_update_of_one_pass(tmp_path, cache_dir, algorithm):
+    """The trainer's no-grad entropy pass sets the mini-batch's threshold: split into
+    micro-batches, the step's gradient is the one-pass gradient (float64)."""
+    from test_trainer import _float64_gradient, fixed_trainer
+
+    keys = dict(algorithm=algorithm, beta=0.05, max_grad_norm=0.0, entropy_coeff=0.05, top_entropy_quantile=0.3,
+                loss_agg="seq-mean-token-mean")
+    whole = fixed_trainer(tmp_path, cache_dir, f"ent-whole-{algorithm}", **keys)
+    longest = max(len(p) for p in whole.prompt_ids) + whole.cfg.max_new_tokens
+    split = fixed_trainer(tmp_path, cache_dir, f"ent-split-{algorithm}", micro_batch_tokens=longest + 3, **keys)
+    (g_whole,), m_whole = _float64_gradient(whole)
+    (g_split,), m_split = _float64_gradient(split)
+    assert len(split.last_mini_batches[0].plan) > 2
+    for a, b in zip(g_whole, g_split):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+    for key in ("loss", "pg/loss", "entropy/bonus", "entropy/selected_frac"):
+        assert m_split[key] == pytest.approx(m_whole[key], rel=1e-9, abs=1e-12), key
+    assert 0 < m_whole["entropy/selected_frac"] < 0.5
+
+
+@pytest.mark.parametrize("algorithm", ["erpo", "grpo"])
+def test_a_tiny_run_trains_with_the_entropy_bonus_on_the_top_entropy_tokens(tmp_path, cache_dir, algorithm):
+    cfg = tiny(tmp_path, cache_dir, f"ent-{algorithm}", algorithm=algorithm, steps=2, entropy_coeff=0.01,
+               top_entropy_quantile=0.2)
+    Trainer(cfg, log=quiet).train(plot=False)
+    rows = read_metrics(cfg.run_dir)
+    assert len(rows) == 2
+    for row in rows:
+        assert 0 < row["entropy/selected_frac"] <= 0.5 and row["entropy/bonus"] > 0
+        assert row["entropy/bonus"] <= row["entropy/mean"]  # the selected tokens' share of the mean
+        assert all(v == v for v in row.values())

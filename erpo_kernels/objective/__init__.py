@@ -6,6 +6,7 @@ is re-exported by erpo_kernels.
 """
 from .batch import LossNormalizers, PackedLossBatch
 from .config import ALGORITHMS, LOSS_AGGS, ROLLOUT_IS, LossConfig
+from .entropy import entropy_threshold, response_entropies
 from .loss import erpo_loss, erpo_loss_from_logp
 from .metrics import combine_metrics, metrics_to_floats
 from .micro_batches import MicroBatch, plan_micro_batches, split_batch
@@ -20,10 +21,12 @@ __all__ = [
     "MicroBatch",
     "PackedLossBatch",
     "combine_metrics",
+    "entropy_threshold",
     "erpo_loss",
     "erpo_loss_from_logp",
     "metrics_to_floats",
     "plan_micro_batches",
     "query_logp_from_logp",
+    "response_entropies",
     "split_batch",
 ]

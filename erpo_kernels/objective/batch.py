@@ -255,6 +255,12 @@ class LossNormalizers:
             the prompt is scored once per group; R_query counts each query once).
         weight_mass: 0-d float64, sum_q w(q) (R_query's denominator; grpo uses m).
         weight_sq_mass: 0-d float64, sum_q w(q)^2 (the weights/ess metric).
+        entropy_threshold: 0-d float (fp32, fp64 for fp64 entropies) or None:
+            top_entropy_quantile's threshold over
+            the whole mini-batch (objective/entropy.py's entropy_threshold of every
+            micro-batch's and rank's response entropies); None: each call takes its own
+            rows' (exact for one call on one rank). Not built by `of`: it needs the
+            entropies of the current weights.
     Data parallel: sum n_tokens, n_sequences, n_queries, weight_mass, weight_sq_mass over
     ranks (all_reduce); group_sizes and prompt_copies stay per rank (groups never span
     ranks).
@@ -267,6 +273,7 @@ class LossNormalizers:
     prompt_copies: torch.Tensor
     weight_mass: torch.Tensor
     weight_sq_mass: torch.Tensor
+    entropy_threshold: Optional[torch.Tensor] = None
 
     @staticmethod
     def of(batch: PackedLossBatch) -> "LossNormalizers":
@@ -289,12 +296,15 @@ class LossNormalizers:
 
     def to(self, device: torch.device | str) -> "LossNormalizers":
         """A copy with every tensor on `device`."""
-        return LossNormalizers(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return LossNormalizers(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                                  for f in fields(self)})
 
     def check_structure(self, m: int, device: torch.device) -> None:
         """ValueError naming the field that is not a tensor of the documented shape on `device`."""
         for f in fields(self):
             v = getattr(self, f.name)
+            if v is None and f.name == "entropy_threshold":
+                continue
             per_query = f.name in ("group_sizes", "prompt_copies")
             check_tensor(f"normalizers.{f.name}", v, ndim=1 if per_query else 0, device=device)
             if per_query and v.shape[0] != m:

@@ -43,6 +43,12 @@ class LossConfig:
         min(pi_old / pi_rollout, C)) or "sequence" (times min(prod_t pi_old / pi_rollout, C)
         over the sequence's response tokens); the weight is a constant under backprop.
     rollout_is_cap: C > 0, the truncation of the importance weight.
+    entropy_coeff: >= 0, the entropy bonus's coefficient: L -= entropy_coeff * the mean
+        response-token entropy, aggregated with loss_agg at w = 1 (verl's entropy_coeff);
+        needs the entropy (objective/entropy.py).
+    top_entropy_quantile: rho in [0, 1]: the policy loss trains on the response tokens
+        whose entropy reaches the mini-batch's (1 - rho)-quantile only (TRL's
+        top_entropy_quantile; the bonus too); 1 = every token.
     """
 
     algorithm: str = "erpo"
@@ -55,6 +61,8 @@ class LossConfig:
     kl_guard: float = 10.0
     rollout_is: str = "none"
     rollout_is_cap: float = 2.0
+    entropy_coeff: float = 0.0
+    top_entropy_quantile: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,3 +87,16 @@ class LossConfig:
             raise ValueError(f"rollout_is must be one of {ROLLOUT_IS}, got {self.rollout_is!r}")
         if not (0.0 < float(self.rollout_is_cap) < float("inf")):
             raise ValueError(f"rollout_is_cap must be finite and > 0, got {self.rollout_is_cap}")
+        self._validate_entropy()
+
+    @property
+    def needs_entropy(self) -> bool:
+        """The loss reads the response tokens' entropy (entropy_coeff > 0 or top_entropy_quantile < 1)."""
+        return float(self.entropy_coeff) > 0 or float(self.top_entropy_quantile) < 1
+
+    def _validate_entropy(self) -> None:
+        """entropy_coeff finite and >= 0; top_entropy_quantile in [0, 1]."""
+        if not (0.0 <= check_number("entropy_coeff", self.entropy_coeff) < float("inf")):
+            raise ValueError(f"entropy_coeff must be finite and >= 0, got {self.entropy_coeff}")
+        if not (0.0 <= check_number("top_entropy_quantile", self.top_entropy_quantile) <= 1.0):
+            raise ValueError(f"top_entropy_quantile must lie in [0, 1] (1 = every token), got {self.top_entropy_quantile}")

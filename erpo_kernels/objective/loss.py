@@ -52,6 +52,7 @@ The pieces, each in its own file of erpo_kernels/objective/, run with the caller
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -64,6 +65,7 @@ from .metrics import batch_metrics, metrics_out
 from .policy_loss import policy_term
 from .query_kl import query_kl_metrics, query_kl_term
 from .reference_kl import reference_kl_term
+from .entropy import entropy_bonus, selected_tokens
 from .rows import LossRows
 
 
@@ -181,6 +183,7 @@ def erpo_loss_from_logp(
     if entropy is not None:
         check_tensor("entropy", entropy, ndim=1, dtypes=FLOAT_DTYPES, device=logp.device)
         check_rows("entropy", entropy, logp.shape[0])
+    _check_entropy(config, entropy is not None)
     loss, metrics = _loss_from_logp(logp, batch, config, entropy, backend, normalizers)
     return loss, metrics_out(metrics, checks, sync_metrics)
 
@@ -200,11 +203,19 @@ def _loss_from_logp(
     norm = normalizers if normalizers is not None else LossNormalizers.of(batch)
     rows = LossRows.build(logp, batch, norm, query_weighted=is_erpo)
     query_kl = query_kl_term(rows, batch, guard, backend, optimised=is_erpo and config.alpha > 0)
-    policy = policy_term(rows, batch, config)
+    selected = None  # top_entropy_quantile: the rows the policy loss trains on (None: every response row)
+    if config.top_entropy_quantile < 1:
+        selected = selected_tokens(rows, entropy, config.top_entropy_quantile, norm.entropy_threshold)  # [N]
+    policy = policy_term(rows, batch, config, selected)
     loss = policy.value
     if is_erpo and config.alpha > 0:
         loss = loss + config.alpha * query_kl.value
     metrics = {k: v for k, v in policy.metrics.items() if k.startswith("mismatch/")}
+    if config.needs_entropy:
+        bonus, entropy_metrics = _entropy_terms(rows, entropy, policy.unit, selected, config)
+        if config.entropy_coeff > 0:
+            loss = loss - config.entropy_coeff * bonus
+        metrics.update(entropy_metrics)
     if batch.ref_logp is not None:
         use_kl = (not is_erpo) and config.beta > 0
         policy_kl = reference_kl_term(rows, batch.ref_logp, policy.unit, guard, backend, optimised=use_kl)
@@ -217,6 +228,27 @@ def _loss_from_logp(
         metrics.update(batch_metrics(rows, batch, entropy))
         metrics["loss"] = loss.detach()
     return loss, {k: v.to(rows.dtype) for k, v in metrics.items()}
+
+
+def _check_entropy(config: LossConfig, given: bool) -> None:
+    """ValueError when the config's loss reads the entropy and the call has none."""
+    if config.needs_entropy and not given:
+        raise ValueError(f"the entropy is required for entropy_coeff={config.entropy_coeff} / top_entropy_quantile="
+                         f"{config.top_entropy_quantile}: pass entropy= (linear_token_logprobs(..., return_entropy="
+                         f"True)), or with_entropy=True to erpo_loss")
+
+
+def _entropy_terms(rows: LossRows, entropy: torch.Tensor, unit: torch.Tensor, selected: Optional[torch.Tensor],
+                   config: LossConfig) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """(the entropy bonus, 0-d: objective/entropy.py, differentiable when entropy_coeff > 0),
+    and its metrics: entropy/bonus and, with top_entropy_quantile < 1, entropy/selected_frac
+    (the fraction of the response tokens the policy loss trains on)."""
+    with nullcontext() if config.entropy_coeff > 0 else torch.no_grad():
+        bonus = entropy_bonus(rows, entropy, unit, selected)
+    metrics = {"entropy/bonus": bonus.detach()}
+    if selected is not None:
+        metrics["entropy/selected_frac"] = rows.response_fraction(selected)
+    return bonus, metrics
 
 
 def erpo_loss(
@@ -253,6 +285,7 @@ def erpo_loss(
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=hidden.device)
     batch, checks = _check_inputs(batch, config, ("hidden", hidden), normalizers, validate, sync_metrics,
                                   vocab_size=weight.shape[0])  # fmt: skip
+    _check_entropy(config, with_entropy)
     out = linear_token_logprobs(
         hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,
         ignore_index=batch.ignore_index, return_entropy=with_entropy, backend=backend,

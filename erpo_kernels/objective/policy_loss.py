@@ -131,8 +131,11 @@ def _old_logp(rows: LossRows, old_logp: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.where(rows.response, old_logp.detach().to(rows.dtype), rows.logp.detach())
 
 
-def policy_term(rows: LossRows, batch: PackedLossBatch, config: LossConfig) -> PolicyTerm:
-    """L_PG of the scored response rows (module docstring), weighted by rows.weights."""
+def policy_term(rows: LossRows, batch: PackedLossBatch, config: LossConfig,
+                selected: Optional[torch.Tensor] = None) -> PolicyTerm:
+    """L_PG of the scored response rows (module docstring), weighted by rows.weights;
+    selected [N] bool: only these rows' losses count (top_entropy_quantile, the
+    denominators unchanged), None: every scored response row's."""
     old = _old_logp(rows, batch.old_logp)  # [N]
     advantages = batch.advantages.detach().to(rows.dtype)[rows.layout.sequence]  # [N]
     token_loss, clipped, dual, ratio = token_surrogate(
@@ -145,7 +148,7 @@ def policy_term(rows: LossRows, batch: PackedLossBatch, config: LossConfig) -> P
         is_weight, log_w = rollout_importance_weights(rows, batch, old, config)
         coef = coef * is_weight
         metrics.update(mismatch_metrics(rows, log_w, is_weight))
-    value = (coef * torch.where(rows.response, token_loss, rows.zeros)).sum()
+    value = (coef * torch.where(rows.response if selected is None else selected, token_loss, rows.zeros)).sum()
     with torch.no_grad():
         metrics["pg/loss"] = value.detach()
         metrics["pg/clipfrac"] = rows.response_fraction(clipped)
