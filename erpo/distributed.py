@@ -196,6 +196,12 @@ def all_gather_object(obj: Any) -> List[Any]:
     return out
 
 
+def all_gather_data_object(obj: Any) -> List[Any]:
+    """[obj of data rank 0, obj of data rank 1, ...] on every rank: all_gather_object
+    with one entry per tensor-parallel group (its ranks hold the same data)."""
+    return all_gather_object(obj)[::tp_size()]
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank src's obj on every rank."""
     if not (is_initialized() and world_size() > 1):

@@ -229,7 +229,7 @@ class Trainer:
                 break  # the dataset holds no further batch of new queries
             batches.append(self._sample(distributed.rank_items(idx)))
             kept += int(distributed.all_reduce_sum((~uniform_groups(batches[-1].rewards)).sum()))
-        every = distributed.all_gather_object(batches)  # [rank][batch]
+        every = distributed.all_gather_data_object(batches)  # [data rank][batch]
         groups = SampledGroups.concat([g for parts in zip(*every) for g in parts])  # batch by batch, ranks in order
         uniform = uniform_groups(groups.rewards)  # [n]
         order = torch.cat([torch.nonzero(~uniform), torch.nonzero(uniform)]).flatten()[:m]  # signal first, then fill
@@ -332,36 +332,27 @@ class Trainer:
         return metrics
 
     @torch.no_grad()
-    def _row_logp(self, model: Any, mini: MiniBatch) -> torch.Tensor:
+    def _row_logp(self, model: Any, mini: MiniBatch, entropy: bool = False) -> torch.Tensor:
         """Per-row log-probs [N] of `model` as it is now (the policy before an update, or
         the frozen reference), micro-batch by micro-batch, without a graph; computed as
-        the update computes them (same dtype, kernel and per-row temperatures)."""
+        the update computes them (same dtype, kernel and per-row temperatures). entropy:
+        instead, the rows' response_entropies [N] (+inf off the response rows)."""
         out = []
         for batch, hidden, weight, bias, repeat in self._micro_batch_passes(model, mini):
             logp = linear_token_logprobs(
                 hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,
-                ignore_index=batch.ignore_index, backend=self.cfg.kernel_backend, validate=False,
-                **lm_head_options(model),
-            )  # [n_k]
+                ignore_index=batch.ignore_index, return_entropy=entropy, backend=self.cfg.kernel_backend,
+                validate=False, **lm_head_options(model),
+            )  # [n_k], or ([n_k], [n_k]) with the entropy
             if not repeat:
-                out.append(logp.float())
+                out.append(response_entropies(logp[1], batch) if entropy else logp.float())
         return torch.cat(out)
 
-    @torch.no_grad()
     def _entropy_threshold(self, mini: MiniBatch) -> torch.Tensor:
-        """top_entropy_quantile's threshold (0-d fp32) over the response tokens of the whole
-        mini-batch, every rank's, at the current weights: a no-grad pass as _row_logp's, with
-        the entropy (needed once the mini-batch is split over micro-batches or ranks)."""
-        values = []
-        for batch, hidden, weight, bias, repeat in self._micro_batch_passes(self.model, mini):
-            _, entropy = linear_token_logprobs(
-                hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,
-                ignore_index=batch.ignore_index, return_entropy=True, backend=self.cfg.kernel_backend,
-                validate=False, **lm_head_options(self.model),
-            )  # [n_k]
-            if not repeat:
-                values.append(response_entropies(entropy, batch))  # [n_k], +inf off the response rows
-        local = torch.cat(values)  # [N]
+        """top_entropy_quantile's threshold (0-d) over the response tokens of the whole
+        mini-batch, every data-parallel rank's, at the current weights (a no-grad pass,
+        needed once the mini-batch spans micro-batches or ranks)."""
+        local = self._row_logp(self.model, mini, entropy=True)  # [N], +inf off the response rows
         longest = distributed.max_over_ranks(local.shape[0])
         padded = torch.cat([local, local.new_full((longest - local.shape[0],), float("inf"))])  # [longest]
         return entropy_threshold(distributed.all_gather_tensor(padded), self.cfg.top_entropy_quantile)
