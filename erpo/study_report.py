@@ -402,7 +402,7 @@ def accuracy_figure(results: Dict[str, Any]) -> bytes:
             ax.tick_params(labelsize=8)
             ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9, frameon=False)
+    fig.legend(handles, labels, loc="upper center", ncol=max(1, len(labels)), fontsize=9, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
     return _png(fig)
 
@@ -443,8 +443,8 @@ def _prompts(cfg: Any) -> str:
     demo = cfg.demo
     if not demo.task_rl_size:
         return f"{demo.task_train_size} training problems"
-    return (f"{demo.task_train_size} training problems, the warm start's demonstrations, of which a fixed "
-            f"{demo.task_rl_size} are the RL prompts")
+    return (f"{demo.task_train_size} training problems (the warm start's demonstrations; a fixed "
+            f"{demo.task_rl_size} of them are the RL prompts)")
 
 
 def _epochs(cfg: Any) -> str:
@@ -479,8 +479,8 @@ def setup_section(spec: Any, units: Sequence[Any]) -> str:
         f"(at most {cfg.max_new_tokens} tokens, sampled at temperature {cfg.temperature:g}), "
         f"{cfg.mini_batches} x {cfg.ppo_epochs} optimizer updates per rollout batch{epochs}; lr={cfg.lr:g} "
         f"({cfg.lr_schedule}), beta={cfg.beta:g} (grpo), alpha={cfg.alpha:g} (erpo).",
-        f"- Variants ({variants}), seeds {', '.join(map(str, spec.seeds))}; Policy-KL of the erpo runs measured by "
-        f"a monitoring-only reference forward (monitor_policy_kl={cfg.monitor_policy_kl}).",
+        f"- Variants ({variants}), seeds {', '.join(map(str, spec.seeds))}; Policy-KL of the runs without a KL term "
+        f"(erpo, grpo with beta=0) measured by a monitoring-only reference forward (monitor_policy_kl={cfg.monitor_policy_kl}).",
         f"- Evaluated every {spec.eval_every} steps: greedy and {cfg.eval.n_samples} samples per problem at "
         f"each temperature of {', '.join(f'{t:g}' for t in sorted(cfg.eval.temperatures))} on the held-out "
         f"split{f' (first {cfg.eval.limit} problems)' if cfg.eval.limit else ''}.",

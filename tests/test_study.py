@@ -160,6 +160,37 @@ def test_report_refreshes_a_doc_page(whole, tmp_path, cache_dir):
     assert "old" not in text and (tmp_path / "page-accuracy.png").is_file()
 
 
+def test_epochs_study_machinery_on_the_tiny_model(whole, tmp_path, cache_dir):
+    """configs/study-epochs.yaml's grid (its five variants, its label) on the tiny study's
+    model and task with a subset of RL prompts: every variant runs and is evaluated, the RL
+    prompts are the subset (8 of the 20 problems) while the starting model is the tiny study's
+    (its warm start learns from all 20: the same step-0 evaluation), and the report rewrites
+    this study's sections of a page that holds another study's too, leaving those alone."""
+    import yaml
+
+    from erpo.ref_cache import read_ref_cache
+
+    epochs, tiny = (yaml.safe_load(open(p, encoding="utf-8")) for p in (EPOCHS, TINY))
+    study = {k: epochs["study"][k] for k in ("variants", "label")}
+    study.update(seeds=[0], eval_every=2, temperature_groups=tiny["study"]["temperature_groups"])
+    config = tmp_path / "epochs-tiny.yaml"
+    config.write_text(yaml.safe_dump({"study": study, "train": dict(tiny["train"], task_rl_size=8)}))
+    out = str(tmp_path / "out")
+    doc = tmp_path / "page.md"
+    doc.write_text("<!-- study:findings -->\nthe first study's\n<!-- /study:findings -->\n"
+                   f"<!-- study-{study['label']}:findings -->\nold\n<!-- /study-{study['label']}:findings -->\n")
+    assert main(["study", str(config), f"out={out}", f"cache_dir={cache_dir}", f"doc={doc}"]) == 0
+    r = _results(out)
+    assert r["missing"] == [] and sorted(r["eval"]) == sorted(epochs["study"]["variants"])
+    assert all(v is not None for v in r["train"]["grpo-nokl"]["0"]["policy_kl"])  # monitored without its KL term
+    assert len(read_ref_cache(os.path.join(out, "runs", "grpo-nokl-seed0", "ref_cache.safetensors"))) == 8
+    assert r["eval"]["erpo"]["0"]["0"] == _results(whole)["eval"]["erpo"]["0"]["0"]  # the same starting model
+    text = doc.read_text()
+    assert text.startswith("<!-- study:findings -->\nthe first study's\n") and "old" not in text
+    assert f"<!-- study-{study['label']}:findings -->\n- Does GRPO" in text
+    assert (tmp_path / f"page-{study['label']}-accuracy.png").is_file() and not (tmp_path / "page-accuracy.png").exists()
+
+
 def test_rerun_with_other_settings_is_refused(whole, cache_dir, capsys, monkeypatch):
     before = os.path.getmtime(os.path.join(whole, "results.json"))
     assert main(["study", TINY, f"out={whole}", f"cache_dir={cache_dir}", "lr=0.002"]) == 2
@@ -284,3 +315,11 @@ def test_findings_rule_calls_a_decline_only_when_most_seeds_fall():
     assert t["best_step"] == 0 and t["first_below"] == 100 and t["declining_seeds"] == 3 and declines(t)
     one_seed = _made_up({0: {0: 0.5, 100: 0.9, 200: 0.5}, 1: {0: 0.5, 100: 0.6, 200: 0.61}, 2: {0: 0.5, 100: 0.6, 200: 0.6}})
     assert not declines(trend(one_seed, "grpo", "high"))  # the mean falls, but one seed is not most
+
+
+def test_figures_of_a_study_with_nothing_evaluated_yet():
+    """report_only=true right after a study starts (no evaluation written yet) draws empty figures."""
+    from erpo.study_report import accuracy_figure, training_figure
+
+    empty = dict(_made_up({0: {0: 0.5}}), eval={}, train={})
+    assert accuracy_figure(empty)[:4] == training_figure(empty)[:4] == b"\x89PNG"
