@@ -474,3 +474,26 @@ def test_a_tiny_run_trains_with_the_entropy_bonus_on_the_top_entropy_tokens(tmp_
         assert 0 < row["entropy/selected_frac"] <= 0.5 and row["entropy/bonus"] > 0
         assert row["entropy/bonus"] <= row["entropy/mean"]  # the selected tokens' share of the mean
         assert all(v == v for v in row.values())
+
+
+def test_every_recipe_on_two_ranks(tmp_path):
+    """`torchrun --nproc-per-node 2 -m erpo train` with every recipe on (gloo, FSDP2): the
+    dynamic sampling's loop and the entropy threshold's pass keep the ranks in step
+    (micro-batches whose number differs by rank), and the run logs each recipe's metrics."""
+    import torch.distributed as dist
+
+    from test_distributed import TINY, overrides, torchrun
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this build")
+    keys = dict(TINY, steps=2, save_every=0, run_dir=tmp_path / "run", cache_dir=tmp_path / "cache",
+                filter_groups="true", filter_groups_max_batches=3, overlong_buffer=2, entropy_coeff=0.01,
+                top_entropy_quantile=0.2)
+    proc = torchrun(["-m", "erpo", "train", *overrides(**keys)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(str(tmp_path / "run"))
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert 1 <= row["filter_groups/batches"] <= 3 and 0 < row["entropy/selected_frac"] <= 0.5
+        assert "reward/overlong_penalty" in row and row["entropy/bonus"] > 0
+        assert all(v == v for v in row.values())
