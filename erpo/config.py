@@ -244,7 +244,8 @@ class TrainConfig:
     )
     loss_agg: str = OBJECTIVE(
         "token-mean",
-        "policy-loss aggregation: token-mean or seq-mean-token-mean",
+        "policy-loss aggregation (verl's names): token-mean, seq-mean-token-mean, seq-mean-token-sum or "
+        "seq-mean-token-sum-norm (token sums / loss_scale_factor, Dr. GRPO)",
         choices="erpo_kernels:LOSS_AGGS",
     )
     eps_low: float = OBJECTIVE(0.2, "lower clip range of the ratio: 1 - eps_low")
@@ -271,6 +272,22 @@ class TrainConfig:
         "trains only on the response tokens whose entropy reaches the mini-batch's (1 - rho)-quantile, the other "
         "tokens counting with loss 0; 0.2 = the paper's; 1 = every token",
     )
+    policy_loss: str = OBJECTIVE(
+        "vanilla",
+        "per-token policy loss (verl's names, docs/objective.md): vanilla (clipped surrogate, dual clip), gspo "
+        "(sequence ratio), sapo (soft gate), gpg, clip_cov, kl_cov, geo_mean (GMPO), cispo; erpo adds its Query-KL",
+        choices="erpo_kernels:POLICY_LOSSES",
+    )
+    loss_scale_factor: float = OBJECTIVE(
+        0.0, "the constant of loss_agg=seq-mean-token-sum-norm; 0 = auto: max_new_tokens (Dr. GRPO)"
+    )
+    tau_pos: float = OBJECTIVE(1.0, "sapo: gate temperature for positive advantages")
+    tau_neg: float = OBJECTIVE(1.05, "sapo: gate temperature for non-positive advantages")
+    clip_cov_ratio: float = OBJECTIVE(0.0002, "clip_cov: fraction of response tokens whose gradient is dropped")
+    clip_cov_lb: float = OBJECTIVE(1.0, "clip_cov: tokens are drawn among those with covariance > clip_cov_lb")
+    clip_cov_ub: float = OBJECTIVE(5.0, "clip_cov: ... and covariance < clip_cov_ub")
+    kl_cov_ratio: float = OBJECTIVE(0.0002, "kl_cov: fraction of response tokens (largest covariance) penalised")
+    ppo_kl_coef: float = OBJECTIVE(0.1, "kl_cov: coefficient of the |log ratio| penalty")
 
     group_size: int = ROLLOUT(8, "G, responses sampled per query")
     queries_per_step: int = ROLLOUT(16, "m, distinct queries per step (a step trains on m * G sequences)")
@@ -549,13 +566,18 @@ class TrainConfig:
 
     def loss_config(self) -> Any:
         """The objective's settings as erpo_kernels' LossConfig: every LossConfig field
-        this config has (same name, same meaning; rollout_is resolved), the rest at
-        LossConfig's defaults."""
+        this config has (same name, same meaning; rollout_is and loss_scale_factor
+        resolved), the rest at LossConfig's defaults."""
         from erpo_kernels import LossConfig
 
         names = [f.name for f in dataclasses.fields(LossConfig) if f.name in FIELDS]
         values = {name: getattr(self, name) for name in names}
         values["rollout_is"] = self.resolved_rollout_is
+        scale = float(self.loss_scale_factor)  # 0 = auto
+        if self.loss_agg == "seq-mean-token-sum-norm":
+            values["loss_scale_factor"] = scale or float(self.max_new_tokens)
+        else:
+            values["loss_scale_factor"] = scale or None  # set without its loss_agg: LossConfig says so
         return LossConfig(**values)
 
     def validate(self) -> None:

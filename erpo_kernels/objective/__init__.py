@@ -10,16 +10,20 @@ from .entropy import entropy_threshold, response_entropies
 from .loss import erpo_loss, erpo_loss_from_logp
 from .metrics import combine_metrics, metrics_to_floats
 from .micro_batches import MicroBatch, plan_micro_batches, split_batch
+from .policy_losses import POLICY_LOSSES  # registers the variants
 from .query_kl import query_logp_from_logp
+from .registry import TokenLoss, register_policy_loss
 
 __all__ = [
     "ALGORITHMS",
     "LOSS_AGGS",
+    "POLICY_LOSSES",
     "ROLLOUT_IS",
     "LossConfig",
     "LossNormalizers",
     "MicroBatch",
     "PackedLossBatch",
+    "TokenLoss",
     "combine_metrics",
     "entropy_threshold",
     "erpo_loss",
@@ -28,5 +32,6 @@ __all__ = [
     "plan_micro_batches",
     "query_logp_from_logp",
     "response_entropies",
+    "register_policy_loss",
     "split_batch",
 ]

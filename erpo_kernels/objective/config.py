@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .._utils import check_number
 from ..weighted_k3 import MAX_GUARD
+from .registry import check_policy_loss
 
 ALGORITHMS = ("erpo", "grpo")
 ROLLOUT_IS = ("none", "token", "sequence")
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def check_clip_args(eps_low: float, eps_high: float, dual_clip: float) -> None:
@@ -34,8 +36,10 @@ class LossConfig:
         KL the per-token k3 on response tokens aggregated with loss_agg). alpha:
         Query-KL coefficient (erpo).
     beta: per-token KL coefficient (grpo); 0 drops the term and needs no ref_logp.
-    loss_agg: "token-mean" or "seq-mean-token-mean". eps_low, eps_high, dual_clip: the
-        clip range and the dual-clip constant c. kl_guard: the linear guard c of the K3
+    loss_agg: the aggregation of the per-token policy losses (verl's names): "token-mean",
+        "seq-mean-token-mean", "seq-mean-token-sum" or "seq-mean-token-sum-norm" (the
+        token sums divided by the constant loss_scale_factor: Dr. GRPO). eps_low, eps_high,
+        dual_clip: the clip range and the dual-clip constant c (dual_clip: vanilla only). kl_guard: the linear guard c of the K3
         estimator (also applied to grpo's per-token k3; it changes nothing for
         |ref_logp - logp| <= kl_guard).
     rollout_is: truncated importance sampling against the rollout engine (needs
@@ -49,6 +53,16 @@ class LossConfig:
     top_entropy_quantile: rho in [0, 1]: the policy loss trains on the response tokens
         whose entropy reaches the mini-batch's (1 - rho)-quantile only (TRL's
         top_entropy_quantile; the bonus too); 1 = every token.
+    policy_loss: the per-token policy loss, a name of POLICY_LOSSES (docs/objective.md):
+        vanilla (the clipped surrogate with dual clip), gspo, sapo, gpg, clip_cov, kl_cov,
+        geo_mean, cispo; verl 0.9.1's names, parameters and defaults.
+    loss_scale_factor: the constant of seq-mean-token-sum-norm (> 0; e.g. the longest
+        response allowed); None with any other loss_agg.
+    tau_pos, tau_neg: sapo's gate temperatures for positive and non-positive advantages.
+    clip_cov_ratio, clip_cov_lb, clip_cov_ub: clip_cov's fraction of tokens whose gradient
+        is dropped, drawn among those with lb < covariance < ub.
+    kl_cov_ratio, ppo_kl_coef: kl_cov's fraction of tokens (largest covariance) that get
+        the |log ratio| penalty, and its coefficient.
     """
 
     algorithm: str = "erpo"
@@ -63,6 +77,15 @@ class LossConfig:
     rollout_is_cap: float = 2.0
     entropy_coeff: float = 0.0
     top_entropy_quantile: float = 1.0
+    policy_loss: str = "vanilla"
+    loss_scale_factor: Optional[float] = None
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,6 +111,7 @@ class LossConfig:
         if not (0.0 < float(self.rollout_is_cap) < float("inf")):
             raise ValueError(f"rollout_is_cap must be finite and > 0, got {self.rollout_is_cap}")
         self._validate_entropy()
+        self._validate_policy_loss()
 
     @property
     def needs_entropy(self) -> bool:
@@ -100,3 +124,29 @@ class LossConfig:
             raise ValueError(f"entropy_coeff must be finite and >= 0, got {self.entropy_coeff}")
         if not (0.0 <= check_number("top_entropy_quantile", self.top_entropy_quantile) <= 1.0):
             raise ValueError(f"top_entropy_quantile must lie in [0, 1] (1 = every token), got {self.top_entropy_quantile}")
+
+    def _validate_policy_loss(self) -> None:
+        """The policy loss's name and parameters, and loss_scale_factor with loss_agg."""
+        check_policy_loss(self.policy_loss)
+        for name in ("tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef"):
+            check_number(name, getattr(self, name))
+        for name in ("tau_pos", "tau_neg"):
+            if not (0.0 < float(getattr(self, name)) < float("inf")):
+                raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not (0.0 < float(getattr(self, name)) <= 1.0):
+                raise ValueError(f"{name} must lie in (0, 1] (a fraction of the response tokens), got {getattr(self, name)}")
+        if not (float(self.clip_cov_lb) < float(self.clip_cov_ub) < float("inf")):
+            raise ValueError(f"clip_cov_lb must be < clip_cov_ub (finite), got {self.clip_cov_lb} and {self.clip_cov_ub}")
+        if not (0.0 <= float(self.ppo_kl_coef) < float("inf")):
+            raise ValueError(f"ppo_kl_coef must be finite and >= 0, got {self.ppo_kl_coef}")
+        norm = self.loss_agg == "seq-mean-token-sum-norm"
+        if self.loss_scale_factor is None:
+            if norm:
+                raise ValueError("loss_scale_factor is required with loss_agg='seq-mean-token-sum-norm' "
+                                 "(a constant, e.g. the longest response allowed)")
+        elif not norm:
+            raise ValueError(f"loss_scale_factor applies to loss_agg='seq-mean-token-sum-norm' only, "
+                             f"got it with loss_agg={self.loss_agg!r} (set it to None)")
+        elif not (0.0 < check_number("loss_scale_factor", self.loss_scale_factor) < float("inf")):
+            raise ValueError(f"loss_scale_factor must be finite and > 0, got {self.loss_scale_factor}")

@@ -1,20 +1,23 @@
-"""The policy term: the clipped policy-gradient surrogate of GRPO, its per-query
-aggregation (docs/method.md section 4) and the truncated importance weights against the
-rollout engine (section 11).
+"""The policy term: the per-token policy loss (POLICY_LOSSES[config.policy_loss]; the
+default, vanilla, is GRPO's clipped surrogate below), its per-query aggregation
+(docs/method.md section 4) and the truncated importance weights against the rollout
+engine (section 11).
 
 Plain PyTorch: every step is O(rows) elementwise work plus a few gathers, so there is
 nothing to fuse until a measurement says otherwise.
 
-Per response token t of sequence i answering query q, with advantage A = A_i:
+vanilla, per response token t of sequence i answering query q, with advantage A = A_i:
     rho  = exp(clamp(logp - old_logp, -20, 20))
     loss = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)
     loss = min(loss, -c A)                 (dual clip, only where A < 0)
-Aggregation with per-query weights w(q):
-    token-mean:           L = sum_q w(q) sum_i sum_t loss / sum_q sum_i L_i
-    seq-mean-token-mean:  L = (1/m) sum_q w(q) (1/G_q) sum_i (1/L_i) sum_t loss
+Aggregation with per-query weights w(q) (verl's names):
+    token-mean:               L = sum_q w(q) sum_i sum_t loss / sum_q sum_i L_i
+    seq-mean-token-mean:      L = (1/m) sum_q w(q) (1/G_q) sum_i (1/L_i) sum_t loss
+    seq-mean-token-sum:       L = (1/m) sum_q w(q) (1/G_q) sum_i sum_t loss
+    seq-mean-token-sum-norm:  the same divided by loss_scale_factor (Dr. GRPO's constant)
 where L_i is the number of tokens of response i and G_q the number of sequences of
 query q in the mini-batch (a response with no token adds 0 but still counts in G_q).
-Both are a weighted token sum sum_t c_t loss_t, which is how they are computed.
+Each is a weighted token sum sum_t c_t loss_t, which is how they are computed.
 Truncated importance sampling (a constant under backprop), with C = rollout_is_cap:
     token:     c_t *= min(pi_old / pi_rollout, C)               per token
     sequence:  c_t *= min(prod_t' pi_old / pi_rollout, C)        over the sequence's tokens
@@ -29,49 +32,31 @@ import torch
 
 from .batch import PackedLossBatch
 from .config import LossConfig
+from .policy_losses import POLICY_LOSSES
 from .rows import LossRows
 
-LOG_RATIO_CLAMP = 20.0
 # The rollout/trainer mismatch metric counts tokens whose pi_old / pi_rollout lies outside this band.
 MISMATCH_BAND = (0.9, 1.1)
 
 
-def token_surrogate(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token clipped, dual-clipped surrogate loss (module docstring), elementwise.
-
-    logp [T] (differentiable), old_logp [T], advantages [T] (one per token), same dtype.
-    Returns (loss [T], clipped [T] bool: a clip binds, dual [T] bool: the dual clip
-    binds, ratio [T] detached). No reduction, no host sync.
-    """
-    adv = advantages.detach()
-    log_ratio = torch.clamp(logp - old_logp.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    unclipped = -ratio * adv
-    clipped = -torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-    loss = torch.maximum(unclipped, clipped)  # -min(rho A, clip(rho) A)
-    dual_bound = -dual_clip * adv
-    dual_active = (adv < 0) & (loss > dual_bound)
-    loss = torch.where(dual_active, dual_bound, loss)
-    return loss, (clipped > unclipped) | dual_active, dual_active, ratio.detach()
-
-
-def aggregation_coef(rows: LossRows, loss_agg: str) -> torch.Tensor:
+def aggregation_coef(rows: LossRows, config: LossConfig) -> torch.Tensor:
     """[N] coefficient of each row at w = 1 (0 off the scored response rows), so that an
-    aggregate with weights w is sum_t c_t w(q_t) x_t:
-        token-mean:           c_t = 1 / T
-        seq-mean-token-mean:  c_t = 1 / (m G_q L_i)
+    aggregate with weights w is sum_t c_t w(q_t) x_t (config.loss_agg):
+        token-mean:               c_t = 1 / T
+        seq-mean-token-mean:      c_t = 1 / (m G_q L_i)
+        seq-mean-token-sum:       c_t = 1 / (m G_q)
+        seq-mean-token-sum-norm:  c_t = 1 / (m G_q loss_scale_factor)
     with the mini-batch's T, m and G_q (rows.normalizers)."""
+    loss_agg = config.loss_agg
     if loss_agg == "token-mean":
         return rows.response_mask / rows.n_tokens  # [N]
     group_sizes = rows.normalizers.group_sizes.to(rows.dtype)[rows.group_index].clamp(min=1)  # [B]
-    lengths = rows.layout.response_length.to(rows.dtype).clamp(min=1)  # [B]
+    if loss_agg == "seq-mean-token-mean":
+        lengths = rows.layout.response_length.to(rows.dtype).clamp(min=1)  # [B]
+    elif loss_agg == "seq-mean-token-sum":
+        lengths = torch.ones_like(group_sizes)
+    else:  # seq-mean-token-sum-norm
+        lengths = torch.full_like(group_sizes, float(config.loss_scale_factor))
     per_sequence = 1.0 / (rows.n_queries * group_sizes * lengths)  # [B]
     return rows.response_mask * per_sequence[rows.layout.sequence]  # [N]
 
@@ -133,15 +118,15 @@ def _old_logp(rows: LossRows, old_logp: Optional[torch.Tensor]) -> torch.Tensor:
 
 def policy_term(rows: LossRows, batch: PackedLossBatch, config: LossConfig,
                 selected: Optional[torch.Tensor] = None) -> PolicyTerm:
-    """L_PG of the scored response rows (module docstring), weighted by rows.weights;
+    """L_PG of the scored response rows (module docstring), weighted by rows.weights: the
+    per-token losses of POLICY_LOSSES[config.policy_loss], aggregated by config.loss_agg;
     selected [N] bool: only these rows' losses count (top_entropy_quantile, the
     denominators unchanged), None: every scored response row's."""
     old = _old_logp(rows, batch.old_logp)  # [N]
     advantages = batch.advantages.detach().to(rows.dtype)[rows.layout.sequence]  # [N]
-    token_loss, clipped, dual, ratio = token_surrogate(
-        rows.logp, old, advantages, float(config.eps_low), float(config.eps_high), float(config.dual_clip)
-    )  # [N] each
-    unit = aggregation_coef(rows, config.loss_agg)  # [N]
+    token = POLICY_LOSSES[config.policy_loss](rows, old, advantages, config)  # [N] each
+    token_loss, clipped, dual, ratio = token.loss, token.clipped, token.dual, token.ratio
+    unit = aggregation_coef(rows, config)  # [N]
     coef = unit * rows.weights[rows.query_of_row]  # [N]
     metrics: Dict[str, torch.Tensor] = {}
     if batch.rollout_logp is not None:
