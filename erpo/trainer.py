@@ -227,6 +227,7 @@ class Trainer:
             idx = refill_indices(len(self.examples), m, step, cfg.seed, len(batches), queries)
             if not idx:
                 break  # the dataset holds no further batch of new queries
+            self.engine.sync_weights(self.model)  # the same weights: a sleeping engine (vLLM's) dropped them
             batches.append(self._sample(distributed.rank_items(idx)))
             kept += int(distributed.all_reduce_sum((~uniform_groups(batches[-1].rewards)).sum()))
         every = distributed.all_gather_data_object(batches)  # [data rank][batch]

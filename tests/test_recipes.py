@@ -497,3 +497,24 @@ def test_every_recipe_on_two_ranks(tmp_path):
         assert 1 <= row["filter_groups/batches"] <= 3 and 0 < row["entropy/selected_frac"] <= 0.5
         assert "reward/overlong_penalty" in row and row["entropy/bonus"] > 0
         assert all(v == v for v in row.values())
+
+
+def test_filter_groups_refills_with_the_vllm_engine_asleep_between_batches(tmp_path):
+    """vLLM's engine (the fake, CUDA's protocol) drops its weights at sleep after each
+    generate: every refill batch wakes it with the same weights first."""
+    import _fake_vllm as fake
+    from test_rollout import make_vllm_engine
+
+    trainer = Trainer(tiny(tmp_path, tmp_path / "cache", steps=1, filter_groups=True, filter_groups_max_batches=3),
+                      log=quiet)
+    fake.LLM.hf_model = trainer.model
+    try:
+        trainer.engine = make_vllm_engine(max_model_len=64)
+        trainer.train(plot=False)
+        kinds = [c[0] for c in trainer.engine.llm.calls if c[0] != "load_weight"]
+    finally:
+        fake.LLM.hf_model = None
+    batches = int(read_metrics(trainer.cfg.run_dir)[0]["filter_groups/batches"])
+    assert batches > 1  # the tiny policy's groups are mostly all wrong: refills were needed
+    refill = ["wake_up", "apply_model", "wake_up", "generate", "sleep"]
+    assert kinds == ["generate", "sleep"] + refill * (batches - 1) + ["wake_up", "apply_model"]
