@@ -26,6 +26,8 @@ CASES = {
     "triton_temp_no_entropy": dict(backend="triton", temperature=True, return_entropy=False),
     "torch": dict(backend="torch", bias=True),
     "torch_softcap_temp": dict(backend="torch", softcap=3.0, temperature=True),
+    # an ignore_index that is a vocabulary row (rank 0's row 7, and a local index on every rank)
+    "torch_ignore_index_7": dict(backend="torch", ignore_index=7),
 }
 
 
@@ -36,7 +38,9 @@ def inputs(case: dict):
     weight = torch.randn(V, D, generator=g)
     bias = torch.randn(V, generator=g) if case.get("bias") else None
     targets = torch.randint(0, V, (N,), generator=g)
-    targets[[3, 17, 18]] = -100  # ignored rows
+    ignore = case.get("ignore_index", -100)
+    targets[[3, 17, 18]] = ignore  # ignored rows
+    targets[20] = ignore + 502 if ignore >= 0 else targets[20]  # with ignore_index=7: local row 7 of rank 1
     targets[5] = V - 1  # the last rank's last row
     inv_t = (0.5 + torch.rand(N, generator=g)) if case.get("temperature") else None
     g_logp, g_entropy = torch.randn(N, generator=g), torch.randn(N, generator=g)
@@ -102,7 +106,7 @@ def run_case(name: str, case: dict, mesh, rank: int) -> dict:
     hidden, weight, bias, targets, inv_t, g_logp, g_entropy = inputs(case)
     want_h = case.get("return_entropy", True)
     opts = dict(inv_temperature=inv_t, softcap=case.get("softcap"), logit_scale=case.get("logit_scale"),
-                backend=case["backend"], return_entropy=True)
+                backend=case["backend"], return_entropy=True, ignore_index=case.get("ignore_index", -100))
     opts["return_entropy"] = want_h
 
     def loss_of(out):
@@ -133,7 +137,8 @@ def run_case(name: str, case: dict, mesh, rank: int) -> dict:
         d_weight_is_shard=isinstance(w.grad, DTensor) and list(w.grad.placements) == [Shard(0)],
         outputs_plain=not isinstance(logp_s, DTensor), local_rows=lo, collectives=comms.calls, n_forward=n_fwd,
         fwd_bytes_per_row=comms.bytes(0) / N - comms.bytes(n_fwd) / N, bwd_bytes_per_row=comms.bytes(n_fwd) / N,
-        deterministic=bool(torch.equal(again, logp_s)), ignored_zero=bool((logp_s[targets == -100] == 0).all()),
+        deterministic=bool(torch.equal(again, logp_s)), ignored_zero=bool((logp_s[targets == opts["ignore_index"]] == 0).all()),
+        scored_rows=int((logp_s != 0).sum()),
     )
     if want_h:
         res["entropy"] = rel(entropy_s, entropy)

@@ -24,7 +24,8 @@ N = 37  # rows of the worker's batches (3 of them ignored)
 D = 24
 # max |sharded - unsharded| / max |unsharded| per tensor, fp32 (the issue's bound)
 REL = 2e-5
-OP_CASES = ["triton", "triton_softcap_temp", "triton_temp_no_entropy", "torch", "torch_softcap_temp"]
+OP_CASES = ["triton", "triton_softcap_temp", "triton_temp_no_entropy", "torch", "torch_softcap_temp",
+            "torch_ignore_index_7"]
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
 
@@ -62,6 +63,7 @@ def check_case(ranks, name, world):
         assert "entropy" in case or name.endswith("no_entropy")
         assert case["d_weight_is_shard"] and case["outputs_plain"], name
         assert case["deterministic"] and case["ignored_zero"], name
+        assert case["scored_rows"] == N - 3, name  # every row but the 3 ignored ones (target 509 included)
         # nothing gathers the weight (no full_tensor, redistribute, broadcast, ...): forward an
         # all-reduce (MAX, [N] fp32) and an all-gather of [2 or 3, N] fp32 statistics; backward
         # d_hidden [N, D] fp32 summed by rows: an all-to-all of it (rows padded to a multiple
@@ -79,8 +81,8 @@ def check_case(ranks, name, world):
 @pytest.mark.parametrize("name", OP_CASES)
 def test_two_ranks_equal_the_unsharded_op(two_ranks, name):
     """logp, entropy, d_hidden, d_weight (the local rows, a Shard(0) DTensor), d_bias:
-    with and without bias, soft cap + logit scale, per-row temperature, ignored rows,
-    on the kernels and on the reference."""
+    with and without bias, soft cap + logit scale, per-row temperature, ignored rows (also
+    with an ignore_index that is a vocabulary row), on the kernels and on the reference."""
     check_case(two_ranks, name, 2)
 
 
