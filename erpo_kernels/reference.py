@@ -274,8 +274,30 @@ def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         return out[:n_seg].to(values.dtype)
 
 
+# k3(d) = exp(d) - d - 1 loses its digits to cancellation at small |d| (k3 ~ d^2 / 2): below
+# K3_SERIES_BOUND it is summed as a series, d^2 / 2 (1 + d/3 (1 + d/4 (... (1 + d/n)))), with
+# n terms enough for the dtype (the first term left out is under its rounding at |d| = 2);
+# above it, exp(d) - 1 - d cancels by a factor of 2.5 at most. The Triton kernel
+# (weighted_k3.py: _k3) evaluates the same fp32 form.
+K3_SERIES_BOUND = 2.0
+K3_SERIES_TERMS = {torch.float32: 15, torch.float64: 24}
+
+
+def k3(delta: torch.Tensor) -> torch.Tensor:
+    """k3(delta) = exp(delta) - delta - 1, accurate to the rounding of delta's dtype (fp32 or
+    fp64) at every delta, small |delta| included; differentiable (d k3 / d delta = expm1)."""
+    small = delta.abs() < K3_SERIES_BOUND
+    d = torch.where(small, delta, torch.zeros_like(delta))  # the series only where it is taken (finite gradients)
+    q = torch.ones_like(d)
+    for k in range(K3_SERIES_TERMS.get(delta.dtype, 15), 2, -1):
+        q = 1.0 + q * (d * (1.0 / k))
+    series = 0.5 * d * d * q
+    far = torch.where(small, torch.zeros_like(delta), delta)
+    return torch.where(small, series, (torch.exp(far) - 1.0) - far)
+
+
 def k3_guarded(delta: torch.Tensor, guard: float = 10.0) -> torch.Tensor:
-    """k3(delta) = exp(delta) - delta - 1, continued linearly above `guard`.
+    """k3(delta) (accurate at every delta, see k3), continued linearly above `guard`.
 
     For delta > c: k3(c) + (exp(c) - 1) (delta - c): convex, C1, gradient bounded by
     exp(c) - 1, and never a zero-gradient clamp.
@@ -284,10 +306,9 @@ def k3_guarded(delta: torch.Tensor, guard: float = 10.0) -> torch.Tensor:
     # keeps exp finite in the branch that is not taken; a where, not a clamp, so that a
     # NaN delta keeps a NaN gradient (a clamp's gradient is 0 there)
     below = torch.where(delta > c, torch.full_like(delta, c), delta)
-    k3 = torch.exp(below) - below - 1
-    ec = torch.exp(torch.tensor(c, dtype=delta.dtype, device=delta.device))
-    linear = (ec - c - 1) + (ec - 1) * (delta - c)
-    return torch.where(delta > c, linear, k3)
+    at_c = torch.tensor(c, dtype=delta.dtype, device=delta.device)
+    linear = k3(at_c) + torch.expm1(at_c) * (delta - c)
+    return torch.where(delta > c, linear, k3(below))
 
 
 def weighted_k3(

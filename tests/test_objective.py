@@ -597,3 +597,29 @@ def test_grpo_ref_logp_rules():
         erpo_loss_from_logp(logp[:5], batch, backend="torch")
     with pytest.raises(ValueError, match="entropy"):
         erpo_loss_from_logp(logp, batch, entropy=logp[:-1], backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("algorithm", ["erpo", "grpo"])
+def test_k3_metrics_keep_their_digits_near_the_reference(device, backend, algorithm):
+    """At the start of a run the policy is the reference: deltas of 1e-6..2e-4 nats. qkl/value,
+    qkl/loss and policy_kl (and grpo's beta term) are the float64 values of the same fp32
+    inputs to fp32 rounding (issue 29.1: qkl/value was 0.0 beside delta_mean -7.7e-7).
+    logp are multiples of 2^-10 and the offsets powers of two, so the fp32 deltas are exact."""
+    batch, desc, logp, entropy = make_point("prevalence", with_ref_logp=True)
+    scored = batch.targets != IGN
+    logp = torch.where(scored, torch.round(logp * 1024) / 1024, logp)
+    lq = torch.stack(query_logp_formula(logp, desc, len(PROMPT_LENS)))
+    batch.ref_query_logp = lq + torch.tensor([2.0 ** -17, -(2.0 ** -19), 2.0 ** -12], dtype=torch.float64)
+    offsets = torch.tensor([2.0 ** -(14 + i % 6) * (-1) ** i for i in range(logp.numel())], dtype=torch.float64)
+    batch.ref_logp = logp + offsets
+    batch.old_logp = logp.clone()
+    fields32 = ("inv_temperature", "advantages", "ref_query_logp", "query_weights", "old_logp", "ref_logp")
+    batch32 = replace(batch, **{f: getattr(batch, f).float() for f in fields32}).to(device)
+    batch64 = replace(batch, **{f: getattr(batch32, f).double().cpu() for f in fields32})
+    cfg = LossConfig(algorithm=algorithm, alpha=0.3, beta=0.05)
+    _, metrics = erpo_loss_from_logp(logp.float().to(device), batch32, cfg, backend=backend)
+    _, truth = objective_formula(logp.float().double(), desc, batch64, cfg, None)
+    for key in ("qkl/value", "qkl/loss", "policy_kl"):
+        assert 0 < truth[key] < 1e-7 and abs(metrics[key] - truth[key]) <= 1e-6 * truth[key], \
+            (key, metrics[key], truth[key])
