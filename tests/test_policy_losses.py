@@ -113,6 +113,24 @@ def test_a_new_variant_is_one_registered_function():
         del POLICY_LOSSES["test-reinforce"]
 
 
+def test_the_docs_variant_example_runs():
+    """docs/objective.md's new-variant block, run as written: it registers "reinforce",
+    which equals gpg (both -A logp)."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "docs", "objective.md"), encoding="utf-8").read()
+    (code,) = [b.split("```", 1)[0] for b in text.split("```py\n")[1:]]
+    try:
+        exec(compile(code, "docs/objective.md", "exec"), {})
+        logp, old, adv, mask = padded()
+        ours = erpo_loss_from_logp(*packed(logp, old, adv, mask), config("reinforce"))[0]
+        gpg = erpo_loss_from_logp(*packed(logp, old, adv, mask), config("gpg"))[0]
+        assert float(ours) == float(gpg) and float(gpg) != 0
+    finally:
+        POLICY_LOSSES.pop("reinforce", None)
+
+
 def test_vanilla_is_the_default_bit_for_bit():
     logp, old, adv, mask = padded()
     for agg in ("token-mean", "seq-mean-token-mean"):
