@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -121,8 +122,8 @@ def test_misuse_is_a_value_error_naming_the_argument(two_ranks):
 
 # ---------------------------------------------------------------------- erpo train tp_size=2
 
-# test_distributed's tiny default, 2 steps (checkpoint at step 2)
-TP_TRAIN = dict(TINY, steps=2, save_every=2)
+# test_distributed's tiny default, 2 steps (checkpoints at steps 1 and 2)
+TP_TRAIN = dict(TINY, steps=2, save_every=1)
 LOSSES = ("loss", "pg/loss", "qkl/loss")
 
 
@@ -173,6 +174,21 @@ def test_erpo_train_tp_size_2_matches_one_process(tp_run, tmp_path, _keep_torch_
         assert [] in res["gathered_shapes"]  # the recorder sees gathers: the gradient norm (a scalar) made whole
         assert not [s for s in res["gathered_shapes"] if s and s[0] == vocab], res["gathered_shapes"]
     assert width == TINY["tiny_hidden_size"]
+
+
+def test_tp_size_2_resume_equals_the_uninterrupted_run(tp_run, tmp_path):
+    """A fresh `torchrun -m erpo train resume=RUN` of the tensor-parallel run from its step-1
+    checkpoint gives step 2 bit for bit: consolidated weights and the metrics rows."""
+    run_dir = tp_run[0]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run_dir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-000002")
+    proc = torchrun(["-m", "erpo", "train", f"resume={resumed}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = weights_of(run_dir / "checkpoints" / "step-000002")
+    b = weights_of(resumed / "checkpoints" / "step-000002")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert metrics_of(resumed) == metrics_of(run_dir)
 
 
 @pytest.mark.parametrize("world, tp, expected", [
