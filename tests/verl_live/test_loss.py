@@ -100,8 +100,24 @@ def test_alpha_zero_without_weighting_is_verls_vanilla_loss():
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_erpo_loss_and_gradients_equal_erpo_loss(tmp_path, agg):
-    """loss_mode=erpo in verl's ppo_loss (weights on the advantages, alpha * R_query from the
+    """loss_mode=erpo in verl's ppo_loss (weights on the token losses, alpha * R_query from the
     prompt rows and the cached l_0) = erpo_kernels.erpo_loss on the same packed batch."""
+    _erpo_in_verl_equals_erpo_loss(tmp_path, agg, "vanilla")
+
+
+# verl's geo_mean takes the geometric mean of the weights with 1e-10 inside its log: ~1e-9 relative
+INNER_REL = {"geo_mean": 1e-8}
+
+
+@pytest.mark.parametrize("inner", ["gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"])
+def test_erpo_with_any_inner_policy_loss_equals_erpo_loss(tmp_path, inner):
+    """policy_loss.inner_loss_mode=NAME: ERPO's weights and Query-KL on verl's policy loss
+    NAME = erpo_loss with policy_loss=NAME (seq-mean-token-mean, the aggregation verl's sapo
+    and geo_mean use whatever loss_agg_mode says)."""
+    _erpo_in_verl_equals_erpo_loss(tmp_path, "seq-mean-token-mean", inner, rel=INNER_REL.get(inner, 1e-12))
+
+
+def _erpo_in_verl_equals_erpo_loss(tmp_path, agg, inner, rel=1e-12):
     from erpo_kernels import LossConfig, erpo_loss
     from verl.workers.utils import losses
 
@@ -115,7 +131,7 @@ def test_erpo_loss_and_gradients_equal_erpo_loss(tmp_path, agg):
     assert not torch.allclose(w_q, torch.ones_like(w_q))
     alpha = 0.3
     settings = ev.ERPOPolicyLossConfig(alpha=alpha, ref_cache=path, query_weighting="softmax", weight_temperature=0.5,
-                                       kernel_backend="torch")
+                                       kernel_backend="torch", inner_loss_mode=inner)
     data = _verl_data()
     ev.add_mini_batch_fields(data, settings)  # what the engine's train_batch does with a mini-batch
     torch.testing.assert_close(data["erpo_query_weights"], w_q[group], rtol=0, atol=0)
@@ -127,6 +143,7 @@ def test_erpo_loss_and_gradients_equal_erpo_loss(tmp_path, agg):
     hidden = _hidden(rows).requires_grad_()
     weight = weight0.clone().requires_grad_()
     config = _actor_config(settings, agg)
+    torch.manual_seed(5)  # clip_cov's draw
     loss_v, metrics = losses.ppo_loss(config, {"log_probs": _verl_logp(hidden, weight, rows)}, data)
     loss_v.backward()
 
@@ -135,17 +152,21 @@ def test_erpo_loss_and_gradients_equal_erpo_loss(tmp_path, agg):
     batch = packed_batch(data, rows, TAU, adv, cache.ref_query_logp.double(), w_q, group, torch.float64)
     hidden_e = _hidden(rows).requires_grad_()
     weight_e = weight0.clone().requires_grad_()
-    cfg = LossConfig(algorithm="erpo", alpha=alpha, loss_agg=agg, eps_low=0.2, eps_high=0.28, dual_clip=3.0)
+    cfg = LossConfig(algorithm="erpo", alpha=alpha, loss_agg=agg, eps_low=0.2, eps_high=0.28, dual_clip=3.0,
+                     policy_loss=inner)
+    torch.manual_seed(5)
     loss_e, metrics_e = erpo_loss(hidden_e, weight_e, batch, cfg, backend="torch")
     loss_e.backward()
 
-    assert metrics_e["qkl/loss"] > 1e-3 and metrics_e["pg/clipfrac"] > 0  # both terms and the clip are live
-    torch.testing.assert_close(loss_v.detach(), loss_e.detach(), rtol=1e-12, atol=1e-12)
+    assert metrics_e["qkl/loss"] > 1e-3  # both terms are live
+    if inner in ("vanilla", "gspo", "cispo", "clip_cov", "kl_cov", "geo_mean"):
+        assert metrics_e["pg/clipfrac"] > 0  # and the clip (or the covariance selection)
+    torch.testing.assert_close(loss_v.detach(), loss_e.detach(), rtol=rel, atol=rel)
     for ours, theirs in ((hidden.grad, hidden_e.grad), (weight.grad, weight_e.grad)):
         scale = float(theirs.abs().max())
         assert scale > 0
         print(f"max |grad difference| {float((ours - theirs).abs().max()):.3g} (largest gradient {scale:.3g})")
-        assert float((ours - theirs).abs().max()) <= 1e-12 * scale  # float64 rounding
+        assert float((ours - theirs).abs().max()) <= rel * scale  # float64 rounding
     assert _floats(metrics)["actor/erpo_query_kl"] == [pytest.approx(metrics_e["qkl/loss"], rel=1e-9)]
 
 

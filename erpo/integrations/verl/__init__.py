@@ -122,6 +122,9 @@ class ERPOPolicyLossConfig(PolicyLossConfig):
         prevalence, softmax or none; bins, gamma, weight_temperature, w_min, w_max: the
         weights' keys (erpo.query_weights.QueryWeighter).
         kl_guard: c of the K3 guard. kernel_backend: auto (Triton on CUDA), triton or torch.
+        inner_loss_mode: the policy loss ERPO weights and adds its Query-KL to: any name of
+        verl's registry but erpo (vanilla, gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo,
+        ...), with its own keys of this config and the actor's (clip ratios, tau_pos, ...).
     """
 
     loss_mode: str = LOSS_MODE
@@ -135,6 +138,7 @@ class ERPOPolicyLossConfig(PolicyLossConfig):
     w_max: float = 10.0
     kl_guard: float = 10.0
     kernel_backend: str = "auto"
+    inner_loss_mode: str = "vanilla"
 
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)
@@ -146,6 +150,10 @@ class ERPOPolicyLossConfig(PolicyLossConfig):
             check_backend(self.kernel_backend, "kernel_backend")
         except ValueError as exc:
             raise ValueError(f"policy_loss.{exc}") from None
+        names = [n for n in _core_algos.POLICY_LOSS_REGISTRY if n != LOSS_MODE]
+        if self.inner_loss_mode not in names:
+            raise ValueError(f"policy_loss.inner_loss_mode must be one of verl's policy losses {names}, "
+                             f"got {self.inner_loss_mode!r}")
         if self.loss_mode == LOSS_MODE and float(self.alpha) > 0 and not self.ref_cache:
             raise ValueError("policy_loss.alpha > 0 needs the reference cache: set "
                              "+actor_rollout_ref.actor.policy_loss.ref_cache=PATH (or alpha=0) and build it with "
@@ -311,6 +319,7 @@ def _prompt_rows(engine: Any, micro_batch: Any, model_inputs: Dict[str, Any]) ->
 @dataclass
 class _LossScope:
     query_weights: Optional[torch.Tensor]  # [B] w_B(q) of the micro-batch's sequences, or None (ones)
+    inner_loss_mode: str = "vanilla"  # the verl policy loss they weight
 
 
 _SCOPE: contextvars.ContextVar[Optional[_LossScope]] = contextvars.ContextVar("erpo_verl_loss", default=None)
@@ -325,11 +334,12 @@ def compute_policy_loss_erpo(
     config: Any = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, Any]]:
-    """verl's policy loss "erpo": L_PG(w_B), verl's vanilla clipped loss on A_i * w_B(q_i).
-
-    Every clipped PPO loss is positively homogeneous in A (w >= 0), so this is each
-    sequence's loss times its query's weight. [B, R] tensors as verl passes them; the
-    weights come from erpo_ppo_loss (this loss runs only inside it).
+    """verl's policy loss "erpo": L_PG(w_B), verl's policy loss policy_loss.inner_loss_mode
+    (vanilla by default) with each token's loss times its query's weight w_B(q_i), passed
+    as a factor of verl's rollout_is_weights (every registered loss multiplies its
+    per-token losses by them before aggregating; geo_mean takes their geometric mean per
+    sequence, w_B(q_i) again). [B, R] tensors as verl passes them; the weights come from
+    erpo_ppo_loss (this loss runs only inside it).
     """
     scope = _SCOPE.get()
     if scope is None:
@@ -337,8 +347,10 @@ def compute_policy_loss_erpo(
                            "installed by the verl.plugins entry point); this worker called verl's own ppo_loss: check "
                            "that erpo is installed where the workers run and VERL_USE_EXTERNAL_PLUGINS is not 'none'")
     if scope.query_weights is not None:
-        advantages = advantages * scope.query_weights.to(device=advantages.device, dtype=advantages.dtype)[:, None]
-    return _core_algos.compute_policy_loss_vanilla(
+        w = scope.query_weights.to(device=log_prob.device, dtype=log_prob.dtype)[:, None].expand_as(log_prob)  # [B, R]
+        rollout_is_weights = w if rollout_is_weights is None else rollout_is_weights * w
+    inner = _core_algos.get_policy_loss_fn(scope.inner_loss_mode)
+    return inner(
         old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask,
         loss_agg_mode=loss_agg_mode, config=config, rollout_is_weights=rollout_is_weights,
     )
@@ -488,7 +500,7 @@ def erpo_ppo_loss(config: Any, model_output: Dict[str, Any], data: Any, dp_group
         return _VERL_PPO_LOSS(config, model_output, data, dp_group)
     settings = _erpo_settings(policy_loss)
     weights = _require(data, WEIGHTS_KEY) if settings.query_weighting != "none" else None
-    token = _SCOPE.set(_LossScope(query_weights=weights))
+    token = _SCOPE.set(_LossScope(query_weights=weights, inner_loss_mode=settings.inner_loss_mode))
     try:
         loss, metrics = _VERL_PPO_LOSS(config, model_output, data, dp_group)
     finally:
