@@ -131,17 +131,24 @@ def check_vocabulary(model: Any, tokenizer: Any, path: str) -> None:
                         f"rows (token ids >= {rows} have none); use the tokenizer the model was trained with")
 
 
+# RoPE scalings that stretch the trained context by their factor (YaRN, linear, dynamic NTK).
+STRETCHING_ROPE = ("yarn", "linear", "dynamic")
+
+
 def context_length(path: str) -> int | None:
     """The most positions the model in directory `path` has (its config.json's n_positions,
-    GPT-2 style learned positions, else max_position_embeddings); None when it states neither."""
+    GPT-2 style learned positions, else max_position_embeddings, stretched by a YaRN / linear /
+    dynamic rope scaling's factor as vLLM counts it); None when it states neither."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    for key in ("n_positions", "max_position_embeddings"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    limit = next((v for v in (getattr(config, k, None) for k in ("n_positions", "max_position_embeddings"))
+                  if isinstance(v, int) and v > 0), None)
+    rope = getattr(config, "rope_scaling", None)
+    if limit is not None and isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in STRETCHING_ROPE:
+        factor = float(rope.get("factor") or 1.0)
+        limit = max(limit, int(int(rope.get("original_max_position_embeddings") or limit) * factor))
+    return limit
 
 
 def check_context_length(path: str, longest_prompt: int, max_new_tokens: int, key: str = "max_new_tokens") -> None:

@@ -1017,6 +1017,16 @@ def test_a_model_shorter_than_prompt_plus_max_new_tokens_is_one_line_before_anyt
                     f"out={tmp_path}/eval"]
         one_line_error(capsys, evaluate, "+ max_new_tokens=11 needs 17", "set max_new_tokens=10 or less")
         assert not os.listdir(tmp_path / "eval")
+    # a YaRN rope scaling stretches the context by its factor (as vLLM counts it): 16 x 4 holds 18
+    from erpo.models import check_context_length, context_length
+
+    stretched = tmp_path / "yarn"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                                 rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 16})).save_pretrained(str(stretched))
+    assert (context_length(str(gpt2)), context_length(str(qwen)), context_length(str(stretched))) == (16, 16, 64)
+    check_context_length(str(stretched), 6, 12)
 
 
 @pytest.mark.parametrize("threads, expect", [(0, 1), (2, 2)])
