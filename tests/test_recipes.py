@@ -538,3 +538,19 @@ def test_resume_with_every_recipe_is_bit_exact(tmp_path, cache_dir):
     assert untimed(a) == untimed(b)
     for p, q in zip(full.model.parameters(), second.model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_the_entropy_terms_read_nothing_on_the_host():
+    """The top-entropy threshold (a sort and a gather at the rank q (T - 1)) and the bonus
+    add no host read: validate=False, sync_metrics=False reads nothing, forward and backward."""
+    from test_objective_host_reads import count_host_reads
+
+    batch, _, logp, entropy = make_point("softmax")
+    x, h = logp.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
+    cfg = LossConfig(entropy_coeff=0.1, top_entropy_quantile=0.2)
+    with count_host_reads() as counts:
+        loss, metrics = erpo_loss_from_logp(x, batch, cfg, entropy=h, backend="torch", validate=False,
+                                            sync_metrics=False)
+        loss.backward()
+    assert sum(counts.values()) == 0, dict(counts)
+    assert "entropy/selected_frac" in metrics and h.grad.abs().sum() > 0
