@@ -554,3 +554,30 @@ def test_the_entropy_terms_read_nothing_on_the_host():
         loss.backward()
     assert sum(counts.values()) == 0, dict(counts)
     assert "entropy/selected_frac" in metrics and h.grad.abs().sum() > 0
+
+
+def test_the_entropy_terms_compile_fullgraph():
+    """torch.compile(fullgraph=True) (aot_eager) traces the threshold, the selection and the
+    bonus with no graph break and gives the eager loss, gradients and metrics."""
+    from test_compile_objective import _compiled
+
+    batch, _, logp, entropy = make_point("softmax")
+    for f in ("inv_temperature", "advantages", "ref_query_logp", "query_weights", "old_logp"):
+        setattr(batch, f, getattr(batch, f).float())
+    cfg = LossConfig(algorithm="erpo", alpha=0.3, loss_agg="seq-mean-token-mean", entropy_coeff=0.2,
+                     top_entropy_quantile=0.25)
+
+    def fn(x, h):
+        return erpo_loss_from_logp(x, batch, cfg, entropy=h, backend="torch", validate=False, sync_metrics=False)
+
+    results = []
+    for f in (fn, _compiled(fn)):
+        x, h = logp.float().requires_grad_(True), entropy.float().requires_grad_(True)
+        loss, metrics = f(x, h)
+        results.append((loss.detach(), *torch.autograd.grad(loss, (x, h)), metrics))
+    (l0, gx0, gh0, m0), (l1, gx1, gh1, m1) = results
+    assert torch.allclose(l1, l0, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(gx1, gx0, rtol=1e-5, atol=1e-8) and torch.allclose(gh1, gh0, rtol=1e-5, atol=1e-8)
+    assert m1.keys() == m0.keys() and "entropy/selected_frac" in m0
+    for key in m0:
+        assert torch.allclose(m1[key], m0[key], rtol=1e-5, atol=1e-7), key

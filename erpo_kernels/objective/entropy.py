@@ -54,10 +54,10 @@ def entropy_threshold(values: torch.Tensor, top_entropy_quantile: float) -> torc
     q = torch.tensor(1.0 - float(top_entropy_quantile), dtype=ordered.dtype, device=values.device)
     last = (torch.isfinite(ordered).sum() - 1).clamp(min=0)  # T - 1
     ranks = q * last.to(ordered.dtype)  # torch.quantile's ranks
-    below = ranks.to(torch.long)
-    above = ranks.ceil().to(torch.long)
-    low, high = ordered[below], ordered[above]
-    return torch.where(torch.isinf(high), high, torch.lerp(low, high, ranks - below))
+    below = ranks.to(torch.long).reshape(1)
+    above = ranks.ceil().to(torch.long).reshape(1)
+    low, high = ordered.gather(0, below)[0], ordered.gather(0, above)[0]  # a gather: no index read on the host
+    return torch.where(torch.isinf(high), high, torch.lerp(low, high, ranks - below[0]))
 
 
 def selected_tokens(rows: LossRows, entropy: torch.Tensor, top_entropy_quantile: float,
