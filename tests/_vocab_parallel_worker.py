@@ -185,6 +185,37 @@ def sequence_parallel(mesh, rank: int, world: int) -> dict:
     return res
 
 
+def low_precision(mesh, rank: int) -> dict:
+    """bf16 on the kernels: the sharded op as accurate as test_linear_token_logprobs demands
+    of the unsharded one (_compare: within 1.5 x PyTorch's bf16 error against float64);
+    {name: None or the failed check's message}."""
+    from _compare import assert_close_to_ref
+    from test_linear_token_logprobs import NAMES, _torch_same_dtype, _truth
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from erpo_kernels import linear_token_logprobs
+
+    hidden, weight, _, targets, inv_t, g_logp, g_entropy = inputs(dict(temperature=True))
+    hidden, weight = hidden.bfloat16(), (weight * 0.3).bfloat16()
+    args = (hidden, weight, None, targets, inv_t, g_logp, g_entropy)
+    truth, same = _truth(*args), _torch_same_dtype(*args, dtype=torch.bfloat16)
+    h = hidden.clone().requires_grad_()
+    w = torch.nn.Parameter(distribute_tensor(weight.clone(), mesh, [Shard(0)]))
+    logp, entropy = linear_token_logprobs(h, w, targets, inv_temperature=inv_t, return_entropy=True, backend="triton")
+    ((logp * g_logp).sum() + (entropy * g_entropy).sum()).backward()
+    lo = w.to_local().shape[0]
+    rows = slice(rank * -(-V // mesh.size()), rank * -(-V // mesh.size()) + lo)
+    found = {}
+    for name, ours, t, p in zip(NAMES, (logp, entropy, h.grad, w.grad.to_local()), truth, same):
+        t, p = (t[rows], p[rows]) if name == "d_weight" else (t, p)
+        try:
+            assert_close_to_ref(ours.detach(), t, p, input_dtype=torch.bfloat16, name=name)
+            found[name] = None
+        except AssertionError as exc:
+            found[name] = str(exc)
+    return {"bf16": found}
+
+
 def errors(mesh) -> dict:
     """The ValueError of each misuse, by name."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -266,6 +297,8 @@ def main() -> None:
                 res.update(sequence_parallel(mesh, rank, world))
             elif name == "errors":
                 res.update(errors(mesh))
+            elif name == "bf16":
+                res.update(low_precision(mesh, rank))
             elif name == "batch_invariance":
                 res.update(batch_invariance())
             else:
