@@ -43,7 +43,8 @@ except ImportError:
 
 import torch
 
-from erpo_kernels import LossConfig, check_backend, linear_token_logprobs, segment_sum, weighted_k3
+from erpo_kernels import (LossConfig, check_backend, linear_token_logprobs, prompt_logp_sums, query_kl_value,
+                          weighted_k3)
 
 from ..query_weights import QueryWeighter, effective_sample_size
 from ..ref_cache import (
@@ -488,12 +489,12 @@ class ERPOTrainer(GRPOTrainer):
         starts = torch.arange(b, device=dev, dtype=torch.long) * width  # [B]
         cu = torch.stack([starts, starts + (prompt_len - 1)], dim=1).reshape(-1)  # [2B] prompt, completion, ...
         cu = torch.cat([cu, cu.new_tensor([b * width])])  # [2B + 1]
-        spans = segment_sum(log_probs.reshape(-1), cu, backend=self.args.erpo_backend)  # [2B]
-        query_logp = spans[0::2][rows]  # [k] l_theta(q) of the scored copies
+        backend = self.args.erpo_backend
+        query_logp = prompt_logp_sums(log_probs.reshape(-1), cu, backend=backend)[rows]  # [k] l_theta(q), scored copies
         ref = inputs["ref_query_logp"][rows].to(query_logp.dtype)  # [k] l_0(q)
         w = inputs["query_weights"][rows].to(query_logp.dtype)  # [k] w_B(q)
         guard = float(self.args.kl_guard)
-        r_query = weighted_k3(query_logp, ref, w, guard=guard, backend=self.args.erpo_backend)
+        r_query = query_kl_value(query_logp, ref, w, w.sum(), guard=guard, backend=backend)  # the objective's term
         share = float(w.sum() / inputs["query_weight_total"].clamp(min=1e-12))
         with torch.no_grad():
             delta = ref - query_logp.detach()

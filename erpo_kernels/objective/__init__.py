@@ -11,7 +11,7 @@ from .loss import erpo_loss, erpo_loss_from_logp
 from .metrics import combine_metrics, metrics_to_floats
 from .micro_batches import MicroBatch, plan_micro_batches, split_batch
 from .policy_losses import POLICY_LOSSES  # registers the variants
-from .query_kl import query_logp_from_logp
+from .query_kl import prompt_logp_sums, query_kl_value, query_logp_from_logp
 from .registry import TokenLoss, register_policy_loss
 
 __all__ = [
@@ -30,6 +30,8 @@ __all__ = [
     "erpo_loss_from_logp",
     "metrics_to_floats",
     "plan_micro_batches",
+    "prompt_logp_sums",
+    "query_kl_value",
     "query_logp_from_logp",
     "response_entropies",
     "register_policy_loss",

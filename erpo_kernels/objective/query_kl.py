@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Tuple, Union
 
 import torch
 
@@ -25,14 +25,46 @@ from .batch import PackedLossBatch, RowLayout
 from .rows import LossRows
 
 
+def prompt_logp_sums(
+    logp: torch.Tensor, span_cu_seqlens: torch.Tensor, *, backend: str = "auto", validate: bool = True
+) -> torch.Tensor:
+    """[B] the sum of each sequence's prompt span of logp [N] (differentiable), with
+    span_cu_seqlens [2B + 1] the boundaries of prompt_0, rest_0, prompt_1, ... (segment_sum;
+    validate: its offset checks). The objective, TRL's ERPOTrainer and verl's loss_mode=erpo
+    all read l_theta(q) through it."""
+    return segment_sum(logp, span_cu_seqlens, backend=backend, validate=validate)[0::2]
+
+
+def query_kl_value(
+    query_logp: torch.Tensor,
+    ref_query_logp: torch.Tensor,
+    weights: torch.Tensor,
+    weight_mass: Union[torch.Tensor, float],
+    *,
+    guard: float,
+    backend: str = "auto",
+    validate: bool = True,
+) -> torch.Tensor:
+    """sum_q w(q) k3(l_0(q) - l_theta(q)) / weight_mass (0-d): R_query (docs/method.md
+    section 2) when weight_mass = sum_q w(q), or these queries' part of a batch whose
+    weights sum to weight_mass (parts over micro-batches add up to the batch's R_query).
+
+    query_logp [k] l_theta (differentiable), ref_query_logp [k] l_0, weights [k] >= 0;
+    guard: the K3 guard c; validate: weighted_k3's check of the weights. The one
+    implementation of the term: the objective, TRL's ERPOTrainer and verl's loss_mode=erpo
+    call it."""
+    # sum_q w k3 / W = (sum_q w / W) * weighted_k3(., w)
+    scale = weights.sum() / weight_mass
+    return scale * weighted_k3(query_logp, ref_query_logp, weights, guard=guard, backend=backend, validate=validate)
+
+
 def prompt_logp(
     logp: torch.Tensor, batch: PackedLossBatch, layout: RowLayout, backend: str
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """([m] l_theta(q), [m] local scoring copies) from logp [N] (0 on ignored rows):
     segment_sum over the spans, prompt sums averaged per query over this batch's copies
     that score the prompt (0 when none)."""
-    span_sums = segment_sum(logp, batch.span_cu_seqlens, backend=backend, validate=False)  # [2B] (checked once)
-    prompt_sums = span_sums[0::2]  # [B]
+    prompt_sums = prompt_logp_sums(logp, batch.span_cu_seqlens, backend=backend, validate=False)  # [B] (checked once)
     m = batch.num_queries
     group_index = batch.group_index.long()
     scored = layout.prompt_scored.to(prompt_sums.dtype)  # [B]
@@ -81,10 +113,8 @@ def query_kl_term(rows: LossRows, batch: PackedLossBatch, guard: float, backend:
     share = local_copies / rows.normalizers.prompt_copies.to(rows.dtype).clamp(min=1)  # [m]
     shared_weights = rows.weights * share  # [m]
     with nullcontext() if optimised else torch.no_grad():
-        # sum_q w share k3 / W = (sum_q w share / W) * weighted_k3(., w share)
-        value = (shared_weights.sum() / rows.weight_mass) * weighted_k3(
-            query_logp, ref_query_logp, shared_weights, guard=guard, backend=backend, validate=False
-        )
+        value = query_kl_value(query_logp, ref_query_logp, shared_weights, rows.weight_mass, guard=guard,
+                               backend=backend, validate=False)  # fmt: skip
     return QueryKL(value, query_logp, ref_query_logp, share)
 
 

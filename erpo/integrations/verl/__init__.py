@@ -70,7 +70,7 @@ except ImportError:
 
 import torch
 
-from erpo_kernels import LossConfig, check_backend, linear_token_logprobs, segment_sum, weighted_k3
+from erpo_kernels import LossConfig, check_backend, linear_token_logprobs, prompt_logp_sums, query_kl_value
 
 from ...distributed import gather_for_call
 from ...packing import lm_head_options
@@ -467,7 +467,7 @@ def query_kl_term(
     """This micro-batch's part of R_query, and its metrics.
 
     log_probs: verl's nested [B, j] per-row log-probs of whole sequences (prompt rows at
-    temperature 1). l_theta(q_b) = sum of sequence b's prompt rows (segment_sum); the part
+    temperature 1). l_theta(q_b) = sum of sequence b's prompt rows (prompt_logp_sums); the part
     is dp_size * sum_b coef_b k3(l_0(q_b) - l_theta(q_b)) (verl averages gradients over
     the data-parallel ranks).
     """
@@ -476,11 +476,12 @@ def query_kl_term(
     cu = torch.stack([offsets[:-1], offsets[:-1] + (plen - 1).clamp(min=0)], dim=1).reshape(-1)  # prompt, rest, ...
     cu = torch.cat([cu, offsets[-1:]])  # [2B + 1]
     backend = settings.kernel_backend
-    query_logp = segment_sum(values, cu, backend=backend)[0::2]  # [B] l_theta(q_b)
+    query_logp = prompt_logp_sums(values, cu, backend=backend)  # [B] l_theta(q_b)
     ref = _require(data, REF_KEY).to(device=values.device, dtype=values.dtype)  # [B] l_0(q_b)
     coef = _require(data, COEF_KEY).to(device=values.device, dtype=values.dtype)  # [B]
     guard = float(settings.kl_guard)
-    part = weighted_k3(query_logp, ref, coef, guard=guard, backend=backend) * coef.sum() * float(dp_size)
+    # dp_size * sum_b coef_b k3: the objective's term with weight mass 1 / dp_size
+    part = query_kl_value(query_logp, ref, coef, 1.0 / float(dp_size), guard=guard, backend=backend)
     from verl.utils.metric import AggregationType, Metric
 
     with torch.no_grad():
