@@ -581,3 +581,21 @@ def test_the_entropy_terms_compile_fullgraph():
     assert m1.keys() == m0.keys() and "entropy/selected_frac" in m0
     for key in m0:
         assert torch.allclose(m1[key], m0[key], rtol=1e-5, atol=1e-7), key
+
+
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "geo_mean"])
+def test_the_issues_recipe_command_trains(tmp_path, cache_dir, policy_loss, capsys):
+    """issue 27's `erpo train algorithm=erpo policy_loss=gspo loss_agg=seq-mean-token-mean
+    entropy_coeff=0.01 top_entropy_quantile=0.2 filter_groups=true` (and cispo, geo_mean),
+    on the embedded demo shrunk to 2 steps."""
+    small = dict(tiny_hidden_size=32, tiny_layers=1, warmstart_steps=100, warmstart_batch_size=16,
+                 warmstart_unboxed=0.0, task_max_operand=4, task_train_size=20, task_eval_size=5, group_size=4,
+                 queries_per_step=4, max_new_tokens=6, steps=2, save_every=0, progress="false", lr=1e-3,
+                 warmup_steps=1, run_dir=tmp_path / "run", cache_dir=cache_dir)
+    recipe = ["algorithm=erpo", f"policy_loss={policy_loss}", "loss_agg=seq-mean-token-mean", "entropy_coeff=0.01",
+              "top_entropy_quantile=0.2", "filter_groups=true"]
+    assert main(["train", *recipe, *(f"{k}={v}" for k, v in small.items())]) == 0
+    assert "erpo: erpo finished step 2/2" in capsys.readouterr().out
+    for row in read_metrics(str(tmp_path / "run")):
+        assert row["filter_groups/batches"] >= 1 and 0 < row["entropy/selected_frac"] <= 0.5
+        assert all(v == v for v in row.values())
