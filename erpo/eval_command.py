@@ -203,6 +203,7 @@ def _evaluate_model(cfg: TrainConfig, model_dir: str, name: str, examples: Seque
     from .rewards import get_reward_fn
 
     max_new_tokens = cfg.eval_max_tokens
+    log(f"erpo: {name}: loading {model_dir} ...")
     model = load_model(model_dir, device, dtype).eval()
     tokenizer = load_tokenizer(model_dir)
     check_vocabulary(model, tokenizer, model_dir)
