@@ -176,7 +176,8 @@ class Trainer:
         num_rows = int(distributed.all_reduce_sum(torch.tensor(num_rows)))
         metrics.update(mean_metrics(updates))  # the step's value of each loss metric: the mean over its updates
         metrics.update(self._rollout_metrics(drawn))
-        metrics.update({"time/rollout_s": t_rollout, "time/step_s": step_s, "throughput/tokens_per_s": num_rows / step_s})
+        metrics.update({"time/rollout_s": t_rollout, "time/step_s": step_s,
+                        "throughput/tokens_per_s": num_rows / step_s})
         return {"step": step, **{k: metrics[k] for k in sorted(metrics)}}
 
     def _sample(self, idx: Sequence[int]) -> SampledGroups:
@@ -251,7 +252,8 @@ class Trainer:
         """reward/overlong_penalty (the mean penalty) and reward/overlong_frac (the fraction
         of responses penalised) of the step's trained groups, every rank's."""
         every = distributed.all_gather_items(penalties, self.cfg.mini_batches)  # [m, G]
-        return {"reward/overlong_penalty": float(every.mean()), "reward/overlong_frac": float((every < 0).float().mean())}
+        return {"reward/overlong_penalty": float(every.mean()),
+                "reward/overlong_frac": float((every < 0).float().mean())}
 
     def _updates(self, idx: Sequence[int], prompts: List[List[int]], responses: List[List[List[int]]],
                  advantages: torch.Tensor, rollout_logprobs: Optional[List[List[List[float]]]] = None

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from erpo.cli import main
-from erpo.config import ConfigError, TrainConfig
 from erpo.data import step_indices
 from erpo.dynamic_sampling import SampledGroups, refill_indices, uniform_groups
 from erpo.rewards import overlong_penalty
@@ -239,8 +238,7 @@ def test_a_tiny_run_trains_with_filter_groups_and_overlong_shaping(tmp_path, cac
 from types import SimpleNamespace  # noqa: E402
 
 from erpo_kernels import (LossConfig, LossNormalizers, combine_metrics, entropy_threshold, erpo_loss,  # noqa: E402
-                          erpo_loss_from_logp, linear_token_logprobs, metrics_to_floats, response_entropies,
-                          split_batch)
+                          erpo_loss_from_logp, metrics_to_floats, response_entropies, split_batch)
 from test_micro_batches import PLANS  # noqa: E402
 from test_objective import fl, make_point, objective_formula, token_loss_formula  # noqa: E402
 
