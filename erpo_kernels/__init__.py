@@ -34,6 +34,7 @@ from .objective import (
 )
 from .segment_sum import segment_sum
 from .token_logprobs import RowTiles, token_logprobs
+from . import vocab_parallel  # noqa: F401,E402  registers linear_token_logprobs' path for a sharded weight
 from .weighted_k3 import MAX_GUARD, weighted_k3
 
 __version__ = "0.1.0"

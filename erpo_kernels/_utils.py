@@ -78,6 +78,15 @@ def resolve_kernel_backend(backend: str, inputs: Dict[str, Optional[torch.Tensor
     return which
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether t is a torch.distributed DTensor (False without torch.distributed)."""
+    if t is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def check_tensor(
     name: str,
     t: object,

@@ -46,7 +46,7 @@ own backward in that dtype does).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -58,6 +58,7 @@ from ._utils import (
     check_targets,
     check_tensor,
     compute_dtype,
+    is_dtensor,
     no_autocast,
     resolve_kernel_backend,
 )
@@ -882,6 +883,16 @@ def _checked_operands(
     return hidden, weight, bias
 
 
+# linear_token_logprobs of a weight sharded on the vocabulary (a DTensor): vocab_parallel.py
+# builds on this module, so it registers its function here when the package loads.
+_VOCAB_PARALLEL: List[Callable[..., Any]] = []
+
+
+def register_vocab_parallel(fn: Callable[..., Any]) -> None:
+    """The function linear_token_logprobs hands a DTensor weight to (vocab_parallel.py's)."""
+    _VOCAB_PARALLEL[:] = [fn]
+
+
 def linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -941,10 +952,8 @@ def linear_token_logprobs(
     states work), and the softmax side stays fp32. Gradients reach the uncast tensors
     in their own dtypes.
     """
-    from .vocab_parallel import is_dtensor, vocab_parallel_linear_token_logprobs  # here: it imports this module
-
     if is_dtensor(weight) or is_dtensor(bias):  # the lm_head sharded on the vocabulary (tensor parallel)
-        return vocab_parallel_linear_token_logprobs(
+        return _VOCAB_PARALLEL[0](
             hidden, weight, targets, bias=bias, inv_temperature=inv_temperature, ignore_index=ignore_index,
             return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale, backend=backend,
             validate=validate, tiles=tiles,

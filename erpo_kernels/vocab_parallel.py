@@ -50,22 +50,14 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 
 from . import reference
-from ._utils import FLOAT_DTYPES, autocast_dtype, check_targets, check_tensor, compute_dtype, no_autocast, resolve_kernel_backend
-from .linear_token_logprobs import DEFAULT_TILES, Tiles, _backward_op, _forward_splits, _Launch
+from ._utils import (FLOAT_DTYPES, autocast_dtype, check_targets, check_tensor, compute_dtype, is_dtensor, no_autocast,
+                     resolve_kernel_backend)
+from .linear_token_logprobs import DEFAULT_TILES, Tiles, _backward_op, _forward_splits, _Launch, register_vocab_parallel
 from .logit_transform import LogitTransform
 
 # Local targets: ignored rows and targets outside this rank's shard (negative: no column index).
 LOCAL_IGNORE = -1
 OUTSIDE = -2
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether t is a torch.distributed DTensor (False without torch.distributed)."""
-    if t is None or not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 @dataclass(frozen=True)
@@ -403,3 +395,6 @@ def vocab_parallel_linear_token_logprobs(
     logp, entropy = _VocabParallel.apply(hidden, w, b, shard.local_targets(targets.contiguous(), ignore_index),
                                          transform, call)  # fmt: skip
     return (logp, entropy) if return_entropy else logp
+
+
+register_vocab_parallel(vocab_parallel_linear_token_logprobs)  # linear_token_logprobs hands DTensor weights here

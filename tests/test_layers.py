@@ -108,9 +108,8 @@ def test_no_cycle_within_erpo():
 
 
 # Imports that close a circle inside erpo_kernels, each to be removed by the lane that owns it
-# (the test fails when one is gone: take it off then). linear_token_logprobs' DTensor dispatch
-# imports vocab_parallel inside a function, and vocab_parallel imports linear_token_logprobs (tp lane).
-KNOWN_CYCLE_EDGES = {("erpo_kernels.linear_token_logprobs", "erpo_kernels.vocab_parallel")}
+# (the test fails when one is gone: take it off then).
+KNOWN_CYCLE_EDGES: set = set()
 
 
 def test_no_cycle_within_erpo_kernels():
