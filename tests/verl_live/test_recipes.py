@@ -1,6 +1,6 @@
 """The recipes of `erpo train` against verl 0.9.1's own code: DAPO's overlong reward
 shaping (erpo.rewards.overlong_penalty) against verl's DAPORewardManager, and the entropy
-bonus's aggregation (entropy_coeff) against verl's agg_loss, in float64."""
+bonus's aggregation (entropy_coeff) against verl's agg_loss under its four modes, in float64."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -44,7 +44,8 @@ def test_overlong_penalty_is_verls_dapo_reward_manager(buffer, factor):
     assert min(theirs) == pytest.approx(-factor) and (max(theirs) == 0.0) == (buffer < max_len - 1)
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                      "seq-mean-token-sum-norm"])
 def test_entropy_bonus_is_aggregated_as_verls_agg_loss(loss_agg):
     """L(entropy_coeff) - L(0) = -entropy_coeff * agg_loss(entropy, response_mask, loss_agg),
     verl's entropy term (workers/utils/losses.py), loss and gradient in the entropies, float64."""
@@ -63,11 +64,12 @@ def test_entropy_bonus_is_aggregated_as_verls_agg_loss(loss_agg):
     logp = -torch.rand(n, generator=g, dtype=torch.float64)
     entropy = torch.rand(n, generator=g, dtype=torch.float64) * 3
     coeff = 0.25
+    scale = {"loss_scale_factor": 8.0} if loss_agg == "seq-mean-token-sum-norm" else {}  # Dr. GRPO's constant
     h = entropy.clone().requires_grad_(True)
-    plain, _ = erpo_loss_from_logp(logp, batch, LossConfig(algorithm="grpo", beta=0.0, loss_agg=loss_agg),
+    plain, _ = erpo_loss_from_logp(logp, batch, LossConfig(algorithm="grpo", beta=0.0, loss_agg=loss_agg, **scale),
                                    entropy=entropy, backend="torch")
     loss, _ = erpo_loss_from_logp(logp, batch, LossConfig(algorithm="grpo", beta=0.0, loss_agg=loss_agg,
-                                                          entropy_coeff=coeff), entropy=h, backend="torch")
+                                                          entropy_coeff=coeff, **scale), entropy=h, backend="torch")
     (grad,) = torch.autograd.grad(loss, h)
 
     rows = packed.response_token_rows()  # the row scoring each response token, sequence by sequence
@@ -81,7 +83,7 @@ def test_entropy_bonus_is_aggregated_as_verls_agg_loss(loss_agg):
         mat[i, :length] = e[rows[at:at + length]]
         mask[i, :length] = 1
         at += length
-    theirs = agg_loss(loss_mat=mat, loss_mask=mask, loss_agg_mode=loss_agg)
+    theirs = agg_loss(loss_mat=mat, loss_mask=mask, loss_agg_mode=loss_agg, **scale)
     (their_grad,) = torch.autograd.grad(-coeff * theirs, e)
     assert float((loss - plain).detach()) == pytest.approx(-coeff * float(theirs.detach()), rel=1e-7)
     torch.testing.assert_close(grad, their_grad, rtol=1e-7, atol=1e-12)
