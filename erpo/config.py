@@ -595,13 +595,13 @@ class TrainConfig:
         """The keys of the objective (alpha, beta, eps_low, eps_high, dual_clip, kl_guard,
         rollout_is_cap, ...), of the query weights (bins, gamma, weight_temperature,
         w_min, w_max) and of the overlong shaping (overlong_buffer, overlong_penalty) are
-        checked by LossConfig, QueryWeighter and erpo.rewards themselves."""
-        from .query_weights import QueryWeighter
+        checked by LossConfig, ERPOSettings (QueryWeighter's checks) and erpo.rewards themselves."""
+        from .erpo_settings import ERPOSettings
         from .rewards import check_overlong
 
         try:
             self.loss_config()
-            QueryWeighter.check_config(self)
+            ERPOSettings.of(self).validate()  # the one check of ERPO's keys (ERPOConfig's and verl's too)
             check_overlong(self.overlong_buffer, self.overlong_penalty, self.max_new_tokens)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None

@@ -43,9 +43,10 @@ except ImportError:
 
 import torch
 
-from erpo_kernels import (LossConfig, check_backend, linear_token_logprobs, prompt_logp_sums, query_kl_value,
+from erpo_kernels import (check_backend, linear_token_logprobs, prompt_logp_sums, query_kl_value,
                           weighted_k3)
 
+from ..erpo_settings import ERPOSettings
 from ..query_weights import QueryWeighter, effective_sample_size
 from ..ref_cache import (
     RefCache,
@@ -325,8 +326,7 @@ class ERPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        QueryWeighter.check_config(self)  # each key checked by the object it configures
-        LossConfig(alpha=self.alpha, kl_guard=self.kl_guard)
+        ERPOSettings.of(self).validate()  # ERPO's keys, checked where erpo train's are
         check_backend(self.erpo_backend, "erpo_backend")
         if self.ref_cache is not None and os.path.isdir(self.ref_cache):
             raise ValueError(f"ref_cache={self.ref_cache} is a directory; give a file path (e.g. DIR/ref_cache.safetensors)")

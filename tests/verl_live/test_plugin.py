@@ -89,3 +89,26 @@ def test_an_erpo_config_wraps_the_engines_train_batch():
 
     ERPOPolicyLossConfig(alpha=0.0, query_weighting="none")
     assert getattr(BaseEngine.train_batch, "_erpo", False)
+
+
+def test_erpo_settings_are_declared_once():
+    """verl's ERPOPolicyLossConfig declares every ERPOSettings key with its default and
+    refuses a bad one with ERPOSettings' own message (prefixed with policy_loss.); the
+    inner policy loss is one of verl's."""
+    import dataclasses
+
+    import pytest
+
+    from erpo.erpo_settings import SETTINGS_KEYS, ERPOSettings
+    from erpo.integrations.verl import ERPOPolicyLossConfig
+
+    declared = {f.name: f.default for f in dataclasses.fields(ERPOPolicyLossConfig) if f.name in SETTINGS_KEYS}
+    assert declared == {f.name: f.default for f in dataclasses.fields(ERPOSettings)}
+    with pytest.raises(ValueError) as direct:
+        ERPOSettings(w_max=0.5).validate()
+    with pytest.raises(ValueError) as verl_side:
+        ERPOPolicyLossConfig(alpha=0.0, w_max=0.5)
+    assert str(verl_side.value) == f"policy_loss.{direct.value}"
+    assert ERPOPolicyLossConfig(alpha=0.0, inner_loss_mode="gspo").inner_loss_mode == "gspo"
+    with pytest.raises(ValueError, match=r"^policy_loss.inner_loss_mode must be one of verl's policy losses"):
+        ERPOPolicyLossConfig(alpha=0.0, inner_loss_mode="erpo")

@@ -70,9 +70,10 @@ except ImportError:
 
 import torch
 
-from erpo_kernels import LossConfig, check_backend, linear_token_logprobs, prompt_logp_sums, query_kl_value
+from erpo_kernels import check_backend, linear_token_logprobs, prompt_logp_sums, query_kl_value
 
 from ...distributed import gather_for_call
+from ...erpo_settings import ERPOSettings
 from ...packing import lm_head_options
 from ...query_weights import QueryWeighter
 from ...ref_cache import RefCache, RefCacheError, fixed_by, query_id, read_ref_cache
@@ -144,9 +145,8 @@ class ERPOPolicyLossConfig(PolicyLossConfig):
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:
             parent()
-        try:  # each key checked by the object it configures (as ERPOConfig and TrainConfig do)
-            QueryWeighter.check_config(self)
-            LossConfig(alpha=self.alpha, kl_guard=self.kl_guard)
+        try:  # ERPO's keys checked in one place (as ERPOConfig and TrainConfig do)
+            ERPOSettings.of(self).validate()
             check_backend(self.kernel_backend, "kernel_backend")
         except ValueError as exc:
             raise ValueError(f"policy_loss.{exc}") from None
