@@ -204,6 +204,39 @@ def test_erpo_alpha0_uniform_is_grpo(tmp_path, model_dir, tokenizer, dataset):
     assert len(generated) == 2 and all(b["weights/min"] == b["weights/max"] == 1.0 for b in generated)
 
 
+@pytest.mark.parametrize("loss_type,loss_agg,accumulation", [("grpo", "seq-mean-token-mean", 1),
+                                                            ("dapo", "token-mean", 2)])
+def test_erpo_policy_loss_vanilla_is_trls(tmp_path, model_dir, tokenizer, dataset, loss_type, loss_agg, accumulation):
+    """ERPOConfig(policy_loss=vanilla, loss_agg=...), alpha = 0, no weighting: erpo's
+    objective in place of TRL's loss type gives TRL's grpo (dapo) loss, step by step, also
+    with the generation batch split over two accumulation steps (the ratios stay below
+    vanilla's dual clip, which TRL does not have)."""
+    extra = dict(gradient_accumulation_steps=accumulation, per_device_train_batch_size=8 // accumulation)
+    _, _, grpo = run_trainer(GRPOTrainer, train_args(GRPOConfig, tmp_path, loss_type=loss_type, **extra), model_dir,
+                             tokenizer, dataset)
+    args = train_args(ERPOConfig, tmp_path, loss_type=loss_type, alpha=0.0, query_weighting="none",
+                      policy_loss="vanilla", loss_agg=loss_agg, **extra)
+    trainer, _, erpo = run_trainer(ERPOTrainer, args, model_dir, tokenizer, dataset)
+    assert len(grpo) == len(erpo) == 3
+    for a, b in zip(grpo, erpo):
+        assert b["loss"] == pytest.approx(a["loss"], **LOSS_TOL)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert "pg/clipfrac" in b
+    assert any(abs(a["loss"]) > 1e-3 for a in grpo)
+
+
+def test_erpo_with_a_policy_loss_trl_lacks_trains(tmp_path, model_dir, tokenizer, dataset):
+    """geo_mean (GMPO, not a TRL loss type) with the Query-KL and the prevalence weights:
+    3 steps, finite losses, the Query-KL logged; TRL-only terms are refused."""
+    args = train_args(ERPOConfig, tmp_path, alpha=0.05, policy_loss="geo_mean", loss_agg="seq-mean-token-mean")
+    _, _, logs = run_trainer(ERPOTrainer, args, model_dir, tokenizer, dataset)
+    assert len(logs) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) and "query_kl" in h for h in logs)
+    with pytest.raises(ValueError, match="^policy_loss must be one of"):
+        train_args(ERPOConfig, tmp_path, policy_loss="ppo")
+    with pytest.raises(ValueError, match="set beta=0"):
+        train_args(ERPOConfig, tmp_path, policy_loss="gspo", beta=0.1)
+
+
 def _erpo_loss_on_same_batch(trainer, inputs, alpha):
     """erpo_loss (advantages 0, so the loss is alpha * R_query) on the micro-batch
     `inputs`, repacked: one row per token, positions from 0, the prompt scored once per query."""

@@ -43,8 +43,8 @@ except ImportError:
 
 import torch
 
-from erpo_kernels import (check_backend, linear_token_logprobs, prompt_logp_sums, query_kl_value,
-                          weighted_k3)
+from erpo_kernels import (LossConfig, LossNormalizers, PackedLossBatch, check_backend, erpo_loss_from_logp,
+                          linear_token_logprobs, prompt_logp_sums, query_kl_value, weighted_k3)
 
 from ..erpo_settings import ERPOSettings
 from ..query_weights import QueryWeighter, effective_sample_size
@@ -323,13 +323,40 @@ class ERPOConfig(GRPOConfig):
                                      "there. None: built in memory at every start."})
     erpo_backend: str = field(default="auto", metadata={"help": "Backend of the erpo kernels: auto (Triton on CUDA), "
                               "triton or torch."})
+    policy_loss: Optional[str] = field(default=None, metadata={"help": "erpo's policy loss (erpo_kernels.POLICY_LOSSES: "
+                                       "vanilla, gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo) in place of TRL's "
+                                       "loss_type, with epsilon / epsilon_high as its clip range and sapo_temperature_* "
+                                       "as sapo's; None: TRL's loss_type."})
+    loss_agg: str = field(default="token-mean", metadata={"help": "With policy_loss: its aggregation over the "
+                          "generation batch (token-mean, seq-mean-token-mean, seq-mean-token-sum, "
+                          "seq-mean-token-sum-norm with max_completion_length as the constant)."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         ERPOSettings.of(self).validate()  # ERPO's keys, checked where erpo train's are
+        if self.policy_loss is not None:
+            self.erpo_loss_config()  # checked by LossConfig
+            if self.beta != 0 or self.top_entropy_quantile < 1 or self.entropy_coef != 0 or self.use_adaptive_entropy:
+                raise ValueError("policy_loss= runs erpo's policy loss alone: set beta=0, top_entropy_quantile=1 and "
+                                 "entropy_coef=0 (TRL's KL and entropy terms belong to its loss types), or "
+                                 "policy_loss=None")
+            if self.use_vllm or self.off_policy_mask_threshold is not None:
+                raise ValueError("policy_loss= does not apply TRL's vLLM importance sampling or off-policy mask: "
+                                 "use TRL's loss_type (policy_loss=None) with use_vllm or off_policy_mask_threshold")
         check_backend(self.erpo_backend, "erpo_backend")
         if self.ref_cache is not None and os.path.isdir(self.ref_cache):
             raise ValueError(f"ref_cache={self.ref_cache} is a directory; give a file path (e.g. DIR/ref_cache.safetensors)")
+
+    def erpo_loss_config(self) -> Optional[LossConfig]:
+        """The LossConfig of policy_loss (None without it): erpo's L_PG(w_B) alone (alpha=0:
+        ERPOTrainer adds the Query-KL itself), TRL's clip range and SAPO temperatures."""
+        if self.policy_loss is None:
+            return None
+        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        scale = float(self.max_completion_length) if self.loss_agg == "seq-mean-token-sum-norm" else None
+        return LossConfig(algorithm="erpo", alpha=0.0, policy_loss=self.policy_loss, loss_agg=self.loss_agg,
+                          eps_low=self.epsilon, eps_high=high, loss_scale_factor=scale,
+                          tau_pos=self.sapo_temperature_pos, tau_neg=self.sapo_temperature_neg)
 
 
 class ERPOTrainer(GRPOTrainer):
@@ -353,6 +380,9 @@ class ERPOTrainer(GRPOTrainer):
             raise ValueError("ERPOTrainer needs its prompts in the train dataset (environment_factory is not supported)")
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise ValueError("ERPOTrainer needs a map-style train_dataset: the reference cache covers every training prompt")
+        if self.args.policy_loss is not None and self.accelerator.num_processes > 1:
+            raise ValueError("ERPOConfig.policy_loss runs on one process (its normalisers are a process's generation "
+                             "batch, and TRL's groups can span processes): use TRL's loss_type (policy_loss=None)")
         self.erpo_head = use_erpo_kernels(self, backend=self.args.erpo_backend)
         self.ref_cache = self._reference_cache()
         self.query_weighter = QueryWeighter.from_config(self.args, self.ref_cache.score[self._train_rows])
@@ -438,6 +468,8 @@ class ERPOTrainer(GRPOTrainer):
         out["ref_query_logp"] = ref_q[q_index].to(dev)  # [B]
         out["query_scored"] = scored.to(dev)  # [B]
         out["query_weight_total"] = w_q.sum().to(dev)  # 0-d: sum of w_B over the generation batch (= m)
+        out["query_index"] = q_index.to(dev)  # [B] each sequence's query among the generation batch's m
+        out["query_count"] = torch.tensor(len(distinct), device=dev)  # 0-d: m
         return out
 
     # -- the loss: TRL's policy loss with weighted advantages + alpha * R_query -----------------
@@ -454,7 +486,10 @@ class ERPOTrainer(GRPOTrainer):
         plan = _PromptPlan(prompt_len=int(inputs["prompt_ids"].shape[1]), scored=scored)
         self.erpo_head.plan = plan
         try:
-            loss = super()._compute_loss(model, weighted)
+            if self.args.policy_loss is None:
+                loss = super()._compute_loss(model, weighted)
+            else:
+                loss = self._erpo_policy_loss(model, inputs)
         finally:
             self.erpo_head.plan = None
         if plan.log_probs is None:
@@ -467,6 +502,26 @@ class ERPOTrainer(GRPOTrainer):
                 loss = loss + self.args.alpha * query_kl * share
             for key, value in metrics.items():
                 self._metrics[mode][key].append(value)
+        return loss
+
+    def _erpo_policy_loss(self, model, inputs) -> torch.Tensor:
+        """L_PG(w_B) of this micro-batch with ERPOConfig.policy_loss, normalised by its
+        generation batch (on this process): the micro-batches of one generation batch add up
+        to its loss, scaled to the optimizer step as the Query-KL's share is."""
+        prompt_ids, completion_mask = inputs["prompt_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        logp, _, _ = self._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
+                                                             completion_mask.shape[1])  # [B, T]
+        old = inputs.get("old_per_token_logps")
+        batch, norm = _completion_batch(inputs, logp.detach() if old is None else old, self.num_generations)
+        loss, metrics = erpo_loss_from_logp(logp.reshape(-1), batch, self.args.erpo_loss_config(),
+                                            normalizers=norm, backend="torch")
+        mode = "train" if self.model.training else "eval"
+        for key in ("pg/loss", "pg/clipfrac", "pg/ratio_mean"):
+            self._metrics[mode][key].append(metrics[key])
+        if mode == "train":
+            loss = loss * self.args.steps_per_generation / self.current_gradient_accumulation_steps
         return loss
 
     def query_kl_term(
@@ -505,3 +560,33 @@ class ERPOTrainer(GRPOTrainer):
                 "query_logp/mean": float(query_logp.detach().mean()),
             }
         return r_query, share, metrics
+
+
+def _completion_batch(inputs: Dict[str, Any], old_logp: torch.Tensor, group_size: int):
+    """(PackedLossBatch, LossNormalizers) of a micro-batch's completions, for erpo's policy
+    loss: row b * T + t is completion token t of sequence b (an empty prompt span, ignored
+    rows where completion_mask is 0); queries and their weights are the generation batch's
+    (query_index, query_count, query_weights), normalisers its own (one process: TRL's
+    num_items_in_batch tokens, G = num_generations sequences per query)."""
+    mask = inputs["completion_mask"].bool()  # [B, T]
+    b, t = mask.shape
+    dev = mask.device
+    q_index = inputs["query_index"].long()  # [B]
+    m = int(inputs["query_count"])
+    w = torch.zeros(m, dtype=torch.float32, device=dev).index_put((q_index,), inputs["query_weights"].float())
+    starts = torch.arange(b, device=dev) * t
+    spans = torch.cat([torch.stack([starts, starts], dim=1).reshape(-1), starts.new_tensor([b * t])])  # [2B + 1]
+    adv = inputs["advantages"]
+    batch = PackedLossBatch(
+        targets=torch.where(mask, 0, -100).reshape(-1), inv_temperature=torch.ones(b * t, device=dev),
+        span_cu_seqlens=spans, group_index=q_index, advantages=adv if adv.dim() == 1 else adv[:, 0],
+        ref_query_logp=torch.zeros(m, device=dev), query_weights=w, old_logp=old_logp.reshape(-1),
+    )
+    tokens = inputs["num_items_in_batch"] if "num_items_in_batch" in inputs else mask.sum()
+    norm = LossNormalizers(
+        n_tokens=torch.as_tensor(tokens, device=dev).reshape(()), n_sequences=torch.tensor(m * group_size, device=dev),
+        n_queries=torch.tensor(m, device=dev), group_sizes=torch.full((m,), group_size, device=dev),
+        prompt_copies=torch.ones(m, dtype=torch.long, device=dev), weight_mass=w.sum().double().clamp(min=1e-12),
+        weight_sq_mass=(w.double() ** 2).sum(),
+    )
+    return batch, norm
