@@ -20,7 +20,6 @@ HORIZON = max(RESPONSE_LENS)
 PARAMS = dict(eps_low=0.2, eps_high=0.28, dual_clip=3.0, tau_pos=1.0, tau_neg=1.05,
               clip_cov_ratio=0.1, clip_cov_lb=0.1, clip_cov_ub=5.0, kl_cov_ratio=0.2, ppo_kl_coef=0.1)
 REL = 1e-7
-MEASURED = {}  # (name, agg) -> (loss rel. diff, grad max rel. diff), printed at the end
 
 
 def _padded(seed=0):
@@ -104,22 +103,38 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
 
 
+def _compare(name, agg, monkeypatch, seed=7):
+    """(our loss, verl's, our gradient, verl's, our metrics) on the batch, clip_cov drawing
+    with the same seed on both sides."""
+    logp, old, adv, mask = _padded()
+    torch.manual_seed(seed)  # clip_cov's random subset: the same draw for both
+    ours, metrics = _ours(name, agg, logp, old, adv, mask)
+    (grad_ours,) = torch.autograd.grad(ours, logp)
+    torch.manual_seed(seed)
+    theirs = _verl_loss(name, agg, logp, old, adv, mask, monkeypatch)
+    (grad_theirs,) = torch.autograd.grad(theirs, logp)
+    return ours.detach(), theirs.detach(), grad_ours, grad_theirs, metrics
+
+
 @pytest.mark.parametrize("agg", LOSS_AGGS)
 @pytest.mark.parametrize("name", list(POLICY_LOSSES))
 def test_policy_loss_equals_verls(name, agg, monkeypatch):
-    logp, old, adv, mask = _padded()
-    torch.manual_seed(7)  # clip_cov's random subset: the same draw for both
-    ours, metrics = _ours(name, agg, logp, old, adv, mask)
-    (grad_ours,) = torch.autograd.grad(ours, logp)
-    torch.manual_seed(7)
-    theirs = _verl_loss(name, agg, logp, old, adv, mask, monkeypatch)
-    (grad_theirs,) = torch.autograd.grad(theirs, logp)
-    MEASURED[(name, agg)] = (_rel(ours.detach(), theirs.detach()), _rel(grad_ours, grad_theirs))
-    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=REL)
+    ours, theirs, grad_ours, grad_theirs, metrics = _compare(name, agg, monkeypatch)
+    assert float(ours) == pytest.approx(float(theirs), rel=REL)
     assert _rel(grad_ours, grad_theirs) <= REL, _rel(grad_ours, grad_theirs)
     assert float(grad_theirs.abs().max()) > 1e-3  # a gradient that could differ
     if name in ("vanilla", "gspo", "clip_cov", "kl_cov", "geo_mean", "cispo"):
         assert 0 < metrics["pg/clipfrac"] < 1  # the clip (or selection) binds on some tokens, not all
+
+
+def test_clip_cov_draws_the_same_subset_as_verl(monkeypatch):
+    """Seeds whose draws differ (test_the_clips_and_draws_are_exercised): equal to verl at each."""
+    losses = []
+    for seed in (7, 10):
+        ours, theirs, grad_ours, grad_theirs, _ = _compare("clip_cov", "token-mean", monkeypatch, seed)
+        assert float(ours) == pytest.approx(float(theirs), rel=REL) and _rel(grad_ours, grad_theirs) <= REL
+        losses.append(float(ours))
+    assert losses[0] != losses[1]
 
 
 def test_the_clips_and_draws_are_exercised():
@@ -130,16 +145,20 @@ def test_the_clips_and_draws_are_exercised():
     for seed in (7, 8, 9, 10):
         torch.manual_seed(seed)
         ours, metrics = _ours("clip_cov", "token-mean", logp, old, adv, mask)
-        drawn.append(float(ours))
+        drawn.append(float(ours.detach()))
         assert metrics["pg/clipfrac"] > 0
     assert len(set(drawn)) > 1
 
 
-def test_report_measured(capsys):
-    """Prints the measured relative differences (loss, gradient) per variant and aggregation."""
-    if not MEASURED:
-        pytest.skip("run with the comparison tests (the whole file)")
+def test_report_measured(capsys, monkeypatch):
+    """The largest relative differences (loss, gradient) of every variant and aggregation,
+    printed as a table (pytest -s shows it), all within REL."""
+    rows = []
+    for name in POLICY_LOSSES:
+        for agg in LOSS_AGGS:
+            ours, theirs, grad_ours, grad_theirs, _ = _compare(name, agg, monkeypatch)
+            rows.append((name, agg, _rel(ours, theirs), _rel(grad_ours, grad_theirs)))
     with capsys.disabled():
-        for (name, agg), (loss_rel, grad_rel) in sorted(MEASURED.items()):
+        for name, agg, loss_rel, grad_rel in rows:
             print(f"\n{name:9s} {agg:24s} loss {loss_rel:.1e} grad {grad_rel:.1e}", end="")
-    assert max(max(v) for v in MEASURED.values()) <= REL
+    assert max(max(r[2], r[3]) for r in rows) <= REL
