@@ -147,6 +147,6 @@ class LossConfig:
                                  "(a constant, e.g. the longest response allowed)")
         elif not norm:
             raise ValueError(f"loss_scale_factor applies to loss_agg='seq-mean-token-sum-norm' only, "
-                             f"got it with loss_agg={self.loss_agg!r} (set it to None)")
+                             f"got it with loss_agg={self.loss_agg!r}: leave it unset, or use that loss_agg")
         elif not (0.0 < check_number("loss_scale_factor", self.loss_scale_factor) < float("inf")):
             raise ValueError(f"loss_scale_factor must be finite and > 0, got {self.loss_scale_factor}")
