@@ -126,6 +126,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("--no-save", action="store_true", help="print only")
     c.add_argument("--jobs", type=int, default=None, help="worker processes counting shapes (default: CPUs, at most 8)")
 
+    tu = sub.add_parser("tune", help="GPU: time the tile candidates that pass the compile check, record the "
+                                     "fastest per (GPU, dtype, D, V) in the tuning file the op reads")
+    tu.add_argument("--device", choices=("cuda",), default="cuda")
+    tu.add_argument("--shapes", default=None, help="comma list of DxV (default: the Qwen2.5 1.5B, 7B and 8B-class heads)")
+    tu.add_argument("--dtypes", default="bf16", help="comma list: bf16,fp16,fp32")
+    tu.add_argument("--budget-s", type=float, default=600.0, help="time no new candidate after this many seconds")
+    tu.add_argument("--out", default=None, help="the tuning file (default: erpo_kernels.tuning.tuning_path())")
+
     cal = sub.add_parser("calibrate", help="GPU: the linear op and the bare lm_head GEMMs timed beside the cost model")
     _common(cal)
     cal.add_argument("--targets", default=None, help="comma list of NxDxV (default: issue 18's three shapes)")
@@ -174,6 +182,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _cost(args, argv)
     if args.command == "calibrate":
         return _calibrate(args)
+    if args.command == "tune":
+        return _tune(args)
     if args.command == "rollout":
         return _rollout(args)
     if args.command == "demo-vllm":
@@ -230,6 +240,23 @@ def _targets(text: Optional[str]):
     except ValueError:
         raise SystemExit("erpo: error: --targets takes NxDxV sizes, e.g. 8192x4096x151936,2048x4096x151936")
     return targets
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from . import tune
+
+    shapes = tune.DEFAULT_SHAPES
+    if args.shapes:
+        try:
+            shapes = [tuple(int(x) for x in t.lower().split("x")) for t in _csv(args.shapes)]
+            if any(len(t) != 2 or min(t) < 1 for t in shapes):
+                raise ValueError
+        except ValueError:
+            raise SystemExit("erpo: error: --shapes takes DxV sizes, e.g. 4096x151936,1536x151936")
+    dtypes = _csv(args.dtypes) or ["bf16"]
+    if set(dtypes) - {"bf16", "fp16", "fp32"}:
+        raise SystemExit(f"erpo: error: --dtypes takes bf16, fp16, fp32; got {args.dtypes}")
+    return tune.run(shapes, dtypes, args.budget_s, args.out)
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -152,34 +152,46 @@ def _residue_plan(key: str, target: Shape, moduli: Tuple[int, int, int], base=(1
 # ----------------------------------------------------------------------------- ours
 
 
+# The architecture whose default tiles ours are counted with: the modelled GPUs (H100, H200)
+# are sm_90 (B200's sm_100 tiles have the same sizes, so the same counts).
+COUNTED_CAPABILITY = (9, 0)
+
+
+def _erpo_tiles(op: str):
+    from erpo_kernels import default_tiles
+
+    return default_tiles(op, DTYPE, COUNTED_CAPABILITY)
+
+
 def _erpo_linear(hidden, weight, targets):
     import erpo_kernels
 
-    return erpo_kernels.linear_token_logprobs(hidden, weight, targets, backend="triton")
+    return erpo_kernels.linear_token_logprobs(hidden, weight, targets, backend="triton",
+                                              tiles=_erpo_tiles("linear_token_logprobs"))
 
 
 def _erpo_linear_plan(target: Shape) -> FitPlan:
-    """Residue classes of every tile and chunk of the kernels' Tiles (rows: block_n, gemm_n and the
-    merge block; D: block_d, gemm_d; V: block_v, gemm_v and the vocabulary chunk, split_tiles x
-    block_v), with at least two vocabulary chunks (a single chunk may take another path)."""
+    """Residue classes of every tile and chunk of the kernels' Tiles (rows: block_n, gemm_n, gemm_k
+    and the merge block; D: block_d, gemm_d; V: block_v, gemm_v, gemm_k and the vocabulary chunk,
+    split_tiles x block_v), with at least two vocabulary chunks (a single chunk may take another
+    path)."""
     ltl = importlib.import_module("erpo_kernels.linear_token_logprobs")  # the module (the package exports the function)
-    t = ltl.DEFAULT_TILES[DTYPE]
+    t = _erpo_tiles("linear_token_logprobs")
     size = lambda name: getattr(t, name, 1)  # noqa: E731 (tiles a design may not have)
-    mn = math.lcm(t.block_n, size("gemm_n"), getattr(ltl, "MERGE_BLOCK", 1))
+    mn = math.lcm(t.block_n, size("gemm_n"), size("gemm_k"), getattr(ltl, "MERGE_BLOCK", 1))
     md = math.lcm(t.block_d, size("gemm_d"))
-    mv = math.lcm(t.block_v, size("gemm_v"), t.block_v * size("split_tiles"))
+    mv = math.lcm(t.block_v, size("gemm_v"), size("gemm_k"), t.block_v * size("split_tiles"))
     return _residue_plan("erpo", target, (mn, md, mv), base=(1, 1, mv + 1))
 
 
 def _erpo_token(logits, targets):
     import erpo_kernels
 
-    return erpo_kernels.token_logprobs(logits, targets, backend="triton")
+    return erpo_kernels.token_logprobs(logits, targets, backend="triton", tiles=_erpo_tiles("token_logprobs"))
 
 
 def _erpo_token_plan(target: Shape) -> FitPlan:
-    tlp = importlib.import_module("erpo_kernels.token_logprobs")
-    blocks = getattr(tlp, "DEFAULT_TILES", None) or getattr(tlp, "DEFAULT_BLOCKS", None)
+    blocks = _erpo_tiles("token_logprobs")
     mv = math.lcm(getattr(blocks, "fwd_max_block_v", 1), getattr(blocks, "bwd_max_block_v", 1))
     return _residue_plan("erpo-token", target, (1, 1, mv), base=(16, 1, 1))
 

@@ -2,14 +2,17 @@
 # The GPU check in one script, for a bare CUDA machine with PyTorch and Triton preinstalled and
 # no network (e.g. one H200, Python 3.12, torch 2.11, triton 3.6). Run from anywhere:
 #
-#     OUT=<dir> bash bench/gpu_check.sh        # every file -> <dir> (six files, no folders)
+#     OUT=<dir> bash bench/gpu_check.sh        # every file -> <dir> (eight files, no folders)
 #     bash bench/gpu_check.sh                  # results -> bench/results/, logs -> /tmp/erpo-gpu-check/
 #     ERPO_BENCH_COMMIT=<sha> ...              # the commit to record when .git did not travel
 #
 # Nothing is fetched and the project is not installed: it runs from this checkout on
 # PYTHONPATH with the machine's own packages. Every phase runs under `timeout`, and the whole
-# script ends within about T_TOTAL seconds (default 540, 9 minutes):
+# script ends within about T_TOTAL seconds (default 570, 9.5 minutes):
 #   0. environment; stops at once (exit 2, summary.txt says why) when no CUDA device is visible
+#   0b. python -m bench tune --device cuda (limit T_TUNE, default 60): the tile candidates of this
+#      GPU's architecture that pass the compile check, timed at D x V = 4096 x 151,936 (bf16); the
+#      fastest goes to tiles.json (ERPO_TUNING_FILE, exported: the later phases launch with it)
 #   1. peer wheels from .whl/ when that folder travelled (pip --no-index --no-deps into /tmp):
 #      liger-kernel, cut-cross-entropy, and trl (trl==1.16.0, pure Python; made with
 #      `pip download trl==1.16.0 --no-deps -d .whl`), whose peers (trl, trl-chunked,
@@ -27,7 +30,8 @@
 #   5. python -m bench step --device cuda --quick  (at least T_STEP)
 #   6. summary.txt: exit codes, the tests' result line and the generated tables
 # The results file is rewritten after every measurement, so a phase stopped at its limit keeps
-# what it measured. Files: tests.log, calibrate.log, kernels.log, step.log, summary.txt, <machine>.json and
+# what it measured. Files: tune.log, tiles.json, tests.log, calibrate.log, kernels.log, step.log, summary.txt,
+# <machine>.json and
 # <machine>.png (machine from the GPU's name, e.g. nvidia-h200).
 # Afterwards, on the development machine: python -m bench merge <those files>/nvidia-h200.json
 set -u
@@ -42,12 +46,13 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
-# Limits (seconds). Before the kernels at most 15 + 45 + 20 + T_TESTS + T_CAL + 10; the kernels get
-# what is left of T_TOTAL after T_STEP and T_SUMMARY (>= 70 s with the defaults); each `timeout -k 5`
-# may add 5 s, so the script ends within T_TOTAL + 25.
-T_TOTAL=${T_TOTAL:-540}
+# Limits (seconds). Before the kernels at most 15 + 45 + T_TUNE + 20 + T_TESTS + T_CAL + 10; the kernels
+# get what is left of T_TOTAL after T_STEP and T_SUMMARY (>= 60 s with the defaults); each `timeout -k 5`
+# may add 5 s, so the script ends within T_TOTAL + 30.
+T_TOTAL=${T_TOTAL:-570}
+T_TUNE=${T_TUNE:-60}
 T_TESTS=${T_TESTS:-150}
-T_CAL=${T_CAL:-120}
+T_CAL=${T_CAL:-100}
 T_STEP=${T_STEP:-80}
 T_SUMMARY=30
 WORKERS=${WORKERS:-8}                   # pytest-xdist workers (0: one process)
@@ -77,6 +82,14 @@ if [ $RC_ENV -ne 0 ]; then
   echo "== [$(elapsed)s] stopped: no PyTorch with a visible CUDA device; see $LOGS/summary.txt"
   exit 2
 fi
+
+export ERPO_TUNING_FILE=${ERPO_TUNING_FILE:-$LOGS/tiles.json}
+echo "== [$(elapsed)s] bench tune (limit ${T_TUNE}s) -> $ERPO_TUNING_FILE"
+timeout -k 5 "$T_TUNE" $PY -m bench tune --device cuda --shapes 4096x151936 --dtypes bf16 \
+  --budget-s $(( T_TUNE > 40 ? T_TUNE - 30 : T_TUNE / 2 )) --out "$ERPO_TUNING_FILE" > "$LOGS/tune.log" 2>&1
+RC_TUNE=$?
+tail -n 12 "$LOGS/tune.log"
+[ $RC_TUNE -eq 124 ] && echo "  tune: stopped at the ${T_TUNE}s limit (a finished entry is saved)"
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   echo "== [$(elapsed)s] peer wheels from .whl/"
@@ -164,7 +177,8 @@ tail -n 12 "$LOGS/step.log"
 echo "== [$(elapsed)s] summary"
 {
   echo "$ENV_INFO"
-  echo "exit codes: tests $RC_TESTS, calibrate $RC_CAL, kernels $RC_KERNELS, step $RC_STEP (124 = time limit)"
+  echo "exit codes: tune $RC_TUNE, tests $RC_TESTS, calibrate $RC_CAL, kernels $RC_KERNELS, step $RC_STEP (124 = time limit)"
+  echo "tiles: $( [ -f "$ERPO_TUNING_FILE" ] && cat "$ERPO_TUNING_FILE" | tr -d '\n' | cut -c1-600 || echo 'no tuning file: default tiles')"
   echo "tests: $TESTS_RESULT"
   timeout -k 5 "$T_SUMMARY" $PY -m bench report --out-dir "$DEST" --print 2>&1
   echo "total: $(elapsed) s; results in $DEST: $(cd "$DEST" && ls | tr '\n' ' '); logs in $LOGS"

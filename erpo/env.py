@@ -62,6 +62,26 @@ def _kernels_lines(cuda: bool) -> List[str]:
     return lines
 
 
+def tiles_lines(device: torch.device) -> List[str]:
+    """The tiles each op launches with on `device` without tiles= (erpo_kernels.default_tiles,
+    or a tuning file's entry at the D and V it names: see `python -m bench tune`)."""
+    from erpo_kernels.tiles import ARCHITECTURES, device_capability
+    from erpo_kernels.tuning import tuning_path
+
+    cap = device_capability(device)
+    if cap is None:
+        where = "no CUDA device: CPU tensors (the interpreter) get the conservative tiles"
+    else:
+        known = "" if cap in ARCHITECTURES else ", not in the table: the conservative tiles"
+        where = f"sm_{cap[0]}{cap[1]}{known}"
+    lines = [f"tiles:   {where}; a tuning file ({tuning_path()}) overrides them per GPU, dtype, D and V"]
+    for dtype in (torch.bfloat16, torch.float32):
+        t = ek.default_tiles("linear_token_logprobs", dtype, cap)
+        lines.append(f"  linear_token_logprobs[{str(dtype).replace('torch.', '')}]: {t}")
+    lines.append(f"  token_logprobs[any dtype]: {ek.default_tiles('token_logprobs', torch.bfloat16, cap)}")
+    return lines
+
+
 def env_report() -> str:
     """The lines `erpo env` prints."""
     triton_version = "not installed"
@@ -82,4 +102,4 @@ def env_report() -> str:
     ]
     for name, chosen, check in op_backends(device):
         lines.append(f"  {name:<22} {chosen:<7} {check}")
-    return "\n".join(lines + _kernels_lines(cuda))
+    return "\n".join(lines + tiles_lines(device) + _kernels_lines(cuda))

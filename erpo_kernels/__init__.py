@@ -33,7 +33,8 @@ from .objective import (
     split_batch,
 )
 from .segment_sum import segment_sum
-from .token_logprobs import RowTiles, token_logprobs
+from .tiles import RowTiles, Tiles, default_tiles
+from .token_logprobs import token_logprobs
 from . import vocab_parallel  # noqa: F401,E402  registers linear_token_logprobs' path for a sharded weight
 from .weighted_k3 import MAX_GUARD, weighted_k3
 
@@ -52,9 +53,11 @@ __all__ = [
     "MicroBatch",
     "PackedLossBatch",
     "RowTiles",
+    "Tiles",
     "TokenLoss",
     "check_backend",
     "combine_metrics",
+    "default_tiles",
     "entropy_threshold",
     "erpo_loss",
     "erpo_loss_from_logp",

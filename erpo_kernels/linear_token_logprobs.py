@@ -45,7 +45,7 @@ own backward in that dtype does).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -63,6 +63,7 @@ from ._utils import (
     resolve_kernel_backend,
 )
 from .logit_transform import LogitTransform
+from .tiles import Tiles, launch_tiles
 
 
 @triton.jit
@@ -395,25 +396,25 @@ def _grouped_tile(t, n_m, n_n, GROUP: tl.constexpr):
 @triton.jit
 def _dweight_tile(
     t, dr_ptr, h_ptr, order_ptr, dw_ptr, n_valid, v0, chunk_cols, D, stride_dr, stride_hn, stride_hd,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, GEMM_N: tl.constexpr, GEMM_V: tl.constexpr, GEMM_D: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, GEMM_V: tl.constexpr, GEMM_D: tl.constexpr, GEMM_K: tl.constexpr,
 ):
     """d_weight[v0 + i, d] = sum_p dr[p, i] hidden[order[p], d] for one [GEMM_V, GEMM_D]
-    tile (K = the valid rows, GEMM_N at a time, in order), written once in weight's dtype."""
+    tile (K = the valid rows, GEMM_K at a time, in order), written once in weight's dtype."""
     tm, tn = _grouped_tile(t, tl.cdiv(chunk_cols, GEMM_V), tl.cdiv(D, GEMM_D), 8)
     local = tm * GEMM_V + tl.arange(0, GEMM_V)
     v_mask = local < chunk_cols
     offs_d = tn * GEMM_D + tl.arange(0, GEMM_D)
     d_mask = offs_d < D
     acc = tl.zeros((GEMM_V, GEMM_D), dtype=tl.float32)
-    for p0 in range(0, n_valid, GEMM_N):
-        p = p0 + tl.arange(0, GEMM_N)
+    for p0 in range(0, n_valid, GEMM_K):
+        p = p0 + tl.arange(0, GEMM_K)
         p_mask = p < n_valid
         drt = tl.load(
             dr_ptr + p.to(tl.int64)[None, :] * stride_dr + local[:, None], mask=v_mask[:, None] & p_mask[None, :],
             other=0.0,
-        )  # [GEMM_V, GEMM_N]: dr transposed
+        )  # [GEMM_V, GEMM_K]: dr transposed
         row_index = tl.load(order_ptr + p, mask=p_mask, other=0).to(tl.int64)
-        h = _load_rows(h_ptr, row_index, p_mask, stride_hn, offs_d, d_mask, stride_hd)  # [GEMM_N, GEMM_D]
+        h = _load_rows(h_ptr, row_index, p_mask, stride_hn, offs_d, d_mask, stride_hd)  # [GEMM_K, GEMM_D]
         acc = _mm(drt, h, acc, IEEE, UPCAST)
     cols64 = (v0 + local).to(tl.int64)
     tl.store(
@@ -440,13 +441,13 @@ def _dbias_tile(
 @triton.jit
 def _dhidden_tile(
     t, dr_ptr, w_ptr, order_ptr, acc_ptr, dh_ptr, n_rows, n_valid, v0, chunk_cols, D, stride_dr, stride_wv, stride_wd,
-    FIRST: tl.constexpr, LAST: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    GEMM_N: tl.constexpr, GEMM_V: tl.constexpr, GEMM_D: tl.constexpr,
+    first, last, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    GEMM_N: tl.constexpr, GEMM_D: tl.constexpr, GEMM_K: tl.constexpr,
 ):
     """d_hidden[order[p], d] += sum_i dr[p, i] weight[v0 + i, d] for one [GEMM_N, GEMM_D]
-    tile: the chunk's sum (K = its columns, GEMM_V at a time, in order) is added to the
-    running sum read from acc (fp32) unless FIRST, and written back to acc, or with LAST
-    to dh in its dtype."""
+    tile: the chunk's sum (K = its columns, GEMM_K at a time, in order) is added to the
+    running sum read from acc (fp32) unless `first`, and written back to acc, or with
+    `last` to dh in its dtype (first, last: runtime 0 / 1, one compiled kernel for all chunks)."""
     tm, tn = _grouped_tile(t, tl.cdiv(n_rows, GEMM_N), tl.cdiv(D, GEMM_D), 1)
     p = tm * GEMM_N + tl.arange(0, GEMM_N)
     if tm * GEMM_N < n_valid:  # a tile of ignored rows: no work
@@ -454,22 +455,22 @@ def _dhidden_tile(
         offs_d = tn * GEMM_D + tl.arange(0, GEMM_D)
         d_mask = offs_d < D
         part = tl.zeros((GEMM_N, GEMM_D), dtype=tl.float32)
-        for k0 in range(0, chunk_cols, GEMM_V):
-            k = k0 + tl.arange(0, GEMM_V)
+        for k0 in range(0, chunk_cols, GEMM_K):
+            k = k0 + tl.arange(0, GEMM_K)
             k_mask = k < chunk_cols
             dr = tl.load(
                 dr_ptr + p.to(tl.int64)[:, None] * stride_dr + k[None, :], mask=p_mask[:, None] & k_mask[None, :],
                 other=0.0,
-            )  # [GEMM_N, GEMM_V]
+            )  # [GEMM_N, GEMM_K]
             w = _load_rows(w_ptr, (v0 + k).to(tl.int64), k_mask, stride_wv, offs_d, d_mask, stride_wd)
             part = _mm(dr, w, part, IEEE, UPCAST)
         # the output offsets only now: kept out of the loop's live registers
         row_index = tl.load(order_ptr + p, mask=p_mask, other=0).to(tl.int64)
         out = row_index[:, None] * D + offs_d[None, :]
         out_mask = p_mask[:, None] & d_mask[None, :]
-        if not FIRST:
+        if first == 0:
             part += tl.load(acc_ptr + out, mask=out_mask, other=0.0)
-        if LAST:
+        if last != 0:
             tl.store(dh_ptr + out, round_to(part, dh_ptr.dtype.element_ty, UPCAST), mask=out_mask)
         else:
             tl.store(acc_ptr + out, part, mask=out_mask)
@@ -480,18 +481,19 @@ def _dhidden_tile(
 # ([n_db, n_db + n_dw)) and the d_hidden tiles (the rest), so that all read the chunk's
 # dr while it is in L2 and small batches still fill the GPU. Each output tile is one
 # program's register accumulator: no atomics, a fixed order.
-@triton.jit
+@triton.jit(do_not_specialize=["first", "last"])
 def _ltl_bwd_gemm_kernel(
     dr_ptr,  # [N, C] from _ltl_bwd_dr_kernel (compact positions), row stride stride_dr
     db_part_ptr,  # [cdiv(N, part_rows), C] fp32 from _ltl_bwd_dr_kernel (when n_db > 0)
     h_ptr, w_ptr, order_ptr, n_valid_ptr,  # as in the forward kernel
     db_ptr, dw_ptr,  # [V] and [V, D] out in bias's and weight's dtypes (when n_db, n_dw > 0)
-    acc_ptr,  # [N, D] fp32 running d_hidden at the caller's row index: read unless FIRST, written unless LAST
-    dh_ptr,  # [N, D] out, hidden's dtype (LAST): rows of ignored targets untouched
+    acc_ptr,  # [N, D] fp32 running d_hidden at the caller's row index: read unless first, written unless last
+    dh_ptr,  # [N, D] out, hidden's dtype (last): rows of ignored targets untouched
     n_db, n_dw, n_rows, part_rows, v0, chunk_cols, D, stride_dr,
     stride_hn, stride_hd, stride_wv, stride_wd,
-    FIRST: tl.constexpr, LAST: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    GEMM_N: tl.constexpr, GEMM_V: tl.constexpr, GEMM_D: tl.constexpr,
+    first, last,  # 1 in the vocabulary's first / last chunk, else 0 (runtime: never specialized)
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    GEMM_N: tl.constexpr, GEMM_V: tl.constexpr, GEMM_D: tl.constexpr, GEMM_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_valid = tl.load(n_valid_ptr)
@@ -500,79 +502,13 @@ def _ltl_bwd_gemm_kernel(
     elif pid < n_db + n_dw:
         _dweight_tile(
             pid - n_db, dr_ptr, h_ptr, order_ptr, dw_ptr, n_valid, v0, chunk_cols, D, stride_dr, stride_hn,
-            stride_hd, IEEE, UPCAST, GEMM_N, GEMM_V, GEMM_D,
+            stride_hd, IEEE, UPCAST, GEMM_V, GEMM_D, GEMM_K,
         )
     else:
         _dhidden_tile(
             pid - n_db - n_dw, dr_ptr, w_ptr, order_ptr, acc_ptr, dh_ptr, n_rows, n_valid, v0, chunk_cols, D,
-            stride_dr, stride_wv, stride_wd, FIRST, LAST, IEEE, UPCAST, GEMM_N, GEMM_V, GEMM_D,
+            stride_dr, stride_wv, stride_wd, first, last, IEEE, UPCAST, GEMM_N, GEMM_D, GEMM_K,
         )
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """Launch configuration of the kernels (GPU-sized defaults per dtype in
-    DEFAULT_TILES; pass one as `tiles=` to choose another).
-
-    The logit tiles (block_n x block_v, block_d at a time, num_warps) are shared by the
-    forward and the backward's recompute on purpose: the backward must reproduce the
-    forward's logits bit for bit. A tile computed with another shape can differ by an
-    ulp of the logit, and near p = 1 the gradient g (onehot - p) is a difference of
-    nearly equal numbers: an ulp at |s| ~ 400 (3e-5) then becomes a 3e-5 gradient error
-    where the true value is ~0. Both process the vocabulary in chunks of `split_tiles`
-    vocabulary tiles (the forward: one program per (row tile, chunk); the backward: one
-    pair of launches per chunk, its workspace [N, split_tiles * block_v]): the chunks
-    depend on V and this configuration only, never on the batch, so that a row's
-    results do not either (batch invariance). The backward's products on a chunk run on
-    gemm_warps warps in tiles of gemm_n rows, gemm_v vocabulary columns and gemm_d
-    hidden columns: d_weight in [gemm_v, gemm_d] tiles over the rows, gemm_n at a time,
-    d_hidden in [gemm_n, gemm_d] tiles over the chunk's columns, gemm_v at a time.
-    Block sizes are powers of two >= 16 (tl.dot).
-    """
-
-    block_n: int = 64
-    block_v: int = 128
-    block_d: int = 32
-    num_warps: int = 8
-    split_tiles: int = 32
-    gemm_n: int = 128
-    gemm_v: int = 128
-    gemm_d: int = 128
-    gemm_warps: int = 8
-
-    def __post_init__(self) -> None:
-        for name in ("block_n", "block_v", "block_d", "gemm_n", "gemm_v", "gemm_d"):
-            b = getattr(self, name)
-            if isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1):
-                raise ValueError(f"Tiles.{name} must be a power of two >= 16 (tl.dot), got {b!r}")
-        for name in ("num_warps", "gemm_warps"):
-            w = getattr(self, name)
-            if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 32 or w & (w - 1):
-                raise ValueError(f"Tiles.{name} must be a power of two in [1, 32], got {w!r}")
-        k = self.split_tiles
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"Tiles.split_tiles must be an int >= 1, got {k!r}")
-
-    def as_list(self) -> List[int]:
-        """The fields in order, as a custom op takes them (Tiles(*tiles) rebuilds it)."""
-        return [getattr(self, f.name) for f in fields(self)]
-
-
-# Defaults per input dtype, chosen without a GPU from ptxas's register report for sm_90
-# (ahead-of-time compile as the JIT specializes a contiguous launch, triton 3.9 here and
-# 3.6, the GPU machine's: tests/test_linear_token_logprobs.py checks it): bf16/fp16
-# logit tiles 64 x 128 x 32 and product tiles 128 x 128 x 128 (8 warps) use wgmma and
-# spill nothing (product tiles with 4 warps spill ~1 KB); fp32 (FMA dots, IEEE) spills
-# nothing at 64 x 64 x 16 and products 64 x 64 x 64 (8 bytes in the forward at
-# block_d = 32, tens of KB at 128-wide products). The vocabulary chunk is 32 tiles
-# (4096 columns in bf16/fp16, 2048 in fp32): V = 151,936 makes 38 (75) chunks, so the
-# forward fills a GPU from a single row tile and the backward's workspace is 2.7% of
-# an [N, V] bf16 tensor.
-DEFAULT_TILES: Dict[torch.dtype, Tiles] = {
-    torch.float16: Tiles(),
-    torch.bfloat16: Tiles(),
-    torch.float32: Tiles(block_v=64, block_d=16, gemm_n=64, gemm_v=64, gemm_d=64),
-}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -643,7 +579,7 @@ class _Launch:
             IEEE=h.dtype == torch.float32,  # fp32 operands: no TF32 (see _mm)
             UPCAST=h.dtype == torch.bfloat16 and interpreting(),  # the interpreter's bf16 dot (see _mm)
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
-            **self.transform.kernel_args(),
+            num_stages=cfg.num_stages, **self.transform.kernel_args(),
         )
 
 
@@ -749,9 +685,10 @@ def _chunk_products(
         acc_ptr=acc if acc is not None else dr, dh_ptr=d_hidden if d_hidden is not None else dr,
         n_db=n_db, n_dw=n_dw, n_rows=n, part_rows=cfg.block_n, v0=v0, chunk_cols=cols, D=d, stride_dr=dr.stride(0),
         stride_hn=h.stride(0), stride_hd=h.stride(1), stride_wv=w.stride(0), stride_wd=w.stride(1),
-        FIRST=v0 == 0, LAST=v0 + cols == w.shape[0],
+        first=int(v0 == 0), last=int(v0 + cols == w.shape[0]),
         IEEE=h.dtype == torch.float32, UPCAST=h.dtype == torch.bfloat16 and interpreting(),
-        GEMM_N=cfg.gemm_n, GEMM_V=cfg.gemm_v, GEMM_D=cfg.gemm_d, num_warps=cfg.gemm_warps,
+        GEMM_N=cfg.gemm_n, GEMM_V=cfg.gemm_v, GEMM_D=cfg.gemm_d, GEMM_K=cfg.gemm_k, num_warps=cfg.gemm_warps,
+        num_stages=cfg.gemm_stages,
     )
 
 
@@ -760,6 +697,15 @@ def _chunk_products(
 # shape-only fake for compile, autograd registered), with the kernels or the reference
 # behind it (`use_triton`). Tensors are positional, options keyword-only: the backward
 # returns one gradient per tensor input. The backward is a second custom op.
+
+
+def _tiles_of(tiles: List[int], hidden: torch.Tensor, weight: torch.Tensor) -> Tiles:
+    """The op's `tiles` option: the caller's Tiles as a list, or [] for the device's
+    (erpo_kernels.tiles.launch_tiles: a tuning file's entry for this GPU, dtype, D and V,
+    else default_tiles; never a function of N)."""
+    if tiles:
+        return Tiles(*tiles)
+    return launch_tiles("linear_token_logprobs", hidden, hidden.shape[1], weight.shape[0])
 
 
 def _placeholder(like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -778,7 +724,8 @@ def _linear_token_logprobs_op(
     transform = LogitTransform(inv_t, softcap, logit_scale, unit)
     with no_autocast(hidden.device):
         if use_triton:
-            launch = _Launch.build(hidden, weight, bias, targets, transform, ignore_index, Tiles(*tiles))
+            launch = _Launch.build(hidden, weight, bias, targets, transform, ignore_index,
+                                   _tiles_of(tiles, hidden, weight))  # fmt: skip
             logp, entropy, lse_parts = _forward(launch, return_entropy)
             order, n_valid = launch.order, launch.n_valid
         else:
@@ -815,7 +762,7 @@ def _backward_op(
     with no_autocast(hidden.device):
         if use_triton:
             launch = _Launch(_int32_safe_columns(hidden), _int32_safe_columns(weight), bias, targets.contiguous(),
-                             transform, order, n_valid, Tiles(*tiles))  # fmt: skip
+                             transform, order, n_valid, _tiles_of(tiles, hidden, weight))  # fmt: skip
             f32 = dict(dtype=torch.float32, device=hidden.device)
             g = g_logp.to(torch.float32).contiguous() if g_logp is not None else torch.zeros(hidden.shape[0], **f32)
             ge = g_entropy.to(torch.float32).contiguous() if g_entropy is not None else None
@@ -928,8 +875,9 @@ def linear_token_logprobs(
             inv_temperature (positive, finite). These checks read the tensors on the
             host (a device sync); pass False in a hot loop once the batch has been
             validated. Shapes, dtypes and devices are always checked.
-        tiles: the Triton launch configuration, a Tiles (None: DEFAULT_TILES for the
-            dtype); results depend on it.
+        tiles: the Triton launch configuration, a Tiles (None: the device's, see
+            erpo_kernels.default_tiles and `python -m bench tune`); results depend on it,
+            never on N.
     weight (and bias) may be DTensors sharded Shard(0) on a 1-D mesh (the lm_head
     vocabulary-parallel over a tensor-parallel group, hidden and targets the same on
     every rank): each rank works on its rows only and the ranks combine per-row
@@ -971,6 +919,6 @@ def linear_token_logprobs(
     logp, entropy, _, _, _ = _linear_token_logprobs_op(
         hidden, weight, bias, targets.contiguous(), inv_t, softcap=softcap, logit_scale=logit_scale, unit=unit,
         ignore_index=ignore_index, return_entropy=bool(return_entropy), use_triton=use_triton,
-        tiles=(tiles or DEFAULT_TILES.get(hidden.dtype, Tiles())).as_list(),
+        tiles=tiles.as_list() if tiles is not None else [],
     )
     return (logp, entropy) if return_entropy else logp

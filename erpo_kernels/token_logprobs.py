@@ -23,7 +23,6 @@ Logit scale and soft cap, applied to the raw logits r in this order:
 from __future__ import annotations
 
 import warnings
-from dataclasses import astuple, dataclass
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -31,40 +30,9 @@ from . import reference
 from ._triton import interpreting, round_to, soft_cap, tl, triton
 from ._utils import FLOAT_DTYPES, check_targets, check_tensor, compute_dtype, no_autocast, resolve_kernel_backend
 from .logit_transform import LogitTransform
+from .tiles import RowTiles, launch_tiles
 
-@dataclass(frozen=True)
-class RowTiles:
-    """Launch configuration of the row kernels (the `tiles=` argument): one program per row, streaming the row in blocks
-    of at most `fwd_max_block_v` (forward) and `bwd_max_block_v` (backward) columns;
-    small vocabularies use one block of next_power_of_2(V). A row's results depend on
-    this choice (the order of its sums), never on the other rows.
-
-    Defaults, for sm_90: forward 8192 columns with 8 warps (32 values per thread: the
-    three block reductions per step cost less per value than at 16: ~13 sm_90 SASS
-    instructions per bf16 logit with the entropy and ~10 without, against ~15.5 and ~12
-    at 16 per thread); backward 4096 columns with 8 warps (16 per thread: it has no
-    reductions, and fewer registers keep more rows in flight). V = 151,936 takes 19
-    forward and 38 backward steps. Tests pass tiny blocks to run several per row.
-    """
-
-    fwd_max_block_v: int = 8192
-    bwd_max_block_v: int = 4096
-    fwd_values_per_thread: int = 32
-    bwd_values_per_thread: int = 16
-
-    def __post_init__(self) -> None:
-        for name in ("fwd_max_block_v", "bwd_max_block_v", "fwd_values_per_thread", "bwd_values_per_thread"):
-            b = getattr(self, name)
-            if isinstance(b, bool) or not isinstance(b, int) or b < 1 or b & (b - 1):
-                raise ValueError(f"RowTiles.{name} must be a power of two, got {b!r}")
-
-
-    def as_list(self) -> List[int]:
-        """The four sizes, as a custom op takes them (RowTiles(*sizes) rebuilds it)."""
-        return list(astuple(self))
-
-
-DEFAULT_TILES = RowTiles()
+DEFAULT_TILES = RowTiles()  # what default_tiles gives on every architecture
 # The names before the launch configuration was called `tiles=` on both ops.
 RowBlocks = RowTiles
 DEFAULT_BLOCKS = DEFAULT_TILES
@@ -222,6 +190,12 @@ def _token_logprobs_bwd_kernel(
             tl.store(grad_row + offs, round_to(grad, grad_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
+def _row_tiles(tiles: List[int], logits: torch.Tensor) -> RowTiles:
+    """The op's `tiles` option: the caller's RowTiles as a list, or [] for the device's
+    (erpo_kernels.tiles.launch_tiles)."""
+    return RowTiles(*tiles) if tiles else launch_tiles("token_logprobs", logits, 0, logits.shape[1])
+
+
 def _launch_config(vocab: int, max_block: int, values_per_thread: int) -> Tuple[int, int]:
     """(BLOCK_V, num_warps) for a row of `vocab` columns."""
     block = min(max_block, max(16, triton.next_power_of_2(vocab)))
@@ -308,7 +282,7 @@ def _token_logprobs_op(
     with no_autocast(logits.device):
         if use_triton:
             logp, entropy, row_max, log_norm = _triton_forward(
-                logits, targets, transform, ignore_index, return_entropy, RowTiles(*tiles)
+                logits, targets, transform, ignore_index, return_entropy, _row_tiles(tiles, logits)
             )
         else:
             logp, entropy = reference.token_logprobs_forward(logits, targets, transform, ignore_index, return_entropy)
@@ -336,7 +310,7 @@ def _backward_into(
         if use_triton:
             _triton_backward(
                 logits, grad, targets, transform, row_max, log_norm, entropy, g_logp, g_entropy, ignore_index,
-                RowTiles(*tiles),
+                _row_tiles(tiles, logits),
             )
         else:
             reference.token_logprobs_backward(
@@ -408,7 +382,7 @@ def _backward(ctx, g_logp, g_entropy, _g_row_max, _g_log_norm):
 _token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _launch_tiles(tiles: Optional[RowTiles], blocks: Optional[RowTiles]) -> RowTiles:
+def _launch_tiles(tiles: Optional[RowTiles], blocks: Optional[RowTiles]) -> Optional[RowTiles]:
     """The launch configuration from `tiles=` (or the older name `blocks=`)."""
     if blocks is not None:
         if tiles is not None:
@@ -418,7 +392,7 @@ def _launch_tiles(tiles: Optional[RowTiles], blocks: Optional[RowTiles]) -> RowT
         tiles = blocks
     if tiles is not None and not isinstance(tiles, RowTiles):
         raise ValueError(f"tiles must be None or a RowTiles, got {type(tiles).__name__}")
-    return tiles or DEFAULT_TILES
+    return tiles
 
 
 def _check_inplace_logits(logits: torch.Tensor) -> None:
@@ -478,7 +452,8 @@ def token_logprobs(
             inv_temperature (positive, finite). These checks read the tensors on the
             host (a device sync); pass False in a hot loop once the batch has been
             validated. Shapes, dtypes and devices are always checked.
-        tiles: the Triton launch configuration, a RowTiles (None: DEFAULT_TILES);
+        tiles: the Triton launch configuration, a RowTiles (None: the device's,
+            erpo_kernels.default_tiles);
             results depend on it. `blocks=` is its older name (deprecated).
     Returns:
         logp [N] fp32 (fp64 for fp64 logits), and entropy [N] when return_entropy.
@@ -503,6 +478,6 @@ def token_logprobs(
     logp, entropy, _, _ = _token_logprobs_op(
         logits, targets.contiguous(), inv_t, softcap=softcap, logit_scale=logit_scale, unit=unit,
         ignore_index=ignore_index, return_entropy=bool(return_entropy), inplace_backward=bool(inplace_backward),
-        use_triton=use_triton, tiles=tiles.as_list(),
+        use_triton=use_triton, tiles=tiles.as_list() if tiles is not None else [],
     )
     return (logp, entropy) if return_entropy else logp

@@ -52,8 +52,9 @@ import torch
 from . import reference
 from ._utils import (FLOAT_DTYPES, autocast_dtype, check_targets, check_tensor, compute_dtype, is_dtensor, no_autocast,
                      resolve_kernel_backend)
-from .linear_token_logprobs import DEFAULT_TILES, Tiles, _backward_op, _forward_splits, _Launch, register_vocab_parallel
+from .linear_token_logprobs import Tiles, _backward_op, _forward_splits, _Launch, register_vocab_parallel
 from .logit_transform import LogitTransform
+from .tiles import launch_tiles
 
 # Local targets: ignored rows and targets outside this rank's shard (negative: no column index).
 LOCAL_IGNORE = -1
@@ -391,7 +392,7 @@ def vocab_parallel_linear_token_logprobs(
         raise ValueError(f"tiles must be None or a Tiles, got {type(tiles).__name__}")
     use_triton = resolve_kernel_backend(backend, {"hidden": hidden}) == "triton"
     call = _Call(shard, transform.softcap, transform.logit_scale, transform.unit, bool(return_entropy), use_triton,
-                 tiles or DEFAULT_TILES.get(hidden.dtype, Tiles()))  # fmt: skip
+                 tiles or launch_tiles("linear_token_logprobs", hidden, hidden.shape[1], w.shape[0]))  # fmt: skip
     logp, entropy = _VocabParallel.apply(hidden, w, b, shard.local_targets(targets.contiguous(), ignore_index),
                                          transform, call)  # fmt: skip
     return (logp, entropy) if return_entropy else logp

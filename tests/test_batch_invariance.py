@@ -32,7 +32,8 @@ tlp = importlib.import_module("erpo_kernels.token_logprobs")
 
 IGNORE = -100
 SMALL_TILES = ltl.Tiles(
-    block_n=16, block_v=32, block_d=16, num_warps=4, split_tiles=2, gemm_n=16, gemm_v=16, gemm_d=16, gemm_warps=4
+    block_n=16, block_v=32, block_d=16, num_warps=4, split_tiles=2, gemm_n=16, gemm_v=16, gemm_d=16, gemm_warps=4,
+    gemm_k=16,
 )
 D, V = 24, 211
 # (N, position of the row, rows ignored around it)

@@ -594,6 +594,13 @@ def test_env_prints_versions_and_the_backend_of_each_op(capsys):
     for op in ("token_logprobs", "linear_token_logprobs", "segment_sum", "weighted_k3"):
         row = [line for line in auto.splitlines() if line.split()[:1] == [op]]
         assert len(row) == 1 and row[0].split()[1] == expected and "ran;" in row[0], out
+    # the tiles each op launches with on this device (default_tiles; conservative without CUDA)
+    from erpo_kernels import default_tiles
+    from erpo_kernels.tiles import device_capability
+
+    cap = device_capability(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    assert f"linear_token_logprobs[bfloat16]: {default_tiles('linear_token_logprobs', torch.bfloat16, cap)}" in out
+    assert f"token_logprobs[any dtype]: {default_tiles('token_logprobs', torch.bfloat16, cap)}" in out
     # the same check with the kernels forced (the CPU interpreter here): they run and match
     for op, chosen, check in op_backends(torch.device("cpu"), backend="triton"):
         assert chosen == "triton" and check.startswith("ran;") and "MISMATCH" not in check, (op, check)

@@ -20,7 +20,8 @@ from erpo_kernels.linear_token_logprobs import Tiles
 
 VOCABS = [151_936, 262_144]
 LARGE_V_TILES = Tiles(
-    block_n=16, block_v=2048, block_d=16, num_warps=4, split_tiles=8, gemm_n=16, gemm_v=1024, gemm_d=16, gemm_warps=4
+    block_n=16, block_v=2048, block_d=16, num_warps=4, split_tiles=8, gemm_n=16, gemm_v=1024, gemm_d=16, gemm_warps=4,
+    gemm_k=1024,
 )
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -2,7 +2,7 @@
 log_softmax((hidden @ weight.T + bias) * inv_T) written here, forward and backward.
 
 Shapes are not multiples of any block size (N=37, D=24, V=211). Each case runs twice:
-with the GPU-sized default tiles and with tiny tiles (vocabulary chunks of 2 tiles),
+with the device's default tiles (CPU: the conservative ones) and with tiny tiles (chunks of 2 tiles),
 so every loop (rows, vocabulary tiles, D tiles, chunks) takes several masked steps.
 """
 import importlib
@@ -10,17 +10,18 @@ import importlib
 import pytest
 import torch
 
-from _aot import run_aot
 from _compare import assert_close_to_ref
 from _host_reads import HostRead, no_host_reads
 from erpo_kernels import interpreting, linear_token_logprobs
+from erpo_kernels.tiles import ARCHITECTURES, default_tiles
 
 ltl_module = importlib.import_module("erpo_kernels.linear_token_logprobs")
 
 N, D, V = 37, 24, 211
 IGNORE = -100
 SMALL_TILES = ltl_module.Tiles(
-    block_n=16, block_v=32, block_d=16, num_warps=4, split_tiles=2, gemm_n=16, gemm_v=16, gemm_d=16, gemm_warps=4
+    block_n=16, block_v=32, block_d=16, num_warps=4, split_tiles=2, gemm_n=16, gemm_v=16, gemm_d=16, gemm_warps=4,
+    gemm_k=16,
 )
 
 
@@ -121,6 +122,27 @@ def test_triton_matches_float64(device, tiles, dtype):
     assert torch.all(ours[0][~valid] == 0) and torch.all(ours[1][~valid] == 0)
     assert torch.all(ours[2][~valid] == 0)
     assert bool((ours[0][valid] < 0).all())
+
+
+_ARCH_TILES = sorted({(dt, default_tiles("linear_token_logprobs", dt, cap)) for dt in (torch.bfloat16, torch.float32)
+                      for cap in ARCHITECTURES}, key=str)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, arch_tiles", _ARCH_TILES, ids=lambda x: str(x).replace("torch.", "")[:40])
+def test_each_architectures_default_tiles_match_float64(device, dtype, arch_tiles):
+    # the tiles each GPU launches with (in the interpreter here): over two vocabulary chunks
+    # and partial tiles everywhere, with bias, entropy and a per-row temperature
+    v = arch_tiles.split_tiles * arch_tiles.block_v + 211
+    hidden = torch.randn(N, D).to(dtype).to(device)
+    weight = (torch.randn(v, D) * 0.5).to(dtype).to(device)
+    bias = torch.randn(v).to(dtype).to(device)
+    targets = torch.randint(0, v, (N,))
+    targets[[0, 5]] = IGNORE
+    args = (hidden, weight, bias, targets.to(device), (torch.rand(N) + 0.5).to(device), torch.randn(N).to(device),
+            torch.randn(N).to(device))
+    ours = _ours(*args, backend="triton", tiles=arch_tiles)
+    same = _torch_same_dtype(*args, dtype=dtype) if dtype != torch.float32 else None
+    _check_all(ours, _truth(*args), same, dtype)
 
 
 def test_triton_peaked_logits_and_masked_vocab(device, tiles):
@@ -336,9 +358,10 @@ def test_triton_backward_workspace(n, v):
 
     small_chunk = SMALL_TILES.split_tiles * SMALL_TILES.block_v
     assert workspace == expected(n, small_chunk, SMALL_TILES)
-    cfg = ltl_module.DEFAULT_TILES[torch.bfloat16]
     n_t, v_t = 8192, 151_936
-    assert expected(n_t, cfg.split_tiles * cfg.block_v, cfg) <= 0.03 * n_t * v_t * 2
+    for cap in ARCHITECTURES + (None,):
+        cfg = default_tiles("linear_token_logprobs", torch.bfloat16, cap)
+        assert expected(n_t, cfg.split_tiles * cfg.block_v, cfg) <= 0.03 * n_t * v_t * 2, cap
 
 
 def _bad_input_cases(device):
@@ -410,56 +433,3 @@ def test_validate_false_reads_no_values(device, backend):
         linear_token_logprobs(hidden, weight, targets, inv_temperature=inv_t, backend=backend)
     with pytest.raises(ValueError, match="targets"):  # structure is still checked
         linear_token_logprobs(hidden, weight, targets[:-1], backend=backend, validate=False)
-
-
-_AOT_COMPILE = r"""
-import importlib, json
-import torch
-from _aot import compile_ptx, spilled_bytes
-m = importlib.import_module("erpo_kernels.linear_token_logprobs")
-# as the JIT specializes a launch on contiguous operands at N x 4096 x 151,936: unit strides
-# are constants, pointers and sizes that are multiples of 16 are marked so
-unit = dict(stride_hd=1, stride_wd=1, stride_b=1)
-divisible = [a + "_ptr" for a in ("h", "w", "b", "dr", "dw", "db", "dh", "acc", "db_part", "targets", "inv_t",
-             "order", "shift", "log_l", "entropy", "g_logp", "g_entropy", "max", "sum", "target_logit")]
-divisible += ["D", "V", "stride_hn", "stride_wv", "stride_dr", "v0", "chunk_cols", "v_per_split"]
-report = {}
-def check(key, fn, types, consts, num_warps):
-    ptx = compile_ptx(fn, types, dict(consts, **{k: v for k, v in unit.items() if k in fn.arg_names}), num_warps,
-                      divisible=[a for a in divisible if a in fn.arg_names])
-    report[key] = {"wgmma": "wgmma" in ptx, "tf32": ".tf32" in ptx, "spilled": spilled_bytes(ptx)}
-for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-    cfg = m.DEFAULT_TILES[dtype]
-    types = {p: "*" + name for p in ("h_ptr", "w_ptr", "b_ptr", "dr_ptr", "dw_ptr", "db_ptr", "dh_ptr")}
-    types.update(targets_ptr="*i64", order_ptr="*i64", n_valid_ptr="*i64", softcap="fp32", softcap_pre="fp32",
-                 logit_scale="fp32")
-    flags = dict(IEEE=dtype == torch.float32, UPCAST=False)
-    for has_softcap in (False, True):
-        base = dict(flags, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, HAS_BIAS=True,
-                    HAS_SOFTCAP=has_softcap)
-        for fn, extra in ((m._ltl_fwd_kernel, dict(WANT_ENTROPY=True)),
-                          (m._ltl_bwd_dr_kernel, dict(HAS_ENTROPY_GRAD=True, WANT_DB=True))):
-            check(f"{name}:{fn.__name__}:softcap={has_softcap}", fn, types, dict(base, **extra), cfg.num_warps)
-    gemm = dict(flags, GEMM_N=cfg.gemm_n, GEMM_V=cfg.gemm_v, GEMM_D=cfg.gemm_d)
-    for first, last in ((True, False), (False, False), (False, True)):
-        check(f"{name}:_ltl_bwd_gemm_kernel:first={first}:last={last}", m._ltl_bwd_gemm_kernel, types,
-              dict(gemm, FIRST=first, LAST=last), cfg.gemm_warps)
-check("merge", m._ltl_merge_kernel, {"order_ptr": "*i64", "n_valid_ptr": "*i64"},
-      dict(WANT_ENTROPY=True, BLOCK=m.MERGE_BLOCK), 4)
-print(json.dumps(report))
-"""
-
-
-def test_kernels_compile_for_hopper_ahead_of_time():
-    # No GPU needed: every kernel compiles to sm_90 PTX with the installed Triton as the
-    # JIT specializes it at a real shape (catches what the interpreter forgives), bf16
-    # dots become wgmma (tensor cores), fp32 dots stay IEEE (no TF32 anywhere), and
-    # ptxas spills no register with the default tiles.
-    report = run_aot(_AOT_COMPILE)
-    assert len(report) == 15
-    for key, info in report.items():
-        if key.startswith("bf16"):
-            assert info["wgmma"], f"{key}: bf16 dot not on tensor cores"
-        else:
-            assert not info["tf32"], f"{key}: fp32 dot uses TF32"
-    assert {k: v["spilled"] for k, v in report.items() if v["spilled"]} == {}, "register spills (bytes)"

@@ -1,0 +1,373 @@
+"""What the compiler makes of each kernel for each GPU, without a GPU.
+
+Triton compiles for any NVIDIA architecture on a CPU machine. `compile_kernel` builds a
+kernel as the JIT specializes a contiguous launch at a real shape (16-byte aligned
+pointers and multiples of 16 marked divisible, unit strides constant); `facts` reads
+what the compiler made: the block's dynamic shared memory (`metadata.shared`), registers
+and local memory (spills) from `cuobjdump -res-usage` of the cubin Triton built with its
+own ptxas flags, the tensor-core and TMA instructions in the SASS, and the CTAs that fit
+on one SM. `kernel_variants(op, dtype, tiles)` lists every kernel of an op at some tiles
+in the constexpr variants that change its code, and `check(...)` says what breaks the
+rules of erpo_kernels.tiles (shared memory over the architecture's per-block limit, local
+memory, dots off the tensor cores, TF32 in an fp32 kernel).
+
+    python -m bench aot                                  # every kernel of both ops, default tiles, six GPUs
+    python -m bench aot --archs 90,100 --json out.json   # the facts as JSON
+
+Run without TRITON_INTERPRET (a compiling process). Compiles go to a fresh Triton cache
+in a temporary folder, so an earlier run's kernels can never stand in for this one's.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+ARCH_NAMES = {80: "A100", 86: "A10/A40/RTX 30xx", 89: "L4/L40S/RTX 40xx", 90: "H100/H200", 100: "B200",
+              120: "RTX 50xx"}
+# Per SM: shared memory (bytes, including the 1 KB per block the driver reserves), 32-bit
+# registers, resident threads and blocks (CUDA programming guide, compute capabilities table).
+SM_LIMITS = {80: (167_936, 65_536, 2048, 32), 86: (102_400, 65_536, 1536, 16), 89: (102_400, 65_536, 1536, 24),
+             90: (233_472, 65_536, 2048, 32), 100: (233_472, 65_536, 2048, 32), 120: (102_400, 65_536, 1536, 32)}
+TENSOR_CORE = ("HMMA", "HGMMA", "UTCHMMA", "UTCQMMA", "IMMA")
+DTYPES = ("bf16", "fp16", "fp32")
+
+# Arguments the JIT marks divisible by 16 at N x 4096 x 151,936 on contiguous operands.
+_DIVISIBLE = [a + "_ptr" for a in ("h", "w", "b", "dr", "dw", "db", "dh", "acc", "db_part", "targets", "inv_t",
+              "order", "shift", "log_l", "entropy", "g_logp", "g_entropy", "max", "sum", "target_logit", "logits",
+              "grad", "logp", "row_max", "log_norm")]  # fmt: skip
+_DIVISIBLE += ["D", "V", "stride_hn", "stride_wv", "stride_dr", "v0", "chunk_cols", "v_per_split", "vocab",
+               "stride_row", "stride_grad_row", "n_rows"]  # fmt: skip
+_UNIT = dict(stride_hd=1, stride_wd=1, stride_b=1)
+_SCALARS = dict(softcap="fp32", softcap_pre="fp32", logit_scale="fp32", stride_row="i64", ignore_index="i32")
+
+
+@dataclass
+class Variant:
+    """One kernel specialization: its name, the @triton.jit function, argument types and constexprs."""
+
+    name: str
+    fn: Any
+    types: Dict[str, str]
+    consts: Dict[str, Any]
+    num_warps: int
+    num_stages: int
+    tensor_dots: bool  # its dots must be on tensor cores (bf16 / fp16); fp32: IEEE FMA, no TF32
+    has_dots: bool = True
+
+
+@dataclass
+class Facts:
+    op: str
+    kernel: str
+    variant: str
+    dtype: str
+    arch: int
+    shared: int
+    registers: int
+    local: int
+    threads: int
+    ctas_per_sm: int
+    tensor_core: List[str]
+    tma: bool
+    tf32: bool
+    ffma: bool
+    tensor_dots: bool
+    has_dots: bool
+    problems: List[str] = field(default_factory=list)
+    seconds: float = 0.0  # compile + cuobjdump time
+
+
+def _module(name: str):
+    return importlib.import_module(f"erpo_kernels.{name}")  # the module (the package exports the function)
+
+
+def _types(dtype: str) -> Dict[str, str]:
+    t = {p: "*" + dtype for p in ("h_ptr", "w_ptr", "b_ptr", "dr_ptr", "dw_ptr", "db_ptr", "dh_ptr", "logits_ptr",
+                                  "grad_ptr")}  # fmt: skip
+    t.update(targets_ptr="*i64", order_ptr="*i64", n_valid_ptr="*i64", **_SCALARS)
+    return t
+
+
+def _linear_variants(dtype: str, tiles) -> List[Variant]:
+    """The forward and recompute kernels with every optional feature (bias, soft cap, entropy)
+    and with none (the union of the code and the plain call), the product kernel (one
+    specialization: its chunk position is a runtime value) and the merge."""
+    m = _module("linear_token_logprobs")
+    types = _types(dtype)
+    lowp = dtype != "fp32"
+    flags = dict(IEEE=not lowp, UPCAST=False)
+    out = []
+    for on in (True, False):
+        base = dict(flags, BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d, HAS_BIAS=on,
+                    HAS_SOFTCAP=on)  # fmt: skip
+        tag = "bias+softcap+entropy" if on else "plain"
+        out.append(Variant(f"{tag}", m._ltl_fwd_kernel, types, dict(base, WANT_ENTROPY=on), tiles.num_warps,
+                           tiles.num_stages, lowp))
+        out.append(Variant(f"{tag}", m._ltl_bwd_dr_kernel, types, dict(base, HAS_ENTROPY_GRAD=on, WANT_DB=on),
+                           tiles.num_warps, tiles.num_stages, lowp))
+    gemm = dict(flags, GEMM_N=tiles.gemm_n, GEMM_V=tiles.gemm_v, GEMM_D=tiles.gemm_d, GEMM_K=tiles.gemm_k)
+    out.append(Variant("products", m._ltl_bwd_gemm_kernel, types, gemm, tiles.gemm_warps, tiles.gemm_stages, lowp))
+    if dtype == "bf16":  # the merge reads fp32 statistics only: one specialization serves every dtype
+        out.append(Variant("entropy", m._ltl_merge_kernel, types, dict(WANT_ENTROPY=True, BLOCK=m.MERGE_BLOCK), 4, 3,
+                           False, has_dots=False))
+    return out
+
+
+def _token_variants(dtype: str, tiles) -> List[Variant]:
+    """The row kernels with every option (entropy, soft cap; both upstream gradients) and with none."""
+    m = _module("token_logprobs")
+    types = _types(dtype)
+    out = []
+    fwd_block, fwd_warps = m._launch_config(1 << 30, tiles.fwd_max_block_v, tiles.fwd_values_per_thread)
+    bwd_block, bwd_warps = m._launch_config(1 << 30, tiles.bwd_max_block_v, tiles.bwd_values_per_thread)
+    for on in (True, False):
+        tag = "entropy+softcap" if on else "plain"
+        out.append(Variant(tag, m._token_logprobs_fwd_kernel, types,
+                           dict(RETURN_ENTROPY=on, HAS_SOFTCAP=on, BLOCK_V=fwd_block), fwd_warps, 3, False,
+                           has_dots=False))  # fmt: skip
+        out.append(Variant(tag, m._token_logprobs_bwd_kernel, types,
+                           dict(HAS_LOGP_GRAD=True, HAS_ENTROPY_GRAD=on, HAS_SOFTCAP=on, INTERPRET=False,
+                                BLOCK_V=bwd_block), bwd_warps, 3, False, has_dots=False))  # fmt: skip
+    return out
+
+
+def kernel_variants(op: str, dtype: str, tiles) -> List[Variant]:
+    return (_linear_variants if op == "linear_token_logprobs" else _token_variants)(dtype, tiles)
+
+
+def compile_kernel(v: Variant, arch: int):
+    """triton.compile of one variant for sm_<arch>, specialized as the JIT specializes a contiguous launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = v.fn
+    consts = dict(v.consts, **{k: x for k, x in _UNIT.items() if k in fn.arg_names})
+    sig = {a: "constexpr" if a in consts else v.types.get(a, "*fp32" if a.endswith("_ptr") else "i32")
+           for a in fn.arg_names}  # fmt: skip
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in _DIVISIBLE
+             if a in fn.arg_names and a not in consts}  # fmt: skip
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): x for k, x in consts.items()},
+                    attrs=attrs)  # fmt: skip
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": v.num_warps, "num_stages": v.num_stages})  # fmt: skip
+
+
+def _cuobjdump() -> str:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return str(Path(get_ptxas(90).path).parent / "cuobjdump")
+
+
+def ctas_per_sm(arch: int, shared: int, registers: int, threads: int) -> int:
+    """Blocks of this kernel resident on one SM: the least of what shared memory, registers
+    (allocated per warp in units of 256), threads and the block limit allow."""
+    smem, regs, max_threads, max_blocks = SM_LIMITS[arch]
+    per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = regs // (per_warp * (threads // 32))
+    by_smem = smem // (shared + 1024) if shared else max_blocks
+    return max(0, min(by_regs, by_smem, max_threads // threads, max_blocks))
+
+
+def facts(op: str, dtype: str, v: Variant, arch: int, limit: int, want: str) -> Facts:
+    start = time.time()
+    k = compile_kernel(v, arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(k.asm["cubin"])
+        res = subprocess.run([_cuobjdump(), "-res-usage", str(path)], capture_output=True, text=True, check=True)
+        sass = subprocess.run([_cuobjdump(), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    usage = dict(re.findall(r"(REG|LOCAL):(\d+)", res.stdout))
+    ops = set(re.findall(r"\b([A-Z][A-Z0-9_]{2,})\b", sass))
+    threads = 32 * v.num_warps
+    f = Facts(op, v.fn.__name__, v.name, dtype, arch, int(k.metadata.shared), int(usage.get("REG", 0)),
+              int(usage.get("LOCAL", 0)), threads, 0, sorted(ops & set(TENSOR_CORE)), "UTMALDG" in ops,
+              ".tf32" in k.asm["ptx"], "FFMA" in ops, v.tensor_dots, v.has_dots)  # fmt: skip
+    f.ctas_per_sm = ctas_per_sm(arch, f.shared, f.registers, threads)
+    f.seconds = round(time.time() - start, 2)
+    f.problems = problems(f, limit, want)
+    return f
+
+
+def problems(f: Facts, limit: int, want: str) -> List[str]:
+    """What breaks the rules: shared memory over `limit`, spills, dots off `want`, TF32."""
+    out = []
+    if f.shared > limit:
+        out.append(f"shared memory {f.shared} B > {limit} B per block")
+    if f.local:
+        out.append(f"{f.local} B of local memory (spills)")
+    if f.has_dots and f.tensor_dots and want not in f.tensor_core:
+        out.append(f"dots not on {want} (found {f.tensor_core or 'none'})")
+    if f.has_dots and not f.tensor_dots and f.tf32:
+        out.append("fp32 dot on TF32")
+    if f.ctas_per_sm < 1:
+        out.append("no CTA fits on an SM")
+    return out
+
+
+def jobs(archs: Sequence[int], ops: Sequence[str], dtypes: Sequence[str],
+         tiles: Optional[Dict[Tuple[str, int, str], Any]] = None) -> List[Tuple[str, str, int, int]]:
+    """(op, dtype, arch, variant index) of every compile; `tiles` overrides default_tiles per (op, arch, dtype)."""
+    out = []
+    for op in ops:
+        for arch in archs:
+            for dtype in dtypes:
+                n = len(kernel_variants(op, dtype, _tiles(op, arch, dtype, tiles)))
+                out.extend((op, dtype, arch, i) for i in range(n))
+    return out
+
+
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _tiles(op: str, arch: int, dtype: str, tiles: Optional[Dict] = None):
+    if tiles and (op, arch, dtype) in tiles:
+        return tiles[(op, arch, dtype)]
+    import torch
+
+    from erpo_kernels.tiles import default_tiles
+
+    return default_tiles(op, getattr(torch, _TORCH_DTYPES[dtype]), (arch // 10, arch % 10))
+
+
+def run_jobs(todo: Sequence[Tuple[str, str, int, int]], tiles: Optional[Dict] = None) -> List[Facts]:
+    from erpo_kernels.tiles import SHARED_MEMORY_PER_BLOCK, TENSOR_CORE_INSTRUCTION
+
+    out = []
+    for op, dtype, arch, i in todo:
+        cap = (arch // 10, arch % 10)
+        v = kernel_variants(op, dtype, _tiles(op, arch, dtype, tiles))[i]
+        out.append(facts(op, dtype, v, arch, SHARED_MEMORY_PER_BLOCK[cap], TENSOR_CORE_INSTRUCTION[cap]))
+    return out
+
+
+def compile_all(todo: Sequence[Tuple[str, str, int, int]], workers: Optional[int] = None,
+                tiles_json: Optional[str] = None, timeout: float = 900) -> List[Dict]:
+    """Run the compiles in `workers` parallel subprocesses (default: the CPU count), each
+    with a fresh Triton cache and no TRITON_INTERPRET; the facts as dicts, in `todo` order."""
+    workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
+    env = {k: x for k, x in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns unless told; 3.6 (the GPU's) fuses
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for w in range(workers):
+            share = [list(j) for j in todo[w::workers]]
+            spec = Path(tmp) / f"jobs{w}.json"
+            spec.write_text(json.dumps({"jobs": share, "tiles": tiles_json}))
+            penv = dict(env, TRITON_CACHE_DIR=str(Path(tmp) / f"cache{w}"))
+            procs.append(subprocess.Popen([sys.executable, "-m", "bench.aot", "--worker", str(spec)], env=penv,
+                                          cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        results: List[List[Dict]] = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            if p.returncode:
+                raise RuntimeError(f"bench.aot worker failed:\n{err[-3000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    merged: List[Dict] = [None] * len(todo)  # type: ignore[list-item]
+    for w, res in enumerate(results):
+        for j, f in enumerate(res):
+            merged[w + j * workers] = f
+    return merged
+
+
+# The variant of each kernel `bench cost` counts (bf16, no bias, no soft cap, no entropy).
+COUNTED_VARIANTS = ("plain", "products", "entropy")
+
+
+def counted_facts(archs: Sequence[int] = (90, 100), workers: Optional[int] = None) -> Dict[str, Dict[str, Dict]]:
+    """kernel name -> "sm_<arch>" -> its compile facts at the default bf16 tiles, for the kernels
+    of both ops in the variant bench cost counts: what the per-launch table shows beside the counts."""
+    ops = ("linear_token_logprobs", "token_logprobs")
+    todo = [j for j in jobs(archs, ops, ["bf16"]) if kernel_variants(j[0], j[1], _tiles(j[0], j[2], j[1]))[j[3]].name
+            in COUNTED_VARIANTS]  # fmt: skip
+    out: Dict[str, Dict[str, Dict]] = {}
+    for f in compile_all(todo, workers):
+        keep = ("tensor_core", "tma", "registers", "local", "shared", "ctas_per_sm", "threads", "problems")
+        out.setdefault(f["kernel"], {})[f"sm_{f['arch']}"] = {k: f[k] for k in keep}
+    return out
+
+
+def facts_text(f: Dict) -> str:
+    """One cell: 'HGMMA, no TMA, 128 regs, 0 B spilled, 144 KB smem, 1 CTA/SM'."""
+    tc = ",".join(f["tensor_core"]) or "no tensor core"
+    return (f"{tc}, {'TMA' if f['tma'] else 'no TMA'}, {f['registers']} regs, {f['local']} B spilled, "
+            f"{f['shared'] / 1024:.0f} KB smem, {f['ctas_per_sm']} CTA/SM")
+
+
+def _tiles_from_json(text: Optional[str]) -> Optional[Dict]:
+    """{"op|arch|dtype": {field: value}} -> {(op, arch, dtype): Tiles / RowTiles}."""
+    if not text:
+        return None
+    from erpo_kernels.tiles import RowTiles, Tiles
+
+    out = {}
+    for key, fields_ in json.loads(text).items():
+        op, arch, dtype = key.split("|")
+        out[(op, int(arch), dtype)] = (Tiles if op == "linear_token_logprobs" else RowTiles)(**fields_)
+    return out
+
+
+def _worker(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    tiles = _tiles_from_json(spec.get("tiles"))
+    print(json.dumps([asdict(f) for f in run_jobs([tuple(j) for j in spec["jobs"]], tiles)]))
+
+
+def format_table(rows: List[Dict]) -> str:
+    lines = ["| op | kernel | variant | dtype | sm | shared B | regs | local B | CTAs/SM | tensor core | TMA | problems |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for f in rows:
+        lines.append(f"| {f['op']} | {f['kernel']} | {f['variant']} | {f['dtype']} | {f['arch']} | {f['shared']} | "
+                     f"{f['registers']} | {f['local']} | {f['ctas_per_sm']} | {','.join(f['tensor_core']) or '-'} | "
+                     f"{'yes' if f['tma'] else 'no'} | {'; '.join(f['problems']) or '-'} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench aot", description=__doc__.split("\n\n")[0])
+    p.add_argument("--archs", default="80,86,89,90,100,120")
+    p.add_argument("--ops", default="linear_token_logprobs,token_logprobs")
+    p.add_argument("--dtypes", default=",".join(DTYPES))
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--json", default=None, help="also write the facts here")
+    p.add_argument("--tiles", default=None,
+                   help='JSON fields replacing the default tiles of every (op, arch, dtype) compiled, e.g. '
+                        '\'{"block_n": 128}\' (linear_token_logprobs fields)')
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(args.worker)
+        return 0
+    archs, ops, dtypes = [int(a) for a in args.archs.split(",")], args.ops.split(","), args.dtypes.split(",")
+    tiles_json = None
+    if args.tiles:
+        from dataclasses import asdict as fields_of, replace
+
+        over = {f"{op}|{a}|{dt}": fields_of(replace(_tiles(op, a, dt), **json.loads(args.tiles)))
+                for op in ops for a in archs for dt in dtypes}  # fmt: skip
+        tiles_json = json.dumps(over)
+    todo = jobs(archs, ops, dtypes, _tiles_from_json(tiles_json))
+    rows = compile_all(todo, args.workers, tiles_json)
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    bad = [r for r in rows if r["problems"]]
+    print(f"{len(rows)} kernels compiled, {len(bad)} with problems")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

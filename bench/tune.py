@@ -1,0 +1,160 @@
+"""`python -m bench tune --device cuda`: the fastest tiles of linear_token_logprobs on this GPU.
+
+For each (dtype, D, V) asked for, the candidate tiles of the GPU's architecture (`candidates`:
+the default first, then variations of the logit and product tiles) that pass the compile
+check of erpo_kernels.tiles (bench/aot.py: shared memory within the per-block limit, no
+spills, dots on the tensor cores) are timed, forward + backward at a fixed timing batch, and
+the fastest is recorded in the tuning file the op reads (erpo_kernels.tuning). The key is
+(GPU, op, dtype, D, V): the batch size N is only how the timing is done, never part of what
+is chosen, so a row's results stay independent of the batch. Without a tuning file (or
+without an entry for a shape) the defaults of erpo_kernels.default_tiles apply.
+
+    python -m bench tune --device cuda                                   # Qwen2.5-1.5B/7B heads, bf16
+    python -m bench tune --device cuda --shapes 4096x151936 --dtypes bf16,fp16 --budget-s 300
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+DEFAULT_SHAPES: Tuple[Tuple[int, int], ...] = ((1536, 151936), (3584, 152064), (4096, 151936))  # (D, V)
+TIMING_ROWS = 4096  # the batch the candidates are timed at (not part of the key)
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def candidates(capability: Tuple[int, int], dtype: torch.dtype):
+    """Tiles to try on an architecture: its default first, then other logit and product tiles
+    (each a whole Tiles: the forward and the backward's recompute always share the logit tiles)."""
+    from erpo_kernels import default_tiles
+
+    base = default_tiles("linear_token_logprobs", dtype, capability)
+    if dtype == torch.float32:
+        variants = [dict(block_n=128), dict(block_v=128, split_tiles=16), dict(gemm_k=32)]
+    elif capability in ((9, 0), (10, 0)):
+        variants = [dict(num_stages=4), dict(block_n=256, block_v=128, split_tiles=32),
+                    dict(gemm_n=256, gemm_d=128), dict(block_d=32, num_stages=4), dict(gemm_stages=4)]
+    else:
+        variants = [dict(block_n=128), dict(num_stages=2, block_d=64), dict(gemm_k=64, gemm_stages=2),
+                    dict(num_warps=4)]
+    out = [base]
+    for v in variants:
+        t = replace(base, **v)
+        if t not in out:
+            out.append(t)
+    return out
+
+
+def passing(capability: Tuple[int, int], dtype: torch.dtype, tiles: Sequence, check: Optional[Callable] = None):
+    """The tiles whose kernels pass the compile check for this architecture (bench.aot), in order;
+    an architecture the check does not know keeps them all (a failing launch is skipped when timed)."""
+    from erpo_kernels.tiles import ARCHITECTURES
+
+    if tuple(capability) not in ARCHITECTURES:
+        return list(tiles)
+    check = check or _compile_ok
+    return [t for t in tiles if check(capability, dtype, t)]
+
+
+def _compile_ok(capability: Tuple[int, int], dtype: torch.dtype, tiles) -> bool:
+    from . import aot
+
+    arch = capability[0] * 10 + capability[1]
+    name = next(k for k, v in _DTYPES.items() if v == dtype)
+    key = f"linear_token_logprobs|{arch}|{name}"
+    todo = aot.jobs([arch], ["linear_token_logprobs"], [name], {("linear_token_logprobs", arch, name): tiles})
+    rows = aot.compile_all(todo, tiles_json=json.dumps({key: asdict(tiles)}))
+    return not any(r["problems"] for r in rows)
+
+
+def time_tiles(tiles, dtype: torch.dtype, d: int, v: int, n: int = TIMING_ROWS, repeats: int = 5) -> float:
+    """Median ms of one forward + backward of linear_token_logprobs at these tiles on the GPU."""
+    from erpo_kernels import linear_token_logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    weight = (torch.randn(v, d, device="cuda", dtype=dtype, generator=g) / d ** 0.5).requires_grad_()
+    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
+    times = []
+    for i in range(repeats + 1):  # the first call compiles
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        linear_token_logprobs(hidden, weight, targets, tiles=tiles, validate=False).sum().backward()
+        end.record()
+        torch.cuda.synchronize()
+        if i:
+            times.append(start.elapsed_time(end))
+        hidden.grad = weight.grad = None
+    return sorted(times)[len(times) // 2]
+
+
+def tune_one(gpu: str, capability: Tuple[int, int], dtype: torch.dtype, d: int, v: int, deadline: float,
+             log=print, timer: Callable = time_tiles, check: Optional[Callable] = None) -> Optional[Dict]:
+    """The tuning entry of the fastest candidate that ran (None if none did before the deadline)."""
+    from erpo_kernels.tuning import dtype_name
+
+    timed: List[Tuple[float, object]] = []
+    for tiles in passing(capability, dtype, candidates(capability, dtype), check):
+        if time.monotonic() > deadline and timed:
+            log("  budget spent: the remaining candidates are not timed")
+            break
+        try:
+            ms = timer(tiles, dtype, d, v)
+        except Exception as exc:  # noqa: BLE001 (OutOfResources, ...): this candidate does not run here
+            log(f"  {tiles}: failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+            continue
+        log(f"  {ms:8.2f} ms  {tiles}")
+        timed.append((ms, tiles))
+    if not timed:
+        return None
+    ms, best = min(timed, key=lambda x: x[0])
+    return {"gpu": gpu, "capability": list(capability), "op": "linear_token_logprobs", "dtype": dtype_name(dtype),
+            "D": d, "V": v, "tiles": asdict(best), "ms": ms, "timing_rows": TIMING_ROWS,
+            "timed": [{"ms": m, "tiles": asdict(t)} for m, t in timed], "triton": _triton_version()}
+
+
+def _triton_version() -> str:
+    import triton
+
+    return getattr(triton, "__version__", "?")
+
+
+def write_entries(entries: List[Dict], path: Optional[Path] = None) -> Path:
+    """Merge `entries` into the tuning file (same keys replaced), written atomically."""
+    from erpo.atomic import atomic_write
+    from erpo_kernels import tuning
+
+    path = Path(path or tuning.tuning_path())
+    old = json.loads(path.read_text()) if path.exists() else None
+    data = tuning.merged(old, entries)
+    tuning.parse(data)  # what is written can be read back
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(str(path), (json.dumps(data, indent=1) + "\n").encode())
+    tuning.clear_cache()
+    return path
+
+
+def run(shapes: Sequence[Tuple[int, int]], dtypes: Sequence[str], budget_s: float, out: Optional[str],
+        log=print) -> int:
+    if not torch.cuda.is_available():
+        raise SystemExit("erpo: error: bench tune times the kernels on a GPU and found no CUDA device; "
+                         "run it on the GPU machine (bench/gpu_check.sh does, first)")
+    gpu, cap = torch.cuda.get_device_name(0), tuple(torch.cuda.get_device_capability(0))
+    deadline = time.monotonic() + budget_s
+    entries = []
+    for name in dtypes:
+        for d, v in shapes:
+            if time.monotonic() > deadline:
+                log(f"budget spent: {name} D={d} V={v} and what follows keep the default tiles")
+                break
+            log(f"{gpu} (sm_{cap[0]}{cap[1]}) {name} D={d} V={v}, fwd+bwd at N={TIMING_ROWS}:")
+            entry = tune_one(gpu, cap, _DTYPES[name], d, v, deadline, log)
+            if entry is not None:
+                entries.append(entry)
+                path = write_entries([entry], Path(out) if out else None)  # saved as it goes
+                log(f"  fastest {entry['ms']:.2f} ms -> {path}")
+    return 0 if entries else 1

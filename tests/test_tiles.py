@@ -1,0 +1,196 @@
+"""Tiles per GPU architecture (erpo_kernels.tiles, issue 26): default_tiles for every op and
+architecture, the op launching with its device's tiles, and every kernel of both ops
+compiled ahead of time for sm_80, 86, 89, 90, 100 and 120 at those tiles (bench/aot.py, no
+GPU needed): within the architecture's shared memory per block, no spills, dots on its
+tensor cores (HMMA / HGMMA / UTCHMMA), fp32 dots without TF32.
+"""
+import importlib
+
+import pytest
+import torch
+
+from erpo_kernels import RowTiles, Tiles, default_tiles, linear_token_logprobs, token_logprobs
+from erpo_kernels.tiles import ARCHITECTURES, SHARED_MEMORY_PER_BLOCK, TENSOR_CORE_INSTRUCTION
+
+tiles_module = importlib.import_module("erpo_kernels.tiles")
+ltl = importlib.import_module("erpo_kernels.linear_token_logprobs")
+tlp = importlib.import_module("erpo_kernels.token_logprobs")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def test_default_tiles_for_every_op_and_architecture():
+    assert ARCHITECTURES == ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0))
+    conservative = default_tiles("linear_token_logprobs", torch.bfloat16, (8, 6))
+    for dtype in DTYPES:
+        for cap in ARCHITECTURES:
+            assert isinstance(default_tiles("linear_token_logprobs", dtype, cap), Tiles)
+            assert isinstance(default_tiles("token_logprobs", dtype, cap), RowTiles)
+        # an architecture not in the table (older, newer, a minor not listed) or no GPU: the
+        # conservative tiles, never an error
+        for cap in ((7, 5), (8, 7), (11, 0), (13, 0), None):
+            want = default_tiles("linear_token_logprobs", dtype, (8, 6))
+            assert default_tiles("linear_token_logprobs", dtype, cap) == want
+            assert isinstance(default_tiles("token_logprobs", dtype, cap), RowTiles)
+    assert default_tiles("linear_token_logprobs", torch.bfloat16, None) == conservative
+    # Hopper / Blackwell: tiles of at least 128 x 128 for the logits and the products
+    for cap in ((9, 0), (10, 0)):
+        t = default_tiles("linear_token_logprobs", torch.bfloat16, cap)
+        assert min(t.block_n, t.block_v) >= 128 and t.block_n * t.block_v >= 128 * 256, t
+        assert min(t.gemm_v, t.gemm_d) >= 128 and min(t.gemm_n, t.gemm_d) >= 128, t
+    with pytest.raises(ValueError, match="op must be one of"):
+        default_tiles("segment_sum", torch.bfloat16, (9, 0))
+    assert SHARED_MEMORY_PER_BLOCK[(8, 9)] == 101_376 and TENSOR_CORE_INSTRUCTION[(10, 0)] == "UTCHMMA"
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """CPU tensors looked up as if on a GPU of the capability set in the returned dict."""
+    gpu = {"cap": (9, 0), "name": "NVIDIA H200"}
+    monkeypatch.setattr(tiles_module, "device_capability", lambda device: gpu["cap"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu["name"])
+    tiles_module._device_tiles.cache_clear()
+    yield gpu
+    tiles_module._device_tiles.cache_clear()
+
+
+def test_each_op_launches_with_its_devices_tiles_and_tiles_overrides(fake_gpu, monkeypatch):
+    seen = []
+    real = ltl._forward
+    monkeypatch.setattr(ltl, "_forward", lambda launch, *a: (seen.append(launch.tiles), real(launch, *a))[1])
+    h, w = torch.randn(5, 16), torch.randn(40, 16)
+    t = torch.randint(0, 40, (5,))
+    for cap in ((9, 0), (8, 9), (7, 0)):
+        fake_gpu["cap"] = cap
+        tiles_module._device_tiles.cache_clear()
+        linear_token_logprobs(h, w, t, backend="triton")
+        assert seen[-1] == default_tiles("linear_token_logprobs", torch.float32, cap)
+    mine = Tiles(block_n=16, block_v=16, block_d=16, split_tiles=1, gemm_n=16, gemm_v=16, gemm_d=16, gemm_k=16)
+    linear_token_logprobs(h, w, t, backend="triton", tiles=mine)
+    assert seen[-1] == mine
+    got = []
+    real_cfg = tlp._launch_config
+    monkeypatch.setattr(tlp, "_launch_config", lambda v, b, p: (got.append(b), real_cfg(v, b, p))[1])
+    token_logprobs(torch.randn(3, 40), torch.randint(0, 40, (3,)), backend="triton")
+    assert got[-1] == default_tiles("token_logprobs", torch.float32, (7, 0)).fwd_max_block_v
+
+
+_AOT = r"""
+import json
+from bench.aot import compile_all, jobs
+todo = jobs([80, 86, 89, 90, 100, 120], ["linear_token_logprobs", "token_logprobs"], ["bf16", "fp16", "fp32"])
+print(json.dumps(compile_all(todo)))
+"""
+
+
+def test_every_kernel_compiles_for_every_architecture_within_its_limits():
+    # No GPU needed (issue 26): each kernel of both ops, in each dtype and with every optional
+    # feature on and off, at the default tiles of sm_80, 86, 89, 90, 100 and 120, compiled in
+    # parallel subprocesses (a fresh Triton cache each: nothing of an earlier run is reused).
+    from _aot import run_aot
+
+    rows = run_aot(_AOT)
+    kernels = {"_ltl_fwd_kernel", "_ltl_bwd_dr_kernel", "_ltl_bwd_gemm_kernel", "_ltl_merge_kernel",
+               "_token_logprobs_fwd_kernel", "_token_logprobs_bwd_kernel"}
+    for arch in (80, 86, 89, 90, 100, 120):
+        for dtype in ("bf16", "fp16", "fp32"):
+            got = {r["kernel"] for r in rows if r["arch"] == arch and r["dtype"] == dtype}
+            assert got | {"_ltl_merge_kernel"} == kernels, (arch, dtype, got)  # the merge: fp32 statistics only
+        assert any(r["kernel"] == "_ltl_merge_kernel" for r in rows if r["arch"] == arch)
+    assert {r["problems"] and (r["kernel"], r["variant"], r["dtype"], r["arch"], *r["problems"]) or None
+            for r in rows} == {None}
+    # what the checks rest on: bf16 dots on each architecture's instruction, fp32 on FMA
+    for r in rows:
+        if r["has_dots"] and r["dtype"] == "bf16":
+            assert TENSOR_CORE_INSTRUCTION[(r["arch"] // 10, r["arch"] % 10)] in r["tensor_core"], r
+        if r["has_dots"] and r["dtype"] == "fp32":
+            assert r["ffma"] and not r["tf32"], r
+    # the backward launches on an L40S (sm_89): its kernels fit 99 KB per block
+    bwd89 = [r for r in rows if r["arch"] == 89 and r["kernel"] in ("_ltl_bwd_dr_kernel", "_ltl_bwd_gemm_kernel")]
+    assert bwd89 and max(r["shared"] for r in bwd89) <= 101_376 and min(r["ctas_per_sm"] for r in bwd89) >= 1
+
+
+# ----------------------------------------------------------------------------- tuning (bench tune)
+
+
+def _entry(d, v, tiles, gpu="NVIDIA H200", dtype="float32"):
+    from dataclasses import asdict
+
+    return {"gpu": gpu, "capability": [9, 0], "op": "linear_token_logprobs", "dtype": dtype, "D": d, "V": v,
+            "tiles": asdict(tiles), "ms": 1.0}
+
+
+def test_tuning_file_is_read_by_gpu_dtype_d_and_v_never_n(tmp_path, monkeypatch, fake_gpu):
+    from bench.tune import write_entries
+    from erpo_kernels import tuning
+
+    path = tmp_path / "tiles.json"
+    monkeypatch.setenv(tuning.ENV, str(path))
+    tuned = Tiles(block_n=16, block_v=32, block_d=16, num_warps=4, split_tiles=2, gemm_n=16, gemm_v=16, gemm_d=16,
+                  gemm_k=16)
+    write_entries([_entry(16, 40, tuned), _entry(16, 41, tuned, gpu="NVIDIA B200")], path)
+    write_entries([_entry(16, 40, tuned)], path)  # the same key again: replaced, not duplicated
+    data = __import__("json").loads(path.read_text())
+    assert data["format"] == tuning.FORMAT and len(data["entries"]) == 2
+    assert all(len(k) == 5 and "N" not in e for k, e in zip(tuning.parse(data), data["entries"]))
+    seen = []
+    real = ltl._forward
+    monkeypatch.setattr(ltl, "_forward", lambda launch, *a: (seen.append(launch.tiles), real(launch, *a))[1])
+    tiles_module._device_tiles.cache_clear()
+    w = torch.randn(40, 16)
+    for n in (3, 9, 70):  # whatever the batch: the entry of (GPU, dtype, D, V)
+        linear_token_logprobs(torch.randn(n, 16), w, torch.randint(0, 40, (n,)), backend="triton")
+        assert seen[-1] == tuned
+    linear_token_logprobs(torch.randn(3, 16), torch.randn(41, 16), torch.randint(0, 41, (3,)), backend="triton")
+    assert seen[-1] == default_tiles("linear_token_logprobs", torch.float32, (9, 0))  # another V; B200's entry
+    fake_gpu["name"] = "NVIDIA B200"
+    tiles_module._device_tiles.cache_clear()
+    linear_token_logprobs(torch.randn(3, 16), torch.randn(41, 16), torch.randint(0, 41, (3,)), backend="triton")
+    assert seen[-1] == tuned
+
+
+def test_a_bad_tuning_file_warns_and_the_defaults_apply(tmp_path, monkeypatch, fake_gpu):
+    from erpo_kernels import tuning
+
+    path = tmp_path / "tiles.json"
+    monkeypatch.setenv(tuning.ENV, str(path))
+    for text in ("{not json", '{"format": "other", "entries": []}',
+                 '{"format": "erpo-tiles/1", "entries": [{"gpu": "NVIDIA H200", "op": "linear_token_logprobs", '
+                 '"dtype": "float32", "D": 16, "V": 40, "tiles": {"block_n": 3}}]}'):
+        path.write_text(text)
+        tuning.clear_cache()
+        tiles_module._device_tiles.cache_clear()
+        with pytest.warns(UserWarning, match="ignoring the tuning"):
+            got = tiles_module.launch_tiles("linear_token_logprobs", torch.empty(1, 16), 16, 40)
+        assert got == default_tiles("linear_token_logprobs", torch.float32, (9, 0))
+    tuning.clear_cache()
+
+
+def test_tune_candidates_check_and_choice():
+    from bench import tune
+
+    for cap in ARCHITECTURES + ((7, 5),):
+        for dtype in DTYPES:
+            cands = tune.candidates(cap, dtype)
+            assert cands[0] == default_tiles("linear_token_logprobs", dtype, cap) and len(set(cands)) == len(cands)
+    cap, dtype = (9, 0), torch.bfloat16
+    cands = tune.candidates(cap, dtype)
+    # only what passes the compile check is timed; an architecture the check does not know keeps all
+    ok = tune.passing(cap, dtype, cands, check=lambda c, d, t: t.block_n == 128)
+    assert ok == [t for t in cands if t.block_n == 128] and tune.passing((7, 5), dtype, cands, check=None) == cands
+    times = {t: 5.0 - i for i, t in enumerate(ok)}
+    times[ok[1]] = 0.5
+    log = []
+    entry = tune.tune_one("NVIDIA H200", cap, dtype, 4096, 151936, deadline=float("inf"), log=log.append,
+                          timer=lambda t, *a: times[t], check=lambda c, d, t: t.block_n == 128)
+    assert entry["tiles"] == __import__("dataclasses").asdict(ok[1]) and entry["ms"] == 0.5
+    assert len(entry["timed"]) == len(ok) and (entry["D"], entry["V"], entry["dtype"]) == (4096, 151936, "bfloat16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a CUDA device")
+def test_bench_tune_stops_without_a_gpu():
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        main(["tune", "--device", "cuda", "--shapes", "16x40"])
+    with pytest.raises(SystemExit, match="DxV"):
+        main(["tune", "--shapes", "16"])
