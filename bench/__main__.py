@@ -122,7 +122,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("--subjects", default=None, help="comma list of names (default: all; absent peers are listed)")
     c.add_argument("--ops", default=None, help="comma list: linear_token_logprobs,token_logprobs")
     c.add_argument("--targets", default=None, help="comma list of NxDxV (default: issue 18's three shapes)")
-    c.add_argument("--out-dir", default=str(RESULTS_DIR), help="where cost.json goes")
+    c.add_argument("--out-dir", default=None,
+                   help="where cost.json goes (default: bench/results/local, untracked; with --record: bench/results)")
+    c.add_argument("--record", action="store_true",
+                   help="append the run to the project's record, bench/results/cost.json (tracked; what "
+                        "`bench report` writes into the docs)")
     c.add_argument("--no-save", action="store_true", help="print only")
     c.add_argument("--jobs", type=int, default=None, help="worker processes counting shapes (default: CPUs, at most 8)")
 
@@ -289,13 +293,30 @@ def _cost(args: argparse.Namespace, argv: List[str]) -> int:
     meta = dict(command="cost", commit=commit_hash(), versions=versions(),  # the code counted: taken first
                 timestamp=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     jobs = args.jobs or min(8, os.cpu_count() or 1)
+    out_dir = _out_dir(args)
     run = cs.run(subjects, targets, jobs=jobs)
     run.update(meta)
+    if any(sub.name == "erpo" for sub in subjects):
+        run["compile_facts"] = _compile_facts()
     print("\n".join(report.cost_tables(run)))
     if not args.no_save:
-        path = report.append_cost_run(run, args.out_dir)
-        print(f"saved to {path}; `python -m bench report` puts the tables into docs/benchmarks.md")
+        path = report.append_cost_run(run, out_dir)
+        if args.record or args.out_dir:
+            print(f"saved to {path}; `python -m bench report` puts the tables into docs/benchmarks.md")
+        else:
+            print(f"saved to {path} (untracked); rerun with --record to append it to bench/results/cost.json, "
+                  "which `python -m bench report` writes into docs/benchmarks.md")
     return 0
+
+
+def _compile_facts() -> dict:
+    """Our kernels' sm_90 / sm_100 compile facts at the counted tiles (bench.aot), or why not."""
+    from . import aot
+
+    try:
+        return aot.counted_facts()
+    except Exception as exc:  # noqa: BLE001 (no NVIDIA backend in this Triton build, ...): reported
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def _step(args: argparse.Namespace) -> int:

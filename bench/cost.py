@@ -15,6 +15,8 @@ A Triton record (`kind="triton"`) holds, with every mask respected (only active 
     loaded, stored   bytes moved by tl.load / tl.store (an atomic counts as both)
     distinct_loaded, distinct_stored, distinct
                      bytes at distinct addresses: the launch's compulsory traffic
+    smem             bytes of its tl.dot operands through shared memory: each operand tile written
+                     once and read once (2 x (M K + K N) x element size per dot)
     flops            {operand dtype: 2 M N K summed over its tl.dot calls}; "bf16>fp32" are fp32
                      dots whose operands were widened from bf16 just before (the interpreter's bf16
                      workaround of our kernels: on the GPU a bf16 tensor-core dot)
@@ -81,6 +83,7 @@ class Launch:
     distinct: int = 0
     flops: Dict[str, int] = field(default_factory=dict)
     atomics: int = 0  # atomic operations (lanes), a sign of a non-deterministic reduction
+    smem: int = 0  # shared-memory bytes of its dots: each operand staged into shared memory once and read once
     args: Dict[str, ArgCounts] = field(default_factory=dict)
     phase: str = ""  # set by the caller (e.g. "forward" / "backward") with `counting(phase=...)`
     out_shape: Tuple[int, ...] = ()  # a torch op's first output shape
@@ -91,7 +94,7 @@ class Launch:
 
     def as_dict(self) -> Dict[str, Any]:
         d = {k: getattr(self, k) for k in ("name", "kind", "phase", "programs", "loaded", "stored",
-                                           "distinct_loaded", "distinct_stored", "distinct", "atomics")}
+                                           "distinct_loaded", "distinct_stored", "distinct", "atomics", "smem")}
         d["grid"] = list(self.grid)
         d["out_shape"] = list(self.out_shape)
         d["flops"] = dict(self.flops)
@@ -322,6 +325,8 @@ class _InterpreterHooks:
         launch = self.sink.launch
         if launch is not None:
             launch.rec.flops[key] = launch.rec.flops.get(key, 0) + 2 * batch * m * b.data.shape[-1] * k
+            elem = 2 if ">" in key else a.data.itemsize  # a widened bf16 / fp16 operand: 2 bytes on the GPU
+            launch.rec.smem += 2 * batch * (m * k + k * b.data.shape[-1]) * elem
         # the interpreter multiplies raw bf16 bits: give it the values
         a, b = (self.interp.TensorHandle(_bf16_to_f32(x.data), tl.float32) if x.dtype.scalar == tl.bfloat16 else x
                 for x in (a, b))
@@ -630,7 +635,7 @@ def merge_by_name(records: List[Launch]) -> List[Launch]:
             m = out[key] = Launch(name=r.name, kind=r.kind, phase=r.phase, grid=r.grid)
             m.launches = 0  # type: ignore[attr-defined]
         m.launches += 1  # type: ignore[attr-defined]
-        for k in ("programs", "loaded", "stored", "distinct_loaded", "distinct_stored", "distinct", "atomics"):
+        for k in ("programs", "loaded", "stored", "distinct_loaded", "distinct_stored", "distinct", "atomics", "smem"):
             setattr(m, k, getattr(m, k) + getattr(r, k))
         for k, v in r.flops.items():
             m.flops[k] = m.flops.get(k, 0) + v

@@ -9,7 +9,7 @@ x 2 grid of shapes with Fractions, `Fit.check` verifies it on held-out shapes of
 classes, and `Fit.at` evaluates it at the target (N*, D*, V*).
 
 Time model, per launch group (one kernel's launches, or one PyTorch op with one output pattern):
-    t = max(FLOP time, byte time)
+    t = max(FLOP time, HBM byte time, L2 byte time, shared-memory byte time)
     FLOP time  = sum over operand dtypes of dot / GEMM FLOPs / that dtype's dense peak
     byte time  = HBM bytes / bandwidth, where HBM bytes are
       Triton:  the compulsory bytes (distinct loaded + distinct stored) of every argument, except
@@ -18,6 +18,11 @@ Time model, per launch group (one kernel's launches, or one PyTorch op with one 
                their bytes per program, exceeds the L2, all their loaded + stored bytes go to HBM.
                Re-reads of data shared across programs are taken to hit the L2 (a lower bound).
       PyTorch: each op reads its inputs and writes its outputs once (loaded + stored).
+    L2 time    = L2 bytes / the L2 bandwidth: every byte a program loads or stores crosses the L2
+               (all re-reads; a PyTorch op: inputs and outputs once, a cuBLAS GEMM at least its FLOPs /
+               its tile intensity, GEMM_TILE_INTENSITY), L2_RULE
+    smem time  = shared-memory bytes / all SMs' shared-memory bandwidth: each tl.dot operand staged
+               once and read once (counted by bench.cost), a cuBLAS GEMM twice its operand L2 bytes
 The sum over groups is the subject's modelled time: a lower bound that ignores launch
 latency, occupancy and elementwise math (exp, log); FLOPs are tl.dot / GEMM FLOPs only.
 """
@@ -48,6 +53,9 @@ class Hardware:
     sms: int
     peaks: Dict[str, float]  # FLOP/s by operand dtype (dense)
     source: str
+    l2_bytes_per_s: float = 0.0  # what every byte a program loads or stores crosses (0: not charged)
+    smem_bytes_per_s: float = 0.0  # all SMs' shared memory together (0: not charged)
+    l2_source: str = ""
 
 
 _TENSOR = 989.4e12  # dense bf16 / fp16 tensor-core peak of an H100 SXM / H200 (NVIDIA datasheets)
@@ -58,14 +66,39 @@ _SOURCE = ("NVIDIA H100 / H200 datasheets: HBM 3.35 TB/s (H100 SXM) and 4.8 TB/s
            "TFLOP/s, fp32 66.9 TFLOP/s; the model uses 90% of the nominal HBM bandwidth (H200: 4.3 TB/s, as the "
            "issue). L2: 50 MB on both (NVIDIA's Hopper architecture blog: 50 MB on H100 SXM5, 60 MB on the full "
            "GH100 die; H200 is the same GH100 product configuration with 132 SMs)")
+_CLOCK_H100 = 1.755e9  # boost clock the L2 and shared-memory rates are quoted at (Chips and Cheese measured 1755 MHz)
+_L2_SOURCE_H100 = ("L2 5,120 B/clk at 1.755 GHz = 9.0 TB/s (GH100's L2 read bandwidth per clock, as Chips and "
+                   "Cheese's 'Nvidia's H100: Funny L2, and Tons of Bandwidth' measured it; issue 26); shared memory "
+                   "128 B/clk per SM x 132 SMs at 1.755 GHz = 29.7 TB/s")
+# B200: NVIDIA's HGX B200 datasheet (8 TB/s HBM3e, 2.25 PFLOP/s dense bf16 = 4.5 with sparsity, 148 SMs);
+# 126 MB of L2 (Chips and Cheese, 'Nvidia's B200: Keeping the CUDA Juggernaut Rolling'). NVIDIA publishes no L2
+# bandwidth for it and none was found measured: the model assumes H100's per-SM L2 rate (5,120 / 132 B/clk)
+# on 148 SMs at 1.965 GHz (11.3 TB/s), an assumption stated beside every B200 number.
+_B200_PEAKS = {"bf16": 2.25e15, "fp16": 2.25e15, "bf16>fp32": 2.25e15, "fp16>fp32": 2.25e15, "fp32": 80e12,
+               "fp64": 40e12}
+_CLOCK_B200 = 1.965e9
 HARDWARE = {
-    "H100": Hardware("H100 SXM", 0.9 * 3.35e12, 3.35e12, 50 * MB, 132, _PEAKS, _SOURCE),
-    "H200": Hardware("H200", 0.9 * 4.8e12, 4.8e12, 50 * MB, 132, _PEAKS, _SOURCE),
+    "H100": Hardware("H100 SXM", 0.9 * 3.35e12, 3.35e12, 50 * MB, 132, _PEAKS, _SOURCE,
+                     5120 * _CLOCK_H100, 128 * 132 * _CLOCK_H100, _L2_SOURCE_H100),
+    "H200": Hardware("H200", 0.9 * 4.8e12, 4.8e12, 50 * MB, 132, _PEAKS, _SOURCE,
+                     5120 * _CLOCK_H100, 128 * 132 * _CLOCK_H100, _L2_SOURCE_H100),
+    "B200": Hardware("B200", 0.9 * 8e12, 8e12, 126 * MB, 148, _B200_PEAKS,
+                     "NVIDIA HGX B200 datasheet: HBM3e 8 TB/s, dense bf16 2.25 PFLOP/s; 126 MB L2 (Chips and Cheese)",
+                     5120 / 132 * 148 * _CLOCK_B200, 128 * 148 * _CLOCK_B200,
+                     "L2 ASSUMED 11.3 TB/s (H100's per-SM rate on 148 SMs at 1.965 GHz: no published figure); "
+                     "shared memory 128 B/clk per SM x 148 SMs at 1.965 GHz = 37.2 TB/s"),
 }
 BYTES_RULE = ("HBM bytes = compulsory (distinct) bytes, except arguments private to their programs that are "
               "re-read or re-written with a live footprint (min(programs, SMs) x bytes per program) above the "
               "L2: all their loaded + stored bytes; shared re-reads hit the L2; PyTorch ops read inputs and write "
               "outputs once")
+# cuBLAS's GEMMs are charged through the L2 at the intensity of the tiles it runs on Hopper: 128 x 256 for
+# bf16 / fp16 (2 x 128 x 256 / ((128 + 256) x 2) = 85.3 FLOP per byte), 128 x 128 for fp32 (32 FLOP per byte).
+GEMM_TILE_INTENSITY = {"bf16": 85.3, "fp16": 85.3, "fp32": 32.0, "fp64": 16.0}
+L2_RULE = ("L2 bytes = every byte a Triton program loads or stores (all programs, all re-reads); a PyTorch op's "
+           "inputs and outputs once, and a cuBLAS GEMM at least its FLOPs / its tile intensity (bf16 128 x 256 "
+           "tiles: 85.3 FLOP/B; fp32 128 x 128: 32); shared-memory bytes = each tl.dot operand written to shared "
+           "memory once and read once (a cuBLAS GEMM: twice its operand L2 bytes)")
 
 
 # ----------------------------------------------------------------------------- counts of one run
@@ -93,7 +126,7 @@ def flatten(records: Iterable[Launch], shape: Shape, gemm_roles: bool = True) ->
             continue  # views and other metadata ops: nothing to time
         q = out.setdefault(("torch/" if r.kind == "torch" else "") + group_key(r, shape, gemm_roles), {})
         q["launches"] = q.get("launches", 0) + 1
-        for k in ("programs", "loaded", "stored", "distinct_loaded", "distinct_stored", "distinct", "atomics"):
+        for k in ("programs", "loaded", "stored", "distinct_loaded", "distinct_stored", "distinct", "atomics", "smem"):
             q[k] = q.get(k, 0) + getattr(r, k)
         for k, v in r.flops.items():
             q[f"flops:{k}"] = q.get(f"flops:{k}", 0) + v
@@ -262,6 +295,21 @@ def group_bytes(q: Dict[str, int], hw: Hardware, torch_group: bool = False) -> T
     return compulsory, "compulsory" + (f" (private re-reads, live {footprint / MB:.0f} MB, fit L2)" if footprint else "")
 
 
+def gemm_l2_bytes(q: Dict[str, int]) -> float:
+    """L2 operand bytes of a PyTorch GEMM group at cuBLAS's tile intensity (GEMM_TILE_INTENSITY)."""
+    return sum(v / GEMM_TILE_INTENSITY.get(k.split(":", 1)[1].split(">")[0], 32.0)
+               for k, v in q.items() if k.startswith("flops:"))  # fmt: skip
+
+
+def group_l2_smem(q: Dict[str, int], torch_group: bool) -> Tuple[float, float]:
+    """(L2 bytes, shared-memory bytes) of one group under L2_RULE."""
+    moved = float(q.get("loaded", 0) + q.get("stored", 0))
+    if not torch_group:
+        return moved, float(q.get("smem", 0))
+    operands = gemm_l2_bytes(q)
+    return max(moved, operands), 2 * operands
+
+
 @dataclass
 class GroupTime:
     group: str
@@ -274,30 +322,39 @@ class GroupTime:
     flop_s: float
     byte_s: float
     bytes_why: str
+    l2_bytes: float = 0.0
+    l2_s: float = 0.0
+    smem_bytes: float = 0.0
+    smem_s: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return max(self.flop_s, self.byte_s)
+        return max(self.flop_s, self.byte_s, self.l2_s, self.smem_s)
 
     @property
     def dominant(self) -> str:
-        return "FLOPs" if self.flop_s >= self.byte_s else "bytes"
+        times = {"FLOPs": self.flop_s, "bytes": self.byte_s, "L2": self.l2_s, "smem": self.smem_s}
+        return max(times, key=lambda k: times[k])  # ties: the first (FLOPs)
 
     def as_dict(self) -> Dict:
         return {"group": self.group, "launches": self.launches, "programs": self.programs, "loaded": self.loaded,
                 "stored": self.stored, "hbm_bytes": self.hbm_bytes, "flops": self.flops,
                 "flop_ms": self.flop_s * 1e3, "byte_ms": self.byte_s * 1e3, "ms": self.seconds * 1e3,
-                "dominant": self.dominant, "bytes_rule": self.bytes_why}
+                "dominant": self.dominant, "bytes_rule": self.bytes_why, "l2_bytes": self.l2_bytes,
+                "l2_ms": self.l2_s * 1e3, "smem_bytes": self.smem_bytes, "smem_ms": self.smem_s * 1e3}
 
 
 def model_times(counts: Counts, hw: Hardware) -> List[GroupTime]:
     out = []
     for g, q in counts.items():
-        hbm, why = group_bytes(q, hw, g.startswith("torch/"))
+        torch_group = g.startswith("torch/")
+        hbm, why = group_bytes(q, hw, torch_group)
+        l2, smem = group_l2_smem(q, torch_group)
         flops = {k.split(":", 1)[1]: v for k, v in q.items() if k.startswith("flops:") and v}
         out.append(GroupTime(g, int(q.get("launches", 0)), int(q.get("programs", 0)), int(q.get("loaded", 0)),
                              int(q.get("stored", 0)), hbm, flops, _flop_seconds(q, hw), hbm / hw.hbm_bytes_per_s,
-                             why))
+                             why, l2, l2 / hw.l2_bytes_per_s if hw.l2_bytes_per_s else 0.0, smem,
+                             smem / hw.smem_bytes_per_s if hw.smem_bytes_per_s else 0.0))  # fmt: skip
     return out
 
 

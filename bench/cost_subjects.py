@@ -456,7 +456,8 @@ def evaluate(fit: Fit, target: Shape) -> Dict:
         groups.append({"group": name, "launches": g.launches, "programs": g.programs, "loaded": g.loaded,
                        "stored": g.stored, "flops": g.flops,
                        "model": {hw: {k: v for k, v in models[hw][name].as_dict().items()
-                                      if k in ("hbm_bytes", "flop_ms", "byte_ms", "ms", "dominant", "bytes_rule")}
+                                      if k in ("hbm_bytes", "flop_ms", "byte_ms", "ms", "dominant", "bytes_rule",
+                                                "l2_bytes", "l2_ms", "smem_bytes", "smem_ms")}
                                  for hw in HARDWARE}})
     passes = {p: {hw: {"ms": sum(g["model"][hw]["ms"] for g in groups
                                  if p == "both" or g["group"].split("/")[-2] == p)} for hw in HARDWARE}
@@ -468,7 +469,7 @@ def evaluate(fit: Fit, target: Shape) -> Dict:
 
 def run(subjects: List[Subject], targets: List[Shape], log=print, jobs: int = 1) -> Dict:
     """Fit and evaluate every subject (absent or failing ones are recorded with the reason)."""
-    from .cost_model import BYTES_RULE, HARDWARE
+    from .cost_model import BYTES_RULE, HARDWARE, L2_RULE
 
     import time
 
@@ -505,6 +506,6 @@ def run(subjects: List[Subject], targets: List[Shape], log=print, jobs: int = 1)
                                                   f"{worst:.1e})") + "; "
             + "; ".join(f"{r['shape']['N']}x{r['shape']['D']}x{r['shape']['V']}: "
                         f"{r['passes']['both']['H200']['ms']:.1f} ms" for r in results))
-    return {"hardware": {k: vars(h) for k, h in HARDWARE.items()}, "bytes_rule": BYTES_RULE,
+    return {"hardware": {k: vars(h) for k, h in HARDWARE.items()}, "bytes_rule": BYTES_RULE, "l2_rule": L2_RULE,
             "targets_note": TARGETS_NOTE, "dtype": "bf16", "subjects": entries,
             "targets": [dict(zip("NDV", t)) for t in targets]}

@@ -538,20 +538,59 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.3g} GB" if x >= 1e8 else f"{x / 1e6:.3g} MB"
 
 
+def model_sentence(run: Dict[str, Any], hw: str = "H200") -> str:
+    """Which model a run's numbers are: the hardware figures and the rules, with the L2 when charged."""
+    h = run["hardware"][hw]
+    l2 = h.get("l2_bytes_per_s") and run.get("l2_rule")
+    charged = ("max(FLOP time, HBM time, L2 time, shared-memory time)" if l2
+               else "max(FLOP time, HBM time) (this run's model did not charge the L2)")
+    figures = (f"{h['hbm_bytes_per_s'] / 1e12:.2f} TB/s HBM, " + (f"{h['l2_bytes_per_s'] / 1e12:.1f} TB/s L2, "
+               f"{h['smem_bytes_per_s'] / 1e12:.1f} TB/s shared memory, " if l2 else "")
+               + f"{h['peaks']['bf16'] / 1e12:.0f} TFLOP/s bf16, {h['peaks']['fp32'] / 1e12:.0f} TFLOP/s fp32, "
+               f"{h['l2_bytes'] / 1e6:.0f} MB L2")  # fmt: skip
+    return (f"Model, not a measurement: {hw} ({figures}), bf16 inputs; commit {str(run.get('commit'))[:12]}, "
+            f"triton {run.get('versions', {}).get('triton')}, torch {run.get('versions', {}).get('torch')}, "
+            f"{run.get('timestamp')}. Per launch group: {charged}; {run['bytes_rule']}"
+            + (f"; {run['l2_rule']} ({h.get('l2_source')})" if l2 else "") + ". Lower bounds: no launch latency, "
+            "occupancy or elementwise math. `x floor`: modelled time / the 4-GEMM floor (4 x 2NDV FLOPs at the bf16 "
+            "peak); `HBM`: the modelled HBM traffic of forward + backward.")
+
+
+def _facts_cell(run: Dict[str, Any], group: str, arch: str) -> str:
+    from .aot import facts_text
+
+    f = run.get("compile_facts", {}).get(group.split("/")[-1], {}).get(arch)
+    return facts_text(f) if f else "-"
+
+
+def _launch_table(run: Dict[str, Any], s: Dict[str, Any], r: Dict[str, Any], hw: str) -> List[str]:
+    """Per launch group of one subject at one target: counts, the four times' winner, compile facts."""
+    groups = [g for g in r["groups"] if g["model"][hw]["ms"] >= 0.005]
+    facts = bool(run.get("compile_facts")) and "error" not in run["compile_facts"]
+    out = [f"`{s['name']}` {s['op']} at {_shape_label(r['shape'], s['op'])}, per launch group ({hw}):", "",
+           "| group | launches | programs | L2 bytes (loaded + stored) | FLOP per L2 byte | HBM bytes (rule) | "
+           "shared-memory bytes | FLOPs | ms | bound by |" + (" sm_90 | sm_100 |" if facts else ""),
+           "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if facts else "")]
+    for g in groups:
+        m = g["model"][hw]
+        total = sum(g["flops"].values())
+        l2 = m.get("l2_bytes", g["loaded"] + g["stored"])
+        fl = ", ".join(f"{v / 1e12:.3g} T {k}" for k, v in g["flops"].items()) or "-"
+        cells = [g["group"], str(g["launches"]), str(g["programs"]), _gb(l2), f"{total / l2:.1f}" if total and l2
+                 else "-", f"{_gb(m['hbm_bytes'])} ({m['bytes_rule']})", _gb(m.get("smem_bytes", 0)), fl,
+                 f"{m['ms']:.2f}", {"bytes": "HBM"}.get(m["dominant"], m["dominant"])]  # fmt: skip
+        if facts:
+            cells += [_facts_cell(run, g["group"], "sm_90"), _facts_cell(run, g["group"], "sm_100")]
+        out.append("| " + " | ".join(cells) + " |")
+    return out + [""]
+
+
 def cost_tables(run: Dict[str, Any], hw: str = "H200") -> List[str]:
     """The modelled times of every subject at the targets (fwd+bwd, and fwd), beside the GEMM
     floors, then the per-kernel breakdown of ours at each target."""
     subs = sorted(run["subjects"], key=lambda s: (s["op"] != "linear_token_logprobs",
                                                    COST_ORDER.index(s["name"]) if s["name"] in COST_ORDER else 99))
-    h = run["hardware"][hw]
-    out = [f"Model, not a measurement: {hw} ({h['hbm_bytes_per_s'] / 1e12:.2f} TB/s HBM, "
-           f"{h['peaks']['bf16'] / 1e12:.0f} TFLOP/s bf16, {h['peaks']['fp32'] / 1e12:.0f} TFLOP/s fp32, "
-           f"{h['l2_bytes'] / 1e6:.0f} MB L2), bf16 inputs; commit {str(run.get('commit'))[:12]}, "
-           f"triton {run.get('versions', {}).get('triton')}, torch {run.get('versions', {}).get('torch')}, "
-           f"{run.get('timestamp')}. Per launch group: max(FLOP time, byte time); {run['bytes_rule']}. "
-           "Lower bounds: no launch latency, occupancy or elementwise math. `x floor`: modelled time / "
-           "the 4-GEMM floor (4 x 2NDV FLOPs at the bf16 peak); `HBM`: the modelled HBM traffic of forward + "
-           "backward.", ""]
+    out = [model_sentence(run, hw), ""]
     for op in ("linear_token_logprobs", "token_logprobs"):
         rows = [s for s in subs if s["op"] == op]
         if not rows:
@@ -585,17 +624,7 @@ def cost_tables(run: Dict[str, Any], hw: str = "H200") -> List[str]:
         if s["name"] != "erpo" or s["status"] != "ok":
             continue
         for r in s["results"]:
-            groups = [g for g in r["groups"] if g["model"][hw]["ms"] >= 0.005]
-            out += [f"`erpo` {s['op']} at {_shape_label(r['shape'], s['op'])}, per launch group ({hw}):", "",
-                    "| group | launches | programs | loaded | stored | HBM bytes (rule) | FLOPs | ms | bound by |",
-                    "|---|---|---|---|---|---|---|---|---|"]
-            for g in groups:
-                fl = ", ".join(f"{v / 1e12:.3g} T {k}" for k, v in g["flops"].items()) or "-"
-                m = g["model"][hw]
-                out.append(f"| {g['group']} | {g['launches']} | {g['programs']} | {_gb(g['loaded'])} | "
-                           f"{_gb(g['stored'])} | {_gb(m['hbm_bytes'])} ({m['bytes_rule']}) | {fl} | "
-                           f"{m['ms']:.2f} | {m['dominant']} |")
-            out.append("")
+            out += _launch_table(run, s, r, hw)
     return out
 
 
@@ -626,7 +655,10 @@ def cost_summary_line(run: Dict[str, Any], hw: str = "H200") -> str:
     floor = r0["floors_ms"][hw]["4-GEMM"]
     parts = [f"`{s['name']}` {s['results'][0]['passes']['both'][hw]['ms']:.1f} ms" for s in
              sorted(subs, key=lambda s: COST_ORDER.index(s["name"]) if s["name"] in COST_ORDER else 99)]
-    return (f"Cost model ({hw}, not a measurement; linear_token_logprobs fwd+bwd, bf16, "
+    h = run["hardware"][hw]
+    model = (f"FLOPs, HBM, L2 at {h['l2_bytes_per_s'] / 1e12:.0f} TB/s and shared memory charged"
+             if h.get("l2_bytes_per_s") and run.get("l2_rule") else "FLOPs and HBM charged, not the L2")
+    return (f"Cost model ({hw}, {model}; not a measurement; linear_token_logprobs fwd+bwd, bf16, "
             f"{_shape_label(r0['shape'], 'linear')}; 4-GEMM floor {floor:.1f} ms): " + ", ".join(parts)
             + ". Tables: [docs/benchmarks.md](docs/benchmarks.md#cost-model).")
 
