@@ -266,7 +266,7 @@ def compile_all(todo: Sequence[Tuple[str, str, int, int]], workers: Optional[int
             spec = Path(tmp) / f"jobs{w}.json"
             spec.write_text(json.dumps({"jobs": share, "tiles": tiles_json}))
             penv = dict(env, TRITON_CACHE_DIR=str(Path(tmp) / f"cache{w}"))
-            procs.append(subprocess.Popen([sys.executable, "-m", "bench.aot", "--worker", str(spec)], env=penv,
+            procs.append(subprocess.Popen([sys.executable, "-m", f"{__package__}.aot", "--worker", str(spec)], env=penv,
                                           cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         results: List[List[Dict]] = []
         for p in procs:

@@ -60,7 +60,7 @@ def spilled_bytes(ptx: str) -> int:
     return sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log))
 
 
-def run_aot(script: str) -> Any:
+def run_aot(script: str, timeout: float = 600) -> Any:
     """Run `script` in a compiling (not interpreting) subprocess; the JSON of its last line."""
     try:
         from triton.backends import backends
@@ -71,6 +71,7 @@ def run_aot(script: str) -> Any:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), env.get("PYTHONPATH", "")])
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
