@@ -89,6 +89,9 @@ def test_tiled_matmul_bytes_reuse_and_flops(dtype, widen, key):
     assert not rec.args["a"].private and rec.args["a"].program_distinct == rec.args["a"].loaded
     assert rec.args["c"].stored == rec.args["c"].distinct == M * N * 4 and rec.args["c"].private
     assert rec.distinct == (M * K + K * N) * e + M * N * 4
+    # shared memory: each program's (BM x BK + BK x BN) operand tiles, staged once and read once, per K step
+    assert rec.smem == 2 * (M // B) * (N // B) * (K // B) * (B * B + B * B) * 2 if widen or dtype != torch.float32 \
+        else rec.smem == 2 * (M // B) * (N // B) * (K // B) * (B * B + B * B) * 4
     # counting computes a bf16 dot from the values (the plain interpreter multiplies the bit patterns)
     torch.testing.assert_close(c, a.float() @ b.float(), rtol=1e-5, atol=1e-4)
 
@@ -233,6 +236,28 @@ def test_time_model_bytes_rule():
     assert g.flop_s == pytest.approx(10**12 / 989.4e12) and g.byte_s == pytest.approx(g.hbm_bytes / 4.32e12)
     assert g.seconds == max(g.flop_s, g.byte_s) and g.dominant == "bytes"
     assert cm.gemm_floor_s((8192, 4096, 151936), 4, hw) * 1e3 == pytest.approx(41.2, abs=0.1)
+
+
+def test_time_model_charges_the_l2_and_shared_memory():
+    # issue 26: every byte a program loads or stores crosses the L2 (9 TB/s on an H200), the dots'
+    # operands cross shared memory; a cuBLAS GEMM is charged at its tile intensity (85.3 FLOP/B bf16)
+    hw = cm.HARDWARE["H200"]
+    assert hw.l2_bytes_per_s == pytest.approx(8.99e12, rel=1e-3) and hw.smem_bytes_per_s == pytest.approx(29.65e12,
+                                                                                                           rel=1e-3)
+    assert "ASSUMED" in cm.HARDWARE["B200"].l2_source  # no published figure: said so
+    tile = _group(programs=100, loaded=9 * 10**11, stored=10**9, distinct_loaded=10**9, distinct_stored=10**9,
+                  distinct=2 * 10**9, program_distinct=9 * 10**11, flops=10**13)  # shared: re-reads hit the L2
+    tile.update(loaded=9 * 10**11, stored=10**9, smem=10**12)
+    (g,) = cm.model_times({"forward/k": tile}, hw)
+    assert g.l2_bytes == 9.01e11 and g.l2_s == pytest.approx(9.01e11 / hw.l2_bytes_per_s)
+    assert g.smem_s == pytest.approx(10**12 / hw.smem_bytes_per_s)
+    assert g.seconds == g.l2_s > g.flop_s and g.dominant == "L2"
+    gemm = {"launches": 1, "loaded": 10**9, "stored": 10**9, "flops:bf16": 10**14}
+    (t,) = cm.model_times({"torch/backward/aten.mm[VD]": gemm}, hw)
+    assert t.l2_bytes == pytest.approx(10**14 / 85.3) and t.smem_bytes == pytest.approx(2 * 10**14 / 85.3)
+    assert t.seconds == pytest.approx(max(t.flop_s, t.l2_s)) and t.l2_s > t.flop_s  # 85 FLOP/B < 110 at the peak
+    (e,) = cm.model_times({"torch/forward/aten.exp": {"launches": 1, "loaded": 10**9, "stored": 10**9}}, hw)
+    assert e.l2_bytes == 2 * 10**9 and e.smem_bytes == 0
 
 
 def test_cuda_only_addmm_out_dtype_is_emulated_and_counted():
@@ -386,3 +411,19 @@ def test_a_custom_op_is_counted_by_what_it_runs():
         [(r.name, r.flops, r.loaded, r.stored) for r in outside]
     assert [r.name for r in inside] == ["aten._to_copy", "aten._to_copy", "aten.mm"]
     assert inside[-1].flops == {"fp64": 2 * 5 * 3 * 4}
+
+
+def test_bench_cost_writes_the_untracked_results_unless_recorded(monkeypatch):
+    # issue 29: like bench kernels, a run goes to bench/results/local (untracked) unless --record
+    from bench import cost_subjects as cs
+    from bench import report
+    from bench.__main__ import LOCAL_RESULTS_DIR, main
+    from bench.measure import RESULTS_DIR
+
+    saved = []
+    monkeypatch.setattr(cs, "run", lambda subjects, targets, jobs=1: {"subjects": []})
+    monkeypatch.setattr(report, "cost_tables", lambda run: [])
+    monkeypatch.setattr(report, "append_cost_run", lambda run, out_dir: saved.append(str(out_dir)) or out_dir)
+    args = ["cost", "--subjects", "erpo-reference", "--ops", "token_logprobs", "--targets", "64x1x4480"]
+    assert main(args) == 0 and main(args + ["--record"]) == 0
+    assert saved == [str(LOCAL_RESULTS_DIR), str(RESULTS_DIR)]
