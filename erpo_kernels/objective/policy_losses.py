@@ -22,6 +22,8 @@ their count on the host; clip_cov draws its subset with torch's global generator
 """
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
 
 from .config import LossConfig
