@@ -67,7 +67,11 @@ def _compile_ok(capability: Tuple[int, int], dtype: torch.dtype, tiles) -> bool:
     name = next(k for k, v in _DTYPES.items() if v == dtype)
     key = f"linear_token_logprobs|{arch}|{name}"
     todo = aot.jobs([arch], ["linear_token_logprobs"], [name], {("linear_token_logprobs", arch, name): tiles})
-    rows = aot.compile_all(todo, tiles_json=json.dumps({key: asdict(tiles)}))
+    try:
+        rows = aot.compile_all(todo, tiles_json=json.dumps({key: asdict(tiles)}))
+    except Exception as exc:  # noqa: BLE001 (this Triton cannot compile ahead of time): the launch decides
+        print(f"  compile check unavailable ({type(exc).__name__}): timing {tiles} unchecked")
+        return True
     return not any(r["problems"] for r in rows)
 
 
