@@ -107,18 +107,10 @@ def test_no_cycle_within_erpo():
     assert "erpo.eval_command" not in graph["erpo.eval_report"]
 
 
-# Imports that close a circle inside erpo_kernels, each to be removed by the lane that owns it
-# (the test fails when one is gone: take it off then).
-KNOWN_CYCLE_EDGES: set = set()
-
-
 def test_no_cycle_within_erpo_kernels():
     """Every import counts, TYPE_CHECKING ones and those inside functions too: a circle
     hidden behind one is a circle."""
     graph = _graph("erpo_kernels")
-    for src, dst in KNOWN_CYCLE_EDGES:
-        assert dst in graph[src], f"{src} no longer imports {dst}: remove it from KNOWN_CYCLE_EDGES"
-        graph[src] = graph[src] - {dst}
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
     # the objective sits on top of the ops: no op imports a piece of it
