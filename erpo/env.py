@@ -70,7 +70,8 @@ def tiles_lines(device: torch.device) -> List[str]:
 
     cap = device_capability(device)
     if cap is None:
-        where = "no CUDA device: CPU tensors (the interpreter) get the conservative tiles"
+        runs = "backend=\"triton\" in the interpreter" if interpreting() else "the kernels do not launch here"
+        where = f"no CUDA device ({runs}): the conservative tiles"
     else:
         known = "" if cap in ARCHITECTURES else ", not in the table: the conservative tiles"
         where = f"sm_{cap[0]}{cap[1]}{known}"
