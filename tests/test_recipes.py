@@ -13,19 +13,7 @@ from erpo.rewards import overlong_penalty
 from erpo.rollout import Rollout
 from erpo.trainer import Trainer, group_advantages
 
-from test_trainer import quiet, read_metrics, tiny, untimed
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("warmstart-cache")
-
-
-@pytest.fixture(autouse=True)
-def _keep_torch_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+from test_trainer import _keep_torch_threads, cache_dir, quiet, read_metrics, tiny, untimed  # noqa: F401 (fixtures)
 
 
 # ---------------------------------------------------------------------- overlong reward shaping
