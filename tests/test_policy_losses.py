@@ -75,6 +75,26 @@ def test_registry_names_and_aggregations():
     assert LossConfig().policy_loss == "vanilla" and LossConfig().loss_agg == "token-mean"
 
 
+def test_the_registry_marks_the_batch_wide_losses():
+    """clip_cov and kl_cov rank every token of the call (batch-wide: erpo_loss's 4-GEMM
+    path); the others read a row's own sequence only; a new loss is chunk-local unless
+    registered with batch_wide=True."""
+    from erpo_kernels.objective.registry import is_batch_wide
+
+    assert [n for n in POLICY_LOSSES if is_batch_wide(n)] == ["clip_cov", "kl_cov"]
+
+    @register_policy_loss("test-wide", batch_wide=True)
+    def wide(rows, old_logp, advantages, cfg):
+        raise AssertionError("not called")
+
+    try:
+        assert is_batch_wide("test-wide") and not is_batch_wide("vanilla")
+    finally:
+        del POLICY_LOSSES["test-wide"]
+        from erpo_kernels.objective.registry import BATCH_WIDE
+        BATCH_WIDE.discard("test-wide")
+
+
 @pytest.mark.parametrize("kw,message", [
     (dict(policy_loss="ppo"), r"^policy_loss must be one of \('vanilla', 'gspo'"),
     (dict(loss_agg="token-sum"), "^loss_agg must be one of"),

@@ -127,7 +127,7 @@ def _covariance(rows: LossRows, advantages: torch.Tensor) -> torch.Tensor:
     return (advantages - mean_adv) * (logp - mean_logp)
 
 
-@register_policy_loss("clip_cov")
+@register_policy_loss("clip_cov", batch_wide=True)
 def clip_cov(rows: LossRows, old_logp: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> TokenLoss:
     ratio = torch.exp(rows.logp - old_logp)
     loss, clip_by_origin = _clipped_surrogate(ratio, advantages, config)
@@ -143,7 +143,7 @@ def clip_cov(rows: LossRows, old_logp: torch.Tensor, advantages: torch.Tensor, c
     return TokenLoss(loss * keep, keep == 0, _none(rows), ratio.detach())
 
 
-@register_policy_loss("kl_cov")
+@register_policy_loss("kl_cov", batch_wide=True)
 def kl_cov(rows: LossRows, old_logp: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> TokenLoss:
     log_ratio = rows.logp - old_logp
     ratio = torch.exp(log_ratio)
