@@ -243,13 +243,14 @@ def _ltl_merge_kernel(
     row_mask, row_index, _ = _rows_of(rows, order_ptr, n_valid_ptr)
     m_all = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     for k in range(0, splits):  # a split's NaN m_k may be dropped here: its l_k is NaN too
-        m_all = tl.maximum(m_all, tl.load(max_ptr + k * n_rows + rows, mask=row_mask, other=float("-inf")))
+        at = tl.cast(k, tl.int64) * n_rows + rows  # int64 as in the forward: splits x N passes 2**31
+        m_all = tl.maximum(m_all, tl.load(max_ptr + at, mask=row_mask, other=float("-inf")))
     m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     a_all = tl.zeros((BLOCK,), dtype=tl.float32)
     t_all = tl.zeros((BLOCK,), dtype=tl.float32)
     for k in range(0, splits):
-        at = k * n_rows + rows
+        at = tl.cast(k, tl.int64) * n_rows + rows
         m_k = tl.load(max_ptr + at, mask=row_mask, other=float("-inf"))
         l_k = tl.load(sum_ptr + at, mask=row_mask, other=0.0)
         scale = tl.exp(m_k - m_use)

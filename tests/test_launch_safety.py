@@ -1,0 +1,59 @@
+"""What a GPU launch gets right that the interpreter at small shapes cannot show (issue 35):
+64-bit offsets past 2**31 elements, out-of-range targets under validate=False, strided
+weights over the int32 column guard, and the device every launch runs on.
+
+Cheap by design: the offset check runs one merge program with its memory accesses
+recorded instead of performed (no 8 GiB buffer), the rest at tiny shapes.
+"""
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+ltl = importlib.import_module("erpo_kernels.linear_token_logprobs")
+
+
+# ------------------------------------------------------------------ 64-bit split offsets
+
+
+@pytest.fixture
+def recorded_loads(monkeypatch):
+    """Every load address the interpreter forms (all lanes, masked or not), with no memory
+    touched: each load returns its `other` (or zeros). Under the interpreter, integer
+    arithmetic has the compiled kernel's widths (an i32 product wraps as on the GPU)."""
+    if not ltl.interpreting():
+        pytest.skip("records the Triton interpreter's loads: runs where the kernels are interpreted (no GPU)")
+    from triton.runtime import interpreter
+
+    seen = []
+
+    def load(self, ptrs, mask, other, cache_policy, is_volatile):
+        seen.append(np.array(ptrs.data, dtype=np.uint64).ravel())
+        dtype_np = interpreter._get_np_dtype(ptrs.get_element_ty())
+        data = np.zeros_like(ptrs.data, dtype=dtype_np) if other is None else np.broadcast_to(other.data,
+                                                                                            ptrs.data.shape)
+        return interpreter.TensorHandle(np.array(data, dtype=dtype_np), ptrs.get_element_ty())
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", load)
+    return seen
+
+
+def test_merge_kernel_forms_split_offsets_in_64_bits(recorded_loads):
+    # The merge reads split k of row p at k * n_rows + p. With 3 splits and n_rows = 2**30 + 3
+    # (legal: 262,144-column vocabularies reach splits x N >= 2**31 at N >= 131,072 with small
+    # tiles), split 2 starts past 2**31 elements: an int32 product wraps to a negative offset.
+    n_rows, splits, block = 2**30 + 3, 3, 16
+    stats = [torch.zeros(1) for _ in range(4)]  # addresses only: nothing is read from them
+    index = torch.zeros(1, dtype=torch.int64)
+    out = [torch.zeros(1) for _ in range(4)]
+    ltl._ltl_merge_kernel[(1,)](
+        *stats, index, index, *out, n_rows, splits, WANT_ENTROPY=True, BLOCK=block, num_warps=1,
+    )
+    rows = np.arange(block, dtype=np.uint64)
+    got = {a.tobytes() for a in recorded_loads}
+    for name, t in zip(("max", "sum", "entropy", "target_logit"), stats):
+        for k in range(splits):
+            want = np.uint64(t.data_ptr()) + np.uint64(4) * (np.uint64(k * n_rows) + rows)
+            formed = want.tobytes() in got
+            assert formed, f"{name} of split {k}: the offset {k} * n_rows + row is not formed in 64 bits"
