@@ -529,7 +529,10 @@ INT32_OFFSET_LIMIT = 2**31
 
 def _int32_safe_columns(t: torch.Tensor) -> torch.Tensor:
     """t [rows, D], copied to unit column stride when (D - 1) * stride(1) would overflow
-    int32 (a transposed view of a [D, V] matrix with D * V >= 2**31, say); else t itself."""
+    int32 (a transposed view of a [D, V] matrix with D * V >= 2**31, say); else t itself.
+    `linear_token_logprobs` applies it before the op, so autograd saves the copy for the
+    backward (one copy per call, not one per pass); the launches apply it again for the
+    op's direct callers (vocab_parallel.py), a no-op on a copy."""
     if t.shape[1] > 1 and (t.shape[1] - 1) * t.stride(1) >= INT32_OFFSET_LIMIT:
         return t.contiguous()
     return t
@@ -916,6 +919,8 @@ def linear_token_logprobs(
     if tiles is not None and not isinstance(tiles, Tiles):
         raise ValueError(f"tiles must be None or a Tiles, got {type(tiles).__name__}")
     use_triton = resolve_kernel_backend(backend, {"hidden": hidden}) == "triton"
+    if use_triton:  # the one copy of a strided view, saved for the backward (see _int32_safe_columns)
+        hidden, weight = _int32_safe_columns(hidden), _int32_safe_columns(weight)
     inv_t, softcap, logit_scale, unit = transform.op_args()
     logp, entropy, _, _, _ = _linear_token_logprobs_op(
         hidden, weight, bias, targets.contiguous(), inv_t, softcap=softcap, logit_scale=logit_scale, unit=unit,

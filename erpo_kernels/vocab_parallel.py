@@ -52,7 +52,8 @@ import torch
 from . import reference
 from ._utils import (FLOAT_DTYPES, autocast_dtype, check_targets, check_tensor, compute_dtype, is_dtensor, no_autocast,
                      resolve_kernel_backend)
-from .linear_token_logprobs import Tiles, _backward_op, _forward_splits, _Launch, register_vocab_parallel
+from .linear_token_logprobs import (Tiles, _backward_op, _forward_splits, _int32_safe_columns, _Launch,
+                                    register_vocab_parallel)
 from .logit_transform import LogitTransform
 from .tiles import launch_tiles
 
@@ -391,6 +392,8 @@ def vocab_parallel_linear_token_logprobs(
     if tiles is not None and not isinstance(tiles, Tiles):
         raise ValueError(f"tiles must be None or a Tiles, got {type(tiles).__name__}")
     use_triton = resolve_kernel_backend(backend, {"hidden": hidden}) == "triton"
+    if use_triton:  # as on one device: a strided view copied once, saved for the backward
+        hidden, w = _int32_safe_columns(hidden), _int32_safe_columns(w)
     call = _Call(shard, transform.softcap, transform.logit_scale, transform.unit, bool(return_entropy), use_triton,
                  tiles or launch_tiles("linear_token_logprobs", hidden, hidden.shape[1], w.shape[0]))  # fmt: skip
     logp, entropy = _VocabParallel.apply(hidden, w, b, shard.local_targets(targets.contiguous(), ignore_index),

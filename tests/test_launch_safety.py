@@ -57,3 +57,37 @@ def test_merge_kernel_forms_split_offsets_in_64_bits(recorded_loads):
             want = np.uint64(t.data_ptr()) + np.uint64(4) * (np.uint64(k * n_rows) + rows)
             formed = want.tobytes() in got
             assert formed, f"{name} of split {k}: the offset {k} * n_rows + row is not formed in 64 bits"
+
+
+# ------------------------------------------------------------ strided views: one copy per call
+
+
+def test_strided_weight_over_the_int32_column_guard_is_copied_once(monkeypatch):
+    # A transposed view whose column offsets (D - 1) * stride(1) pass int32 is copied to unit
+    # stride: once per call (the copy autograd saves for the backward), not again in the
+    # backward. The limit is lowered so that tiny shapes reach it.
+    from erpo_kernels import linear_token_logprobs
+
+    n, d, v = 5, 16, 40
+    monkeypatch.setattr(ltl, "INT32_OFFSET_LIMIT", v)
+    copies = []
+    real = ltl._int32_safe_columns
+
+    def spy(t):
+        out = real(t)
+        if out is not t:
+            copies.append(tuple(t.shape))
+        return out
+
+    monkeypatch.setattr(ltl, "_int32_safe_columns", spy)
+    hidden = torch.randn(d, n).T.requires_grad_()  # stride(1) = n: (D - 1) * n passes the lowered limit too
+    weight = torch.randn(d, v).T.requires_grad_()  # [V, D], stride(1) = V
+    targets = torch.randint(0, v, (n,))
+    logp = linear_token_logprobs(hidden, weight, targets, backend="triton")
+    g_hidden, g_weight = torch.autograd.grad(logp.sum(), (hidden, weight))
+    assert sorted(copies) == [(n, d), (v, d)], copies  # each operand once, forward and backward together
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    want = torch.log_softmax(h64 @ w64.T, dim=-1).gather(1, targets[:, None]).squeeze(1)
+    want_h, want_w = torch.autograd.grad(want.sum(), (h64, w64))
+    for got, ref in ((logp, want), (g_hidden, want_h), (g_weight, want_w)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
