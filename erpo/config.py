@@ -36,6 +36,8 @@ EVAL_TEMPERATURES = [0.1, 0.3, 0.5, 0.7, 0.9, 1.0, 1.1, 1.3, 1.5]
 # The values of the keys whose default is auto: the embedded demo's, and everyone else's.
 DEMO_RUN_DIR = os.path.join("runs", "demo")
 DEMO_MAX_NEW_TOKENS, MAX_NEW_TOKENS = 8, 1024  # the a+b task's answers are a few tokens long
+TINY_CONTEXT = 1024  # positions of the demo model (erpo.tiny builds it)
+TINY_MAX_NEW_TOKENS = TINY_CONTEXT // 2  # auto max_new_tokens of model=tiny on other data: leaves half for the prompt
 DEMO_LR, LR = 3e-4, 1e-6  # the 2-layer demo model; a pretrained model (TRL's and verl's default)
 
 
@@ -294,7 +296,8 @@ class TrainConfig:
     temperature: float = ROLLOUT(1.0, "tau, the sampling temperature; response tokens are scored at 1 / tau")
     max_new_tokens: int = ROLLOUT(
         0, f"longest response in tokens; 0 = auto: {DEMO_MAX_NEW_TOKENS} for the embedded task (dataset=arithmetic), "
-           f"{MAX_NEW_TOKENS} otherwise"
+           f"{TINY_MAX_NEW_TOKENS} for model=tiny on other data (its context is {TINY_CONTEXT}), {MAX_NEW_TOKENS} "
+           f"otherwise"
     )
     rollout_backend: str = ROLLOUT(
         "hf",
@@ -545,13 +548,18 @@ class TrainConfig:
 
     def resolve_training_defaults(self) -> None:
         """The auto values a training run needs, in place: run_dir (resolve_run_dir),
-        max_new_tokens=0 (DEMO_MAX_NEW_TOKENS for the embedded task, else MAX_NEW_TOKENS)
-        and lr=0 (DEMO_LR for the demo model, else LR). config.yaml stores the values."""
+        max_new_tokens=0 (DEMO_MAX_NEW_TOKENS for the embedded task, TINY_MAX_NEW_TOKENS for
+        the demo model on other data, else MAX_NEW_TOKENS), lr=0 (DEMO_LR for the demo model,
+        else LR) and loss_scale_factor=0 under seq-mean-token-sum-norm (max_new_tokens).
+        config.yaml stores the values."""
         self.resolve_run_dir()
         if self.max_new_tokens == 0:
-            self.max_new_tokens = DEMO_MAX_NEW_TOKENS if self.is_demo_task else MAX_NEW_TOKENS
+            self.max_new_tokens = (DEMO_MAX_NEW_TOKENS if self.is_demo_task else
+                                   TINY_MAX_NEW_TOKENS if self.is_demo_model else MAX_NEW_TOKENS)
         if self.lr == 0:
             self.lr = DEMO_LR if self.is_demo_model else LR
+        if self.loss_scale_factor == 0 and self.loss_agg == "seq-mean-token-sum-norm":
+            self.loss_scale_factor = float(self.max_new_tokens)
 
     @property
     def ref_cache_path(self) -> str:
@@ -599,6 +607,9 @@ class TrainConfig:
         from .erpo_settings import ERPOSettings
         from .rewards import check_overlong
 
+        if not (self.loss_scale_factor >= 0 and self.loss_scale_factor != float("inf")):
+            raise ConfigError(f"loss_scale_factor={self.loss_scale_factor} must be finite and > 0, or 0 (auto: "
+                              f"max_new_tokens, Dr. GRPO's constant)")
         try:
             self.loss_config()
             ERPOSettings.of(self).validate()  # the one check of ERPO's keys (ERPOConfig's and verl's too)
@@ -650,7 +661,9 @@ class TrainConfig:
 
 def choice(name: str, value: Any, allowed: Sequence[str]) -> None:
     if value not in allowed:
-        close = difflib.get_close_matches(str(value), allowed, n=1)
+        # a prefix first (loss_agg=seq-mean: seq-mean-token-mean), else the closest spelling
+        close = [a for a in allowed if str(value) and a.startswith(str(value))] or difflib.get_close_matches(
+            str(value), allowed, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}{hint}")
 
@@ -835,16 +848,36 @@ def parse_overrides(items: Sequence[str], aliases: Optional[Dict[str, str]] = No
 def yaml_mapping(path: str, what: str = "config file") -> Dict[str, Any]:
     """The mapping a YAML file holds; a ConfigError naming `what` when it is missing, not
     YAML, or not a mapping."""
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.yaml")):
+            raise ConfigError(f"{what} {path!r} is a directory, a run's: continue it with resume={path}, or start "
+                              f"from its settings with {os.path.join(path, 'config.yaml')}")
+        raise ConfigError(f"{what} {path!r} is a directory; give a YAML file (e.g. configs/demo.yaml)")
     if not os.path.isfile(path):
         raise ConfigError(f"{what} {path!r} does not exist")
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{what} {path!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"{what} {path!r} is not valid YAML: {yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path!r} must hold a mapping of key: value")
     return data
+
+
+def yaml_problem(exc: Exception) -> str:
+    """A YAML parse error in one line: the line and column it was found at, and where the
+    construct it was parsing began when that is another line."""
+    mark, start = getattr(exc, "problem_mark", None), getattr(exc, "context_mark", None)
+    problem, context = getattr(exc, "problem", None), getattr(exc, "context", None)
+    if mark is None or not problem:
+        return str(exc).splitlines()[0]
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    if context and start is not None and start.line != mark.line:
+        text += f" ({context} begun at line {start.line + 1})"
+    elif context:
+        text += f" ({context})"
+    return text
 
 
 def read_yaml(path: str) -> Dict[str, Any]:

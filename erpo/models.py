@@ -151,11 +151,14 @@ def context_length(path: str) -> int | None:
     return limit
 
 
-def check_context_length(path: str, longest_prompt: int, max_new_tokens: int, key: str = "max_new_tokens") -> None:
+def check_context_length(path: str, longest_prompt: int, max_new_tokens: int, key: str = "max_new_tokens",
+                         limit: int | None = None) -> None:
     """ErpoError, before anything runs, when the longest prompt + `max_new_tokens` does not fit
     in the context of the model in `path` (learned position embeddings fail mid-run with an
-    IndexError inside generate; rotary ones leave the range the model was trained on)."""
-    limit = context_length(path)
+    IndexError inside generate; rotary ones leave the range the model was trained on).
+    `limit`: the context when it is known without reading `path` (model=tiny before its warm start)."""
+    source = "n_positions / max_position_embeddings in its config.json" if limit is None else "the demo model's"
+    limit = context_length(path) if limit is None else limit
     need = longest_prompt + max_new_tokens
     if limit is None or need <= limit:
         return
@@ -163,9 +166,8 @@ def check_context_length(path: str, longest_prompt: int, max_new_tokens: int, ke
     fix = (f"set {key}={room} or less, or use a model with a longer context" if room > 0 else
            f"the longest prompt alone fills it: use shorter prompts (max_prompt_tokens={limit - 1} refuses longer "
            f"ones) or a model with a longer context")
-    raise ErpoError(f"model {path!r} has a context of {limit} positions (n_positions / max_position_embeddings in its "
-                    f"config.json), but the longest prompt ({longest_prompt} tokens) + {key}={max_new_tokens} needs "
-                    f"{need}; {fix}")
+    raise ErpoError(f"model {path!r} has a context of {limit} positions ({source}), but the longest prompt "
+                    f"({longest_prompt} tokens) + {key}={max_new_tokens} needs {need}; {fix}")
 
 
 def enable_gradient_checkpointing(model: Any) -> None:

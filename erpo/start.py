@@ -19,7 +19,7 @@ from erpo_kernels import resolve_backend
 
 from . import checkpoint as ckpt
 from . import distributed
-from .config import ConfigError, TrainConfig
+from .config import TINY_CONTEXT, ConfigError, TrainConfig
 from .data import (Example, batches_per_epoch, check_prompts, encode_prompts, examples_fingerprint, load_examples,
                    template_text)
 from .errors import ErpoError
@@ -29,7 +29,7 @@ from .packing import resolve_attn_implementation, set_attn_implementation
 from .ref_cache import (RefCache, RefCacheError, build_ref_cache, check_cache_meta, fixed_by, model_fingerprint,
                         query_id, read_ref_cache, save_ref_cache, shown, tokenizer_fingerprint, validate_ref_cache)
 from .run_plan import RunPlan
-from .tiny import resolve_model_dir, warmstart_dir
+from .tiny import build_tokenizer, resolve_model_dir, warmstart_dir
 
 
 def check_micro_batch_budget(cfg: TrainConfig, prompt_ids: Sequence[Sequence[int]]) -> None:
@@ -42,6 +42,23 @@ def check_micro_batch_budget(cfg: TrainConfig, prompt_ids: Sequence[Sequence[int
             f"({longest} tokens: the longest prompt, {longest - cfg.max_new_tokens}, + max_new_tokens="
             f"{cfg.max_new_tokens}); set micro_batch_tokens={longest} or more, or 0 (the whole mini-batch at once)"
         )
+
+
+def check_prompt_room(cfg: TrainConfig, prompt_ids: Sequence[Sequence[int]], examples: Sequence[Example],
+                      model_dir: str, limit: Optional[int] = None) -> None:
+    """The prompts' checks against the run's settings and the model's context (max_prompt_tokens,
+    micro_batch_tokens, the longest prompt + max_new_tokens): ErpoError before anything runs."""
+    check_prompts(prompt_ids, examples, cfg.max_prompt_tokens)
+    check_micro_batch_budget(cfg, prompt_ids)
+    check_context_length(model_dir, max(len(p) for p in prompt_ids), cfg.max_new_tokens, limit=limit)
+
+
+def check_demo_prompts(cfg: TrainConfig, examples: Sequence[Example]) -> None:
+    """model=tiny: check_prompt_room before its warm start (minutes on a CPU), which does not
+    change its tokenizer or its context of TINY_CONTEXT positions."""
+    if cfg.is_demo_model:
+        ids = encode_prompts(build_tokenizer(), examples, cfg.resolved_template)
+        check_prompt_room(cfg, ids, examples, cfg.model, limit=TINY_CONTEXT)
 
 
 def check_writable(path: str, key: str) -> None:
@@ -288,12 +305,12 @@ class Start:
 def load_start(cfg: TrainConfig, plan: RunPlan, examples: Sequence[Example], device: torch.device,
                dtype: torch.dtype, log: Callable[[str], None]) -> Start:
     """The Start of this run (ErpoError when a resumed checkpoint's tokenizer is not the run's)."""
+    check_demo_prompts(cfg, examples)  # model=tiny: before its warm start
     # the demo model's warm start: trained and cached by rank 0, read from the cache by the others
     model_dir = distributed.main_first(lambda: resolve_model_dir(cfg, load_examples(cfg, "warmstart"), log))
     log(f"erpo: loading {plan.checkpoint or model_dir} and tokenizing {len(examples)} prompts ...")
     tokenizer, prompt_ids = setup_prompts(cfg, examples, plan.checkpoint or model_dir)
-    check_micro_batch_budget(cfg, prompt_ids)
-    check_context_length(plan.checkpoint or model_dir, max(len(p) for p in prompt_ids), cfg.max_new_tokens)
+    check_prompt_room(cfg, prompt_ids, examples, plan.checkpoint or model_dir)
     if not plan.checkpoint:
         model, reference = starting_model(cfg, model_dir, tokenizer, device, dtype)
         return Start(model_dir, tokenizer, prompt_ids, reference, model)

@@ -90,6 +90,8 @@ STUDY_KEYS: Dict[str, Tuple[str, Any]] = {
     "report_only": ("write the report of what is there now, run nothing", False),
     "overwrite": ("delete the study in out= and start it over (without it, a study made with other settings there "
                   "is refused)", False),
+    "force_doc": ("rewrite doc= even where it holds a report of more evaluations than this one (without it such a "
+                  "page is left as it is, and the report is in out= only)", False),
 }
 
 
@@ -107,6 +109,7 @@ class StudyConfig:
     label: str = ""
     report_only: bool = False
     overwrite: bool = False
+    force_doc: bool = False
     train: Dict[str, Any] = field(default_factory=dict)  # the typed train: keys (defaults not filled in)
 
     def base(self) -> TrainConfig:
@@ -116,6 +119,8 @@ class StudyConfig:
         """ConfigError (one line: the key and how to fix it) on the first bad value."""
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"seeds={self.seeds}: need a non-empty list of distinct seeds")
+        if min(self.seeds) < 0:
+            raise ConfigError(f"seeds={','.join(map(str, self.seeds))}: seeds are integers >= 0")
         if not self.variants:
             raise ConfigError("variants: need at least one variant (name: {train keys})")
         if self.label and not self.label.replace("-", "").replace("_", "").isalnum():
@@ -342,6 +347,10 @@ def prepare_out(spec: StudyConfig, units: Sequence[Unit], log: Callable[[str], N
     path = os.path.join(out, STUDY_FILE)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ErpoError(f"out={out} is a file; give the study a directory with out=DIR")
+    if not spec.report_only:
+        from .start import check_writable
+
+        check_writable(out, "out")  # e.g. out=<a file>/x: one line, not a NotADirectoryError
     if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(path):
         raise ErpoError(f"out={out} holds files that are not a study's (no {STUDY_FILE}); give another out=DIR")
     if spec.report_only and not os.path.isfile(path):

@@ -520,8 +520,9 @@ def sections(spec: Any, units: Sequence[Any], results: Dict[str, Any]) -> Dict[s
     """{name: markdown} of every generated section (report.md has them all, a doc= page those it marks)."""
     every = spec.eval_every
     missing = list(dict.fromkeys(results["missing"]))  # in the study's order, once each
-    status = (f"Incomplete: {len(missing)} evaluations missing ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}).\n"
-              if missing else "Complete: every run and evaluation of the study is in.\n")
+    done = evaluations_in(results)
+    status = (f"Incomplete: {len(missing)} evaluations missing ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); "
+              f"{done} in.\n" if missing else f"Complete: every run and evaluation of the study is in ({done} evaluations).\n")
     return {
         "status": status,
         "setup": setup_section(spec, units),
@@ -537,6 +538,52 @@ def sections(spec: Any, units: Sequence[Any], results: Dict[str, Any]) -> Dict[s
         "levels": level_table(results),
         "time": time_section(results),
     }
+
+
+def evaluations_in(results: Dict[str, Any]) -> int:
+    """How many evaluations (variant x seed x checkpoint) the results hold."""
+    return sum(len(points) for seeds in results["eval"].values() for points in seeds.values())
+
+
+def held_status(doc: str, label: str = "") -> Optional[Tuple[bool, Optional[int], Optional[int]]]:
+    """What the doc= page's status section says of the report it holds: (complete,
+    evaluations missing, evaluations in: None where the page does not say); None when the
+    page has no status section of this label."""
+    if not os.path.isfile(doc):
+        return None
+    with open(doc, encoding="utf-8") as f:
+        text = f.read()
+    for m in _block(label).finditer(text):
+        if m.group(2) == "status":
+            status = m.group(3).strip()
+            if not status.startswith(("Complete", "Incomplete")):
+                return None
+            complete = status.startswith("Complete")
+            gone = re.match(r"Incomplete: (\d+) evaluations missing", status)
+            done = re.search(r"(?:\((\d+) evaluations\)|; (\d+) in)\.?$", status)
+            return (complete, 0 if complete else (int(gone.group(1)) if gone else None),
+                    int(done.group(1) or done.group(2)) if done else None)
+    return None
+
+
+def less_than_held(doc: str, label: str, missing: int, done: int) -> Optional[str]:
+    """Why the page's report has more in it than one of `done` evaluations (`missing`
+    missing), in words; None when this one has as much or more (or the page says nothing)."""
+    held = held_status(doc, label)
+    if held is None:
+        return None
+    complete, held_missing, held_done = held
+    if held_done is not None:
+        more = held_done > done
+    elif complete:
+        more = missing > 0
+    else:
+        more = held_missing is not None and held_missing < missing
+    if not more:
+        return None
+    page = ("complete" if complete else f"{held_missing} evaluations missing") + (
+        f", {held_done} in" if held_done is not None else "")
+    return f"{doc} holds a report of more evaluations ({page}) than this one ({missing} missing, {done} in)"
 
 
 TITLES = {"status": "Status", "setup": "Setup", "findings": "Findings", "accuracy": "Accuracy against step",
@@ -595,7 +642,12 @@ def write_study_report(spec: Any, units: Sequence[Any], log: Callable[[str], Non
     body = "\n\n".join(f"## {TITLES[n]}\n\n{marked(n, t)}" for n, t in parts.items())
     images = "".join(f"![{n}]({n})\n" for n in figures)
     atomic_write(paths["report"], f"# Stability study: {out}\n\n{images}\n{body}\n".encode("utf-8"))
-    if spec.doc:
+    fewer = None if not spec.doc or getattr(spec, "force_doc", False) else less_than_held(
+        spec.doc, spec.label, len(set(results["missing"])), evaluations_in(results))
+    if fewer:
+        log(f"erpo: study: {fewer}: left as it is; this report is in {paths['report']} (force_doc=true rewrites "
+            f"the page from it)")
+    elif spec.doc:
         done = refresh_doc(spec.doc, parts, {n: paths[n] for n in figures}, spec.label)
         log(f"erpo: study: rewrote {len(done)} sections of {spec.doc} and its figures")
         paths["doc"] = spec.doc

@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Sequence
 import torch
 import transformers
 
-from .config import TINY_HEADS, TrainConfig
+from .config import TINY_CONTEXT, TINY_HEADS, TrainConfig
 from .data import Example, derived_seed, render_prompt
 from .models import check_model_dir, quiet_transformers
 
@@ -60,7 +60,7 @@ def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
         num_hidden_layers=cfg.demo.tiny_layers,
         num_attention_heads=TINY_HEADS,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=TINY_CONTEXT,
         tie_word_embeddings=False,  # tied, the policy gradient on output rows also moves the digits' input embeddings: fragile at this size
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -157,7 +157,9 @@ def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log
     head = model.get_output_embeddings()
     model.train()
     loss = torch.tensor(float("nan"))
-    for step in range(cfg.demo.warmstart_steps):
+    steps = cfg.demo.warmstart_steps
+    every = max(1, steps // 10)  # a line every 10% of the steps: how far it is, and about how long is left
+    for step in range(steps):
         # lr: linear warm-up over 10% of the steps, then cosine to 10%
         frac = step / max(1, cfg.demo.warmstart_steps)
         scale = min(1.0, 10 * frac + 0.1) * (0.55 + 0.45 * torch.cos(torch.tensor(frac * torch.pi)).item())
@@ -179,6 +181,11 @@ def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        done = step + 1
+        if done % every == 0 and done < steps:
+            took = time.perf_counter() - t0
+            log(f"erpo: warm start: step {done}/{steps}, loss {loss.item():.3f}, {took:.0f}s so far, about "
+                f"{took / done * (steps - done):.0f}s left")
     model.eval()
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,173 @@
+"""What a new user meets first (issue 35, items 2-10): one-line errors for the inputs that
+were tracebacks or wrong, the tiny model on the user's own data failing before its warm
+start (and the warm start saying how far it is), a partial study's report not replacing a
+more complete page, the installed wheel's bench command and configs, file modes of the run
+directory. Each check is unit-level or one small CLI call."""
+import json
+import os
+import stat
+
+import pytest
+import yaml
+
+from erpo.cli import main, resolve_config
+from erpo.config import save_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_STUDY = os.path.join(ROOT, "configs", "study-tiny.yaml")
+
+
+def one_line_error(capsys, argv, *needles):
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("erpo: error: ") and "\n" not in err and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+# ---------------------------------------------------------------------- item 4: one-line errors
+
+
+def test_loss_scale_factor_names_its_auto_value_and_config_yaml_stores_the_resolved_one(capsys, tmp_path):
+    one_line_error(capsys, ["train", "loss_agg=seq-mean-token-sum-norm", "loss_scale_factor=-5"],
+                   "loss_scale_factor=-5.0 must be finite and > 0, or 0 (auto: max_new_tokens")
+    cfg = resolve_config(["loss_agg=seq-mean-token-sum-norm", "max_new_tokens=96", f"run_dir={tmp_path}/r"])
+    assert cfg.loss_scale_factor == 96.0 and cfg.loss_config().loss_scale_factor == 96.0
+    save_config(cfg, str(tmp_path / "config.yaml"))
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["loss_scale_factor"] == 96.0 and saved["max_new_tokens"] == 96
+    # without its loss_agg the key stays unset (0), as LossConfig wants it
+    assert resolve_config([f"run_dir={tmp_path}/r"]).loss_scale_factor == 0.0
+
+
+def test_a_prefix_of_a_choice_suggests_that_choice(capsys):
+    one_line_error(capsys, ["train", "loss_agg=seq-mean"], "did you mean seq-mean-token-mean?")
+
+
+def test_bad_yaml_names_the_line(capsys, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("steps: 3\nlr: [1\n")
+    one_line_error(capsys, ["train", str(path)], "is not valid YAML: line 3, column 1:", "begun at line 2")
+    path.write_text("steps: 3\nlr: 1: 2\n")
+    one_line_error(capsys, ["train", str(path)], "line 2, column 6: mapping values are not allowed here")
+
+
+def test_a_directory_given_as_the_config_file(capsys, tmp_path):
+    one_line_error(capsys, ["train", str(tmp_path)], f"config file '{tmp_path}' is a directory; give a YAML file")
+    (tmp_path / "config.yaml").write_text("steps: 1\n")
+    one_line_error(capsys, ["train", str(tmp_path)], f"continue it with resume={tmp_path}",
+                   os.path.join(str(tmp_path), "config.yaml"))
+
+
+def test_study_out_under_a_file_and_negative_seeds_are_one_line(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    one_line_error(capsys, ["study", TINY_STUDY, f"out={blocker}/x"], f"out={blocker}/x is under {blocker}, a file")
+    assert not (tmp_path / "file" / "x").exists()
+    one_line_error(capsys, ["study", TINY_STUDY, f"out={tmp_path}/s", "seeds=-1"], "seeds=-1: seeds are integers >= 0")
+    assert not (tmp_path / "s").exists()
+
+
+# ---------------------------------------------------------------------- item 3: a partial study's report
+
+
+def test_a_partial_report_leaves_a_more_complete_page_alone_unless_forced(tmp_path):
+    """report_only=true on a study with nothing evaluated yet: the page that holds a complete
+    report keeps it (sections and figures); the report goes to out= and the log says where."""
+    from erpo.study import load_study, units_of
+    from erpo.study_report import write_study_report
+
+    page = tmp_path / "page.md"
+    held = ("# page\n<!-- study:status -->\nComplete: every run and evaluation of the study is in.\n"
+            "<!-- /study:status -->\n<!-- study:findings -->\nthe published findings\n<!-- /study:findings -->\n")
+    page.write_text(held)
+    spec = load_study(TINY_STUDY, [f"out={tmp_path}/study", f"doc={page}", "report_only=true"])
+    said = []
+    paths = write_study_report(spec, units_of(spec), said.append)
+    assert page.read_text() == held and not (tmp_path / "page-accuracy.png").exists()
+    assert "doc" not in paths and os.path.isfile(paths["report"])
+    note = next(line for line in said if "left as it is" in line)
+    assert str(page) in note and paths["report"] in note and "force_doc=true" in note
+    status = open(paths["report"]).read()
+    assert "Incomplete: " in status and "; 0 in." in status
+    # forced, the page takes the partial report
+    spec = load_study(TINY_STUDY, [f"out={tmp_path}/study", f"doc={page}", "report_only=true", "force_doc=true"])
+    write_study_report(spec, units_of(spec), said.append)
+    assert "the published findings" not in page.read_text() and (tmp_path / "page-accuracy.png").is_file()
+    # the page now says how many evaluations it holds (0): a report of as many replaces it unforced
+    spec = load_study(TINY_STUDY, [f"out={tmp_path}/study", f"doc={page}", "report_only=true"])
+    assert "doc" in write_study_report(spec, units_of(spec), said.append)
+
+
+def test_held_status_reads_the_old_and_new_status_lines(tmp_path):
+    from erpo.study_report import held_status, less_than_held
+
+    def page(status, label=""):
+        tag = f"study-{label}" if label else "study"
+        (tmp_path / "p.md").write_text(f"<!-- {tag}:status -->\n{status}\n<!-- /{tag}:status -->\n")
+        return str(tmp_path / "p.md")
+
+    assert held_status(page("Complete: every run and evaluation of the study is in.")) == (True, 0, None)
+    assert held_status(page("Complete: every run and evaluation of the study is in (216 evaluations).")) == (True, 0, 216)
+    assert held_status(page("Incomplete: 148 evaluations missing (a step 0, b step 100 ...).")) == (False, 148, None)
+    assert held_status(page("Incomplete: 3 evaluations missing (a step 0); 213 in.", "epochs"), "epochs") == \
+        (False, 3, 213)
+    assert held_status(page("Complete: every run ...", "epochs")) is None  # another label's sections
+    assert less_than_held(page("Incomplete: 148 evaluations missing (x)."), "", 10, 0) is None
+    assert less_than_held(page("Incomplete: 148 evaluations missing (x)."), "", 149, 0)
+    assert less_than_held(page("Complete: ... (216 evaluations)."), "", 0, 72)  # a complete subset of seeds
+
+
+# ---------------------------------------------------------------------- item 2: the tiny model on one's own data
+
+
+def _own_data(tmp_path, n=16, length=100):
+    path = tmp_path / "own.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "What is " + "x" * length + f" {i}?", "answer": str(i)}) + "\n"
+                            for i in range(n)))
+    return str(path)
+
+
+def test_tiny_on_own_data_fails_before_its_warm_start_and_its_auto_length_fits(capsys, tmp_path, monkeypatch):
+    import erpo.tiny as tiny_module
+    from erpo.config import TINY_CONTEXT, TINY_MAX_NEW_TOKENS
+    from erpo.start import check_demo_prompts, setup_data
+
+    def trained(*args, **kwargs):
+        raise AssertionError("the warm start was trained before the context check")
+
+    monkeypatch.setattr(tiny_module, "warm_start", trained)
+    data = _own_data(tmp_path)
+    common = ["train", f"dataset={data}", "steps=1", f"run_dir={tmp_path}/run", f"cache_dir={tmp_path}/cache",
+              "progress=false"]
+    one_line_error(capsys, [*common, "max_new_tokens=1000"], f"has a context of {TINY_CONTEXT} positions",
+                   "+ max_new_tokens=1000 needs", "set max_new_tokens=")
+    assert not os.path.exists(tmp_path / "cache")
+    one_line_error(capsys, [*common, "micro_batch_tokens=100"], "micro_batch_tokens=100 is smaller")
+    # the automatic response length of model=tiny on other data fits its context with these prompts
+    cfg = resolve_config([f"dataset={data}", f"run_dir={tmp_path}/run"])
+    assert cfg.max_new_tokens == TINY_MAX_NEW_TOKENS < TINY_CONTEXT
+    check_demo_prompts(cfg, setup_data(cfg)[0])
+    long_prompts = resolve_config([f"dataset={_own_data(tmp_path, length=700)}", f"run_dir={tmp_path}/run"])
+    with pytest.raises(Exception, match="set max_new_tokens=1"):
+        check_demo_prompts(long_prompts, setup_data(long_prompts)[0])
+
+
+def test_the_warm_start_says_how_far_it_is(tmp_path):
+    from erpo.config import TrainConfig
+    from erpo.data import load_examples
+    from erpo.tiny import warm_start
+
+    import torch
+
+    threads = torch.get_num_threads()
+    cfg = TrainConfig(cache_dir=str(tmp_path), tiny_hidden_size=16, tiny_layers=1, warmstart_steps=10,
+                      warmstart_batch_size=2, task_train_size=20, task_eval_size=2, task_max_operand=4)
+    said = []
+    warm_start(cfg, load_examples(cfg, "warmstart"), cfg.resolved_template, log=said.append)
+    torch.set_num_threads(threads)
+    steps = [line for line in said if line.startswith("erpo: warm start: step ")]
+    assert [line.split()[4].rstrip(",") for line in steps] == [f"{k}/10" for k in range(1, 10)], said
+    assert all("s left" in line and "loss " in line for line in steps)
