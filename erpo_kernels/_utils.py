@@ -136,6 +136,25 @@ def check_targets(
     return targets
 
 
+def out_of_range_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """[N] bool: targets outside [0, vocab) that are not ignore_index (what
+    check_targets refuses; with validate=False they reach the op)."""
+    return ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
+
+
+def nan_where_out_of_range(
+    logp: torch.Tensor, targets: torch.Tensor, vocab: int, ignore_index: int, validate: bool
+) -> torch.Tensor:
+    """logp [N] with NaN in the rows of out_of_range_targets, unless check_targets has
+    run (validate): validate=False lets such a target through, and its row's log-prob is
+    NaN, never a finite value. A torch.where on the device (no host sync): the row's
+    log-prob passes no gradient back; its entropy is the full vocabulary's, as for any
+    row (docs/kernels.md). The kernels and the reference never index outside the row."""
+    if checking_values(validate):
+        return logp
+    return torch.where(out_of_range_targets(targets, vocab, ignore_index), float("nan"), logp)
+
+
 def row_inv_temperature(
     inv_temperature: Union[None, float, torch.Tensor], n: int, device: torch.device, *, validate: bool = True
 ) -> torch.Tensor:

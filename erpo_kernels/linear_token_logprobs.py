@@ -59,6 +59,7 @@ from ._utils import (
     check_tensor,
     compute_dtype,
     is_dtensor,
+    nan_where_out_of_range,
     no_autocast,
     resolve_kernel_backend,
 )
@@ -878,7 +879,9 @@ def linear_token_logprobs(
         validate: check the values of targets (in range) and of a tensor
             inv_temperature (positive, finite). These checks read the tensors on the
             host (a device sync); pass False in a hot loop once the batch has been
-            validated. Shapes, dtypes and devices are always checked.
+            validated. Shapes, dtypes and devices are always checked. A target outside
+            [0, V) that is not ignore_index then gives that row a NaN log-prob (and no
+            gradient through it), never a finite value (docs/kernels.md).
         tiles: the Triton launch configuration, a Tiles (None: the device's, see
             erpo_kernels.default_tiles and `python -m bench tune`); results depend on it,
             never on N.
@@ -927,4 +930,5 @@ def linear_token_logprobs(
         ignore_index=ignore_index, return_entropy=bool(return_entropy), use_triton=use_triton,
         tiles=tiles.as_list() if tiles is not None else [],
     )
+    logp = nan_where_out_of_range(logp, targets, weight.shape[0], ignore_index, validate)
     return (logp, entropy) if return_entropy else logp

@@ -61,6 +61,14 @@ def _rows_of(inv_t: Optional[torch.Tensor], rows, dtype: torch.dtype) -> Optiona
     return None if inv_t is None else inv_t[rows, None].to(dtype)
 
 
+def _gather_index(targets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """targets as gather / scatter indices (int64): in [0, vocab), else 0. Ignored rows
+    read column 0, as do targets outside [0, vocab) that validate=False lets through
+    (the op turns their log-prob into NaN: _utils.nan_where_out_of_range)."""
+    inside = (targets >= 0) & (targets < vocab)
+    return torch.where(inside, targets, torch.zeros_like(targets)).long()
+
+
 def _rows_forward(
     z: torch.Tensor, inv_t: torch.Tensor, tgt: torch.Tensor, valid: torch.Tensor, want_entropy: bool
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -134,7 +142,7 @@ def token_logprobs_forward(
         logp = torch.empty(n, dtype=work_dtype, device=logits.device)
         entropy = torch.empty(n, dtype=work_dtype, device=logits.device) if return_entropy else None
         valid = targets != ignore_index
-        tgt = torch.where(valid, targets, torch.zeros_like(targets)).long()
+        tgt = _gather_index(targets, vocab)
         inv_t = transform.reference_inv_t()
         step = chunk_rows_for(vocab)
         for a in range(0, n, step):
@@ -160,7 +168,7 @@ def token_logprobs_backward(
         n, vocab = logits.shape
         work_dtype = compute_dtype(logits.dtype)
         valid = targets != ignore_index
-        tgt = torch.where(valid, targets, torch.zeros_like(targets)).long()
+        tgt = _gather_index(targets, vocab)
         zeros = torch.zeros(n, dtype=work_dtype, device=logits.device)
         g_logp = zeros if g_logp is None else torch.where(valid, g_logp.to(work_dtype), zeros)
         if g_entropy is not None:
@@ -194,7 +202,7 @@ def linear_token_logprobs_forward(
         entropy = torch.zeros(n, dtype=work_dtype, device=hidden.device) if return_entropy else None
         # Ignored rows are compacted away: they cost nothing.
         rows = (targets != ignore_index).nonzero().squeeze(1)
-        tgt = targets[rows].long()
+        tgt = _gather_index(targets[rows], vocab)
         inv_t = transform.reference_inv_t()
         step = chunk_rows_for(vocab, LINEAR_CHUNK_ELEMENTS)  # module globals, read per call
         w = weight.to(work_dtype)
@@ -225,7 +233,7 @@ def linear_token_logprobs_backward(
         vocab = weight.shape[0]
         work_dtype = compute_dtype(hidden.dtype)
         rows = (targets != ignore_index).nonzero().squeeze(1)
-        tgt = targets[rows].long()
+        tgt = _gather_index(targets[rows], vocab)
         inv_t = transform.reference_inv_t()
         step = chunk_rows_for(vocab, LINEAR_CHUNK_ELEMENTS)
         w = weight.to(work_dtype)

@@ -28,7 +28,8 @@ from typing import List, Optional, Tuple, Union
 import torch
 from . import reference
 from ._triton import interpreting, round_to, soft_cap, tl, triton
-from ._utils import FLOAT_DTYPES, check_targets, check_tensor, compute_dtype, no_autocast, resolve_kernel_backend
+from ._utils import (FLOAT_DTYPES, check_targets, check_tensor, compute_dtype, nan_where_out_of_range, no_autocast,
+                     resolve_kernel_backend)
 from .logit_transform import LogitTransform
 from .tiles import RowTiles, launch_tiles
 
@@ -98,7 +99,8 @@ def _token_logprobs_fwd_kernel(
             m = m_ref
         # d >= 1 (the max term is 2^0), so log_norm >= 0 and logp <= 0, entropy >= 0 exactly.
         log_norm = tl.log(d)
-        z_t = tl.load(row_ptr + target).to(tl.float32)
+        # a target outside [0, V) (only with validate=False) reads nothing: NaN (docs/kernels.md)
+        z_t = tl.load(row_ptr + target, mask=(target >= 0) & (target < vocab), other=float("nan")).to(tl.float32)
         if HAS_SOFTCAP:
             z_t, _ = soft_cap(z_t, softcap, softcap_pre)
         tl.store(logp_ptr + row, (z_t - m) * inv_t - log_norm)
@@ -451,7 +453,9 @@ def token_logprobs(
         validate: check the values of targets (in range) and of a tensor
             inv_temperature (positive, finite). These checks read the tensors on the
             host (a device sync); pass False in a hot loop once the batch has been
-            validated. Shapes, dtypes and devices are always checked.
+            validated. Shapes, dtypes and devices are always checked. A target outside
+            [0, V) that is not ignore_index then gives that row a NaN log-prob (and no
+            gradient through it), never a read outside the row (docs/kernels.md).
         tiles: the Triton launch configuration, a RowTiles (None: the device's,
             erpo_kernels.default_tiles);
             results depend on it. `blocks=` is its older name (deprecated).
@@ -480,4 +484,5 @@ def token_logprobs(
         ignore_index=ignore_index, return_entropy=bool(return_entropy), inplace_backward=bool(inplace_backward),
         use_triton=use_triton, tiles=tiles.as_list() if tiles is not None else [],
     )
+    logp = nan_where_out_of_range(logp, targets, vocab, ignore_index, validate)
     return (logp, entropy) if return_entropy else logp

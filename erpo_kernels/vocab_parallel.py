@@ -50,8 +50,8 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 
 from . import reference
-from ._utils import (FLOAT_DTYPES, autocast_dtype, check_targets, check_tensor, compute_dtype, is_dtensor, no_autocast,
-                     resolve_kernel_backend)
+from ._utils import (FLOAT_DTYPES, autocast_dtype, check_targets, check_tensor, compute_dtype, is_dtensor,
+                     nan_where_out_of_range, no_autocast, resolve_kernel_backend)
 from .linear_token_logprobs import (Tiles, _backward_op, _forward_splits, _int32_safe_columns, _Launch,
                                     register_vocab_parallel)
 from .logit_transform import LogitTransform
@@ -398,6 +398,7 @@ def vocab_parallel_linear_token_logprobs(
                  tiles or launch_tiles("linear_token_logprobs", hidden, hidden.shape[1], w.shape[0]))  # fmt: skip
     logp, entropy = _VocabParallel.apply(hidden, w, b, shard.local_targets(targets.contiguous(), ignore_index),
                                          transform, call)  # fmt: skip
+    logp = nan_where_out_of_range(logp, targets, shard.vocab, ignore_index, validate)
     return (logp, entropy) if return_entropy else logp
 
 

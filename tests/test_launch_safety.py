@@ -91,3 +91,44 @@ def test_strided_weight_over_the_int32_column_guard_is_copied_once(monkeypatch):
     want_h, want_w = torch.autograd.grad(want.sum(), (h64, w64))
     for got, ref in ((logp, want), (g_hidden, want_h), (g_weight, want_w)):
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------- validate=False with an out-of-range target
+
+
+def _logprobs(op, x, w, targets, backend):
+    from erpo_kernels import linear_token_logprobs, token_logprobs
+
+    if op == "token_logprobs":
+        return token_logprobs(x, targets, return_entropy=True, backend=backend, validate=False)
+    return linear_token_logprobs(x, w, targets, return_entropy=True, backend=backend, validate=False)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("op", ["token_logprobs", "linear_token_logprobs"])
+def test_out_of_range_target_without_validation_is_a_nan_log_prob_with_no_gradient(op, backend):
+    # validate=False lets a target outside [0, V) through. Both ops, on both backends: that row's
+    # log-prob is NaN (never a finite value, never a read outside the row), it passes no
+    # gradient back, and its entropy (which needs no target) is the row's own. Rows 1 and 2
+    # hold V + 3 and -5 (past the row's end, and before its start: the previous row's values).
+    n, d, v = 5, 16, 40
+    x = torch.randn(n, d) if op == "linear_token_logprobs" else torch.randn(n, v) * 3
+    w = torch.randn(v, d) * 0.5
+    targets = torch.tensor([7, v + 3, -5, -100, 39])
+    bad = torch.tensor([False, True, True, False, False])
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    logp, entropy = _logprobs(op, leaves[0], leaves[1], targets, backend)
+    assert torch.isnan(logp[bad]).all() and torch.isfinite(logp[~bad]).all(), logp
+    loss = torch.where(torch.isnan(logp), 0.0, logp).sum() + entropy.sum()  # the usual masking of bad rows
+    grads = torch.autograd.grad(loss, leaves[:1] if op == "token_logprobs" else leaves)
+    # the same rows with an in-range target that gets no gradient: the bad rows' entropy and
+    # gradients are exactly theirs
+    same = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    want_logp, want_entropy = _logprobs(op, same[0], same[1], torch.where(bad, 0, targets), backend)
+    want_loss = torch.where(bad, 0.0, want_logp).sum() + want_entropy.sum()
+    want = torch.autograd.grad(want_loss, same[:1] if op == "token_logprobs" else same)
+    torch.testing.assert_close(logp[~bad], want_logp[~bad], rtol=0, atol=0)
+    torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=0)
+    for got, ref in zip(grads, want):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
