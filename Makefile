@@ -10,6 +10,7 @@ STAMP := $(VENV)/.erpo-installed
 .PHONY: install test test-main test-live demo eval study study-epochs bench clean test-vllm demo-vllm
 
 $(STAMP): setup.py
+	@echo "make install: torch and the project's dependencies into $(VENV) (pip -q prints nothing until it is done: about two minutes on a fresh clone)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 		$(PY) -c "import torch; print('keeping the installed torch', torch.__version__)"; \
@@ -18,6 +19,7 @@ $(STAMP): setup.py
 	fi
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[train,dev,trl]"
 	touch $(STAMP)
+	@echo "make install: done ($(VENV)/bin/erpo --help lists the commands)"
 
 install: $(STAMP)
 

@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .atomic import umask_modes
+
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 OPTIM_FILE = "optimizer.pt"
@@ -105,6 +107,7 @@ def _publish(run_dir: str, tmp: str, final: str, step: int, state: Dict[str, Any
     then drop all but the newest `keep` checkpoints (0 = keep all)."""
     with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as f:
         json.dump(dict(state, step=step), f, indent=1, sort_keys=True)
+    umask_modes(tmp)  # model.safetensors is written 0600: every file the umask's mode
     if os.path.exists(final):  # a rerun of the same step: move the old one out of the way first
         old = os.path.join(os.path.dirname(final), f".old-step-{step:06d}-{os.getpid()}")
         os.replace(final, old)

@@ -21,6 +21,7 @@ import transformers
 
 from .config import TINY_CONTEXT, TINY_HEADS, TrainConfig
 from .data import Example, derived_seed, render_prompt
+from .atomic import umask_modes
 from .models import check_model_dir, quiet_transformers
 
 WARMSTART_VERSION = 2  # bump when the warm start's recipe changes
@@ -193,6 +194,7 @@ def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log
     tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, "erpo_warmstart.json"), "w", encoding="utf-8") as f:
         json.dump({"steps": cfg.demo.warmstart_steps, "final_loss": loss.item(), "seconds": time.perf_counter() - t0}, f)
+    umask_modes(tmp)  # model.safetensors is written 0600: the cache is shared like the run directory
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     try:
         os.replace(tmp, out)

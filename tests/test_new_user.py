@@ -171,3 +171,114 @@ def test_the_warm_start_says_how_far_it_is(tmp_path):
     steps = [line for line in said if line.startswith("erpo: warm start: step ")]
     assert [line.split()[4].rstrip(",") for line in steps] == [f"{k}/10" for k in range(1, 10)], said
     assert all("s left" in line and "loss " in line for line in steps)
+
+
+# ---------------------------------------------------------------------- item 10: file modes
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test, and restore it."""
+    old = os.umask(0o022)
+    yield lambda mask: os.umask(mask)
+    os.umask(old)
+
+
+def _mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_run_directory_files_have_the_umasks_mode(tmp_path, umask, mask):
+    """The reference cache and a checkpoint's model.safetensors (safetensors writes 0600) get
+    the mode of every other file of the run: 0666 & ~umask."""
+    import torch
+
+    from erpo.checkpoint import save_checkpoint
+    from erpo.config import TrainConfig
+    from erpo.ref_cache import RefCache, save_ref_cache
+    from erpo.tiny import build_model, build_tokenizer
+
+    umask(mask)
+    want = 0o666 & ~mask
+    cache = RefCache(meta={"model": "m"}, query_id=torch.zeros(1, dtype=torch.int64),
+                     n_tokens=torch.ones(1, dtype=torch.int64), ref_query_logp=torch.zeros(1),
+                     score=torch.zeros(1))
+    save_ref_cache(cache, str(tmp_path / "ref_cache.safetensors"))
+    assert _mode(tmp_path / "ref_cache.safetensors") == want
+    tokenizer = build_tokenizer()
+    model = build_model(TrainConfig(tiny_hidden_size=8, tiny_layers=1), tokenizer)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    ckpt = save_checkpoint(str(tmp_path), 1, model, tokenizer, opt, sched, {"world_size": 1})
+    modes = {name: _mode(os.path.join(ckpt, name)) for name in os.listdir(ckpt)}
+    assert "model.safetensors" in modes and set(modes.values()) == {want}, {k: oct(v) for k, v in modes.items()}
+
+
+# ---------------------------------------------------------------------- item 8: verl beside erpo
+
+
+def test_docs_verl_install_is_the_makefiles_verl_venv():
+    """docs/verl.md installs verl as the Makefile's live-suite venv does (verl --no-deps, then
+    VERL_IMPORTS, then erpo --no-deps): the same packages, no wandb or tensorboard."""
+    import re
+    import shlex
+
+    make = open(os.path.join(ROOT, "Makefile"), encoding="utf-8").read()
+    listed = re.search(r"^VERL_IMPORTS := (.*?)\n(?=\S)", make, re.S | re.M).group(1).replace("\\\n", " ")
+    want = shlex.split(listed)
+    doc = open(os.path.join(ROOT, "docs", "verl.md"), encoding="utf-8").read()
+    block = doc[doc.index("## Installing it beside verl"):doc.index("## The config lines")]
+    lines = block.replace("\\\n", " ").splitlines()
+    imports = next(line for line in lines if "pip install omegaconf" in line)
+    got = shlex.split(imports.split("pip install", 1)[1])
+    assert got == want
+    assert any("--no-deps verl==0.9.1" in line for line in lines) and any("--no-deps -e ." in line for line in lines)
+    assert not {"wandb", "tensorboard", "ray[default]"} & set(got)
+    assert "pip install erpo[verl]" not in doc.replace("`pip install erpo[verl]` in the environment", "")
+
+
+# ---------------------------------------------------------------------- item 4: verl's command without verl
+
+
+def test_the_verl_command_without_verl_is_its_help_or_one_line(tmp_path):
+    """`python -m erpo.integrations.verl ref-cache --help` where verl cannot be imported (a
+    verl package that raises ImportError stands first on the path): the usage and a note,
+    exit 0; anything else one `erpo: error:` line, exit 2; no traceback either way."""
+    import subprocess
+    import sys
+
+    (tmp_path / "verl").mkdir()
+    (tmp_path / "verl" / "__init__.py").write_text("raise ImportError('no verl here')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    run = lambda *args: subprocess.run([sys.executable, "-m", "erpo.integrations.verl", *args], cwd=ROOT, env=env,
+                                       capture_output=True, text=True, timeout=120)
+    helped = run("ref-cache", "--help")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: python -m erpo.integrations.verl ref-cache")
+    assert "verl is not installed here" in helped.stdout and "Traceback" not in helped.stderr, helped.stderr
+    failed = run("ref-cache", "data.train_files=x")
+    assert failed.returncode == 2 and failed.stdout == "", failed.stdout
+    assert failed.stderr.startswith("erpo: error: ") and failed.stderr.count("\n") == 1, failed.stderr
+
+
+# ---------------------------------------------------------------------- item 9: make install
+
+
+def test_make_install_says_it_is_quiet_and_how_long_and_the_readme_names_it(tmp_path):
+    """pip -q prints nothing for minutes: make says so before, and that it is done after (a fake
+    venv python that only logs its arguments stands in for pip)."""
+    import subprocess
+
+    from test_makefile import ENV, _fake_python
+
+    venv = tmp_path / "venv"
+    _fake_python(venv, tmp_path / "calls.log", 'case "$*" in *"import torch"*) exit 1;; esac\n')
+    proc = subprocess.run(["make", "-s", "-C", ROOT, f"VENV={venv}", "install"], capture_output=True, text=True,
+                          timeout=60, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "pip -q prints nothing until it is done: about two minutes" in lines[0], lines
+    assert lines[-1].startswith("make install: done"), lines
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    quick = readme[readme.index("## Quick start"):readme.index("### On a GPU machine")]
+    assert "make install" in quick and "about two minutes" in quick

@@ -1,4 +1,4 @@
-"""erpo inside verl (tested with verl==0.9.1; `pip install erpo[verl]`).
+"""erpo inside verl (tested with verl==0.9.1, installed in a venv of its own: docs/verl.md).
 
 verl imports every package of the `verl.plugins` entry-point group inside `import verl`
 (in the driver and in every Ray worker); erpo's entry point is this module, and
@@ -66,7 +66,11 @@ try:
     from verl.workers.config import PolicyLossConfig
     from verl.workers.utils import losses as _verl_losses
 except ImportError:
-    raise ImportError("erpo.integrations.verl needs verl: pip install erpo[verl]") from None
+    if sys.argv[:1] == ["-m"]:  # `python -m erpo.integrations.verl ...` (runpy imports this first): one line
+        from ._command import without_verl
+
+        raise SystemExit(without_verl(sys.argv[1:]))
+    raise ImportError("erpo.integrations.verl needs verl 0.9.1 (docs/verl.md says how to install it beside erpo)") from None
 
 import torch
 
@@ -97,7 +101,7 @@ IGNORE_INDEX = -100
 PROMPT_ROWS = "erpo_prompt_rows"  # model keyword: [B, L] / [1, nnz] bool, rows that score a prompt token
 KERNEL_BACKEND = "erpo_kernel_backend"  # model keyword: fused_kernel_options.kernel_backend
 # builds the reference cache from a run's own overrides (erpo.integrations.verl.cache_command)
-REF_CACHE_COMMAND = "python -m erpo.integrations.verl ref-cache"
+from ._command import REF_CACHE_COMMAND  # noqa: E402  (one home: the command without verl says it too)
 # ERPO's per-sequence fields of a mini-batch (add_mini_batch_fields)
 WEIGHTS_KEY = "erpo_query_weights"  # [B] w_B(q) of each sequence's query
 REF_KEY = "erpo_ref_query_logp"  # [B] l_0(q)

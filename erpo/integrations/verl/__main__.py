@@ -2,7 +2,7 @@
 of a verl run, from the overrides it trains with (erpo.integrations.verl.cache_command)."""
 import sys
 
-from . import REF_CACHE_COMMAND
+from ._command import REF_CACHE_COMMAND
 
 
 def main(argv=None) -> int:
