@@ -16,6 +16,7 @@ Two kinds of checks:
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 from typing import Dict, Iterable, Optional, Union
 
@@ -251,6 +252,18 @@ def no_autocast(device: torch.device):
     keeps the dtype the op chose (fp32 accumulation, outputs in the documented dtype),
     whatever autocast the caller runs under."""
     return torch.autocast(device.type, enabled=False)
+
+
+def device_guard(device: torch.device):
+    """A context that makes `device` the current CUDA device while an op launches its
+    kernels: Triton launches on the current device (and its current stream), not on the
+    tensors' own, so tensors on cuda:1 while cuda:0 is current (model parallel in one
+    process, `device_map="auto"`) would be read on the wrong device. Every op enters it
+    once, in the body of its custom op, around all its launches; a no-op off CUDA (the
+    interpreter's CPU tensors)."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

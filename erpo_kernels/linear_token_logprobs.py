@@ -58,6 +58,7 @@ from ._utils import (
     check_targets,
     check_tensor,
     compute_dtype,
+    device_guard,
     is_dtensor,
     nan_where_out_of_range,
     no_autocast,
@@ -727,7 +728,7 @@ def _linear_token_logprobs_op(
     """-> logp [N], entropy [N] (or [0]), and what the Triton backward needs: lse_parts
     [2, N] (M, log l), order [N], n_valid [1] (each [0] on the reference)."""
     transform = LogitTransform(inv_t, softcap, logit_scale, unit)
-    with no_autocast(hidden.device):
+    with no_autocast(hidden.device), device_guard(hidden.device):
         if use_triton:
             launch = _Launch.build(hidden, weight, bias, targets, transform, ignore_index,
                                    _tiles_of(tiles, hidden, weight))  # fmt: skip
@@ -764,7 +765,7 @@ def _backward_op(
     entropy's gradient is not wanted."""
     transform = LogitTransform(inv_t, softcap, logit_scale, unit)
     entropy = entropy if g_entropy is not None else None
-    with no_autocast(hidden.device):
+    with no_autocast(hidden.device), device_guard(hidden.device):
         if use_triton:
             launch = _Launch(_int32_safe_columns(hidden), _int32_safe_columns(weight), bias, targets.contiguous(),
                              transform, order, n_valid, _tiles_of(tiles, hidden, weight))  # fmt: skip

@@ -8,7 +8,7 @@ import torch
 
 from . import reference
 from ._triton import interpreting, round_to, tl, triton
-from ._utils import FLOAT_DTYPES, check_cu_seqlens, check_tensor, no_autocast, resolve_backend
+from ._utils import FLOAT_DTYPES, check_cu_seqlens, check_tensor, device_guard, no_autocast, resolve_backend
 
 
 # Elements each program reads or writes per loop step. A segment longer than this
@@ -112,7 +112,8 @@ def _segment_gather_launch(grad_out: torch.Tensor, cu_seqlens: torch.Tensor, n_v
 @torch.library.custom_op("erpo_kernels::segment_sum", mutates_args=())
 def _segment_sum_op(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """values [N] -> [S] per-segment sums (Triton)."""
-    return _segment_sum_launch(values.contiguous(), cu_seqlens.contiguous())
+    with device_guard(values.device):
+        return _segment_sum_launch(values.contiguous(), cu_seqlens.contiguous())
 
 
 @_segment_sum_op.register_fake
@@ -123,7 +124,8 @@ def _segment_sum_fake(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.T
 @torch.library.custom_op("erpo_kernels::segment_gather", mutates_args=())
 def _segment_gather_op(grad_out: torch.Tensor, cu_seqlens: torch.Tensor, n_values: int) -> torch.Tensor:
     """g [S] -> [N], g[s] over segment s (Triton); the adjoint of erpo_kernels::segment_sum."""
-    return _segment_gather_launch(grad_out.contiguous(), cu_seqlens.contiguous(), n_values)
+    with device_guard(grad_out.device):
+        return _segment_gather_launch(grad_out.contiguous(), cu_seqlens.contiguous(), n_values)
 
 
 @_segment_gather_op.register_fake

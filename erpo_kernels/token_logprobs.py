@@ -28,8 +28,8 @@ from typing import List, Optional, Tuple, Union
 import torch
 from . import reference
 from ._triton import interpreting, round_to, soft_cap, tl, triton
-from ._utils import (FLOAT_DTYPES, check_targets, check_tensor, compute_dtype, nan_where_out_of_range, no_autocast,
-                     resolve_kernel_backend)
+from ._utils import (FLOAT_DTYPES, check_targets, check_tensor, compute_dtype, device_guard, nan_where_out_of_range,
+                     no_autocast, resolve_kernel_backend)
 from .logit_transform import LogitTransform
 from .tiles import RowTiles, launch_tiles
 
@@ -281,7 +281,7 @@ def _token_logprobs_op(
     """-> logp [N], entropy [N] (or [0]), and what the Triton backward needs: M [N] and
     log_norm [N] (each [0] on the reference)."""
     transform = LogitTransform(inv_t, softcap, logit_scale, unit)
-    with no_autocast(logits.device):
+    with no_autocast(logits.device), device_guard(logits.device):
         if use_triton:
             logp, entropy, row_max, log_norm = _triton_forward(
                 logits, targets, transform, ignore_index, return_entropy, _row_tiles(tiles, logits)
@@ -308,7 +308,7 @@ def _backward_into(
     """Writes d(sum g_logp logp + g_entropy entropy) / d logits into `grad` (it may be the
     logits themselves). g_entropy None: the entropy's gradient is not wanted."""
     entropy = entropy if g_entropy is not None else None
-    with no_autocast(logits.device):
+    with no_autocast(logits.device), device_guard(logits.device):
         if use_triton:
             _triton_backward(
                 logits, grad, targets, transform, row_max, log_norm, entropy, g_logp, g_entropy, ignore_index,

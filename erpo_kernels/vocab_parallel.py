@@ -50,8 +50,8 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 
 from . import reference
-from ._utils import (FLOAT_DTYPES, autocast_dtype, check_targets, check_tensor, compute_dtype, is_dtensor,
-                     nan_where_out_of_range, no_autocast, resolve_kernel_backend)
+from ._utils import (FLOAT_DTYPES, autocast_dtype, check_targets, check_tensor, compute_dtype, device_guard,
+                     is_dtensor, nan_where_out_of_range, no_autocast, resolve_kernel_backend)
 from .linear_token_logprobs import (Tiles, _backward_op, _forward_splits, _int32_safe_columns, _Launch,
                                     register_vocab_parallel)
 from .logit_transform import LogitTransform
@@ -291,7 +291,7 @@ class _VocabParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, w, b, tgt, transform: LogitTransform, call: _Call):
         valid = tgt != LOCAL_IGNORE
-        with torch.no_grad(), no_autocast(hidden.device):
+        with torch.no_grad(), no_autocast(hidden.device), device_guard(hidden.device):  # backward: _backward_op's
             local, launch = _local_stats(call, hidden, w, b, tgt, transform)
             logp, entropy, shift, log_l = _combine(local, valid, call.shard.group, call.want_entropy)
         stats = torch.stack([shift, log_l, entropy if entropy is not None else log_l])  # fp32 on the kernels

@@ -18,7 +18,7 @@ import torch
 
 from . import reference
 from ._triton import interpreting, round_to, tl, triton
-from ._utils import (FLOAT_DTYPES, check_rows, check_tensor, checking_values, is_number, no_autocast,
+from ._utils import (FLOAT_DTYPES, check_rows, check_tensor, checking_values, device_guard, is_number, no_autocast,
                      resolve_kernel_backend)
 
 BLOCK = 1024
@@ -176,7 +176,8 @@ def _weighted_k3_op(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(R 0-d fp32, stats [2] fp32 = (R, W)) (Triton)."""
     weight = weight.contiguous() if weight is not None else None
-    stats = _weighted_k3_stats(logp.contiguous(), ref_logp.contiguous(), weight, guard)
+    with device_guard(logp.device):
+        stats = _weighted_k3_stats(logp.contiguous(), ref_logp.contiguous(), weight, guard)
     return stats[0].clone(), stats
 
 
@@ -202,22 +203,23 @@ def _weighted_k3_backward_op(
     d_ref = torch.empty_like(ref_logp)
     d_weight = torch.empty_like(weight) if weight is not None else logp.new_empty(0)
     if m > 0:
-        _weighted_k3_bwd_kernel[(1,)](
-            logp,
-            ref_logp,
-            weight if weight is not None else logp,
-            stats.contiguous(),
-            grad_r.contiguous(),
-            d_logp,
-            d_ref,
-            d_weight if weight is not None else d_logp,
-            m,
-            *_guard_constants(guard),
-            HAS_WEIGHT=weight is not None,
-            INTERPRET=interpreting(),
-            BLOCK=BLOCK,
-            num_warps=4,
-        )
+        with device_guard(logp.device):
+            _weighted_k3_bwd_kernel[(1,)](
+                logp,
+                ref_logp,
+                weight if weight is not None else logp,
+                stats.contiguous(),
+                grad_r.contiguous(),
+                d_logp,
+                d_ref,
+                d_weight if weight is not None else d_logp,
+                m,
+                *_guard_constants(guard),
+                HAS_WEIGHT=weight is not None,
+                INTERPRET=interpreting(),
+                BLOCK=BLOCK,
+                num_warps=4,
+            )
     return d_logp, d_ref, d_weight
 
 

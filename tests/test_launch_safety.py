@@ -132,3 +132,150 @@ def test_out_of_range_target_without_validation_is_a_nan_log_prob_with_no_gradie
     for got, ref in zip(grads, want):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- the device of every launch
+
+
+def _kernels():
+    """{name: kernel} of every @triton.jit kernel of the package (a `*_kernel` launched by an op)."""
+    import sys
+
+    import erpo_kernels  # noqa: F401  (loads every op module)
+
+    found = {}
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("erpo_kernels"):
+            for attr, value in vars(mod).items():
+                if attr.endswith("_kernel") and hasattr(value, "run") and hasattr(value, "fn"):
+                    found[attr] = value
+    return found
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch, recorded as (kernel, the device of the innermost device_guard
+    entered at that moment or None, the devices of its tensor arguments)."""
+    import contextlib
+    import sys
+
+    from erpo_kernels import _utils
+
+    guards, seen = [], []
+    real_guard = getattr(_utils, "device_guard", None)
+
+    @contextlib.contextmanager
+    def recording_guard(device):
+        guards.append(torch.device(device))
+        try:
+            with real_guard(device):
+                yield
+        finally:
+            guards.pop()
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("erpo_kernels") and real_guard and getattr(mod, "device_guard", None) is real_guard:
+            monkeypatch.setattr(mod, "device_guard", recording_guard)
+    for cls in {type(k) for k in _kernels().values()}:  # the interpreter's (here) or the JIT's
+        real_run = cls.run
+
+        def run(self, *args, _real=real_run, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            seen.append((self.__name__, guards[-1] if guards else None, {t.device for t in tensors}))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "run", run)
+    return seen
+
+
+def _every_op(device, backend="triton"):
+    """Forward and backward of every op on `device` (each launch path: token_logprobs out of
+    place and in place, linear_token_logprobs with a bias, segment_sum twice differentiated,
+    weighted_k3 with weights) -> [outputs and gradients]."""
+    from erpo_kernels import linear_token_logprobs, segment_sum, token_logprobs, weighted_k3
+
+    n, d, v = 37, 24, 211
+    kw = dict(device=device)
+    out = []
+    targets = torch.randint(0, v, (n,), **kw)
+    targets[3] = -100
+    logits = torch.randn(n, v, **kw, requires_grad=True)
+    logp, ent = token_logprobs(logits, targets, return_entropy=True, backend=backend)
+    out += [logp, ent, *torch.autograd.grad(logp.sum() + 0.5 * ent.sum(), logits)]
+    x = logits * 1.0  # an intermediate: inplace_backward writes its gradient over it
+    logp = token_logprobs(x, targets, inplace_backward=True, backend=backend)
+    out += [logp, *torch.autograd.grad(logp.sum(), logits)]
+    hidden = torch.randn(n, d, **kw, requires_grad=True)
+    weight = (0.5 * torch.randn(v, d, **kw)).requires_grad_()
+    bias = torch.randn(v, **kw, requires_grad=True)
+    logp, ent = linear_token_logprobs(hidden, weight, targets, bias=bias, return_entropy=True, backend=backend)
+    out += [logp, ent, *torch.autograd.grad(logp.sum() - ent.sum(), (hidden, weight, bias))]
+    values = torch.randn(n, **kw, requires_grad=True)
+    cu = torch.tensor([0, 5, 5, 20, n], **kw)
+    (g,) = torch.autograd.grad(segment_sum(values, cu, backend=backend).pow(2).sum(), values, create_graph=True)
+    out += [g, *torch.autograd.grad(g.sum(), values)]  # the gather's backward: a second segment_sum
+    ref = torch.randn(n, **kw, requires_grad=True)
+    w = torch.rand(n, **kw, requires_grad=True)
+    r = weighted_k3(logp.detach().requires_grad_(), ref, w, backend=backend)
+    out += [r, *torch.autograd.grad(r, (ref, w))]
+    return out
+
+
+def test_every_launch_runs_under_a_guard_of_its_tensors_device(launches):
+    # Triton launches on the current CUDA device, whatever the tensors' (issue 35 item 11):
+    # each op enters device_guard(its tensors' device) around its launches. Here on CPU
+    # tensors (the guard itself a no-op): every kernel of the package is launched, each launch
+    # inside a guard of exactly its tensors' device.
+    _every_op(torch.device("cpu"))
+    unguarded = sorted({name for name, guard, devices in launches if guard is None or devices != {guard}})
+    assert not unguarded, f"launched outside a guard of their tensors' device: {unguarded}"
+    assert {name for name, _, _ in launches} == set(_kernels()), set(_kernels()) - {n for n, _, _ in launches}
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A 1-D device mesh of this process alone (gloo, an in-memory store: no launcher)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_sharded_lm_head_launches_under_the_guard_and_nans_an_out_of_range_target(launches, one_rank_mesh):
+    # The vocabulary-parallel path launches the forward kernels itself (vocab_parallel.py), the
+    # backward through the op's; and validate=False with a target outside [0, V) gives NaN there
+    # too (the multi-rank merge is checked by tests/test_vocab_parallel.py).
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from erpo_kernels import linear_token_logprobs
+
+    n, d, v = 6, 16, 40
+    hidden = torch.randn(n, d, requires_grad=True)
+    weight = distribute_tensor(torch.randn(v, d), one_rank_mesh, [Shard(0)]).requires_grad_()
+    targets = torch.tensor([3, v, 39, -100, 0, -7])
+    logp = linear_token_logprobs(hidden, weight, targets, backend="triton", validate=False)
+    torch.autograd.grad(torch.where(logp.isnan(), 0.0, logp).sum(), (hidden, weight))
+    assert logp.isnan().tolist() == [False, True, False, False, False, True]
+    assert {"_ltl_fwd_kernel", "_ltl_bwd_dr_kernel", "_ltl_bwd_gemm_kernel"} <= {name for name, _, _ in launches}
+    assert all(guard == torch.device("cpu") and devices == {guard} for _, guard, devices in launches), launches
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices (tensors on cuda:1 while cuda:0 is current)")
+def test_every_op_runs_on_its_tensors_gpu_while_another_is_current():
+    # Model parallel in one process (device_map="auto"): the tensors on cuda:1, cuda:0 current.
+    # Without the guard the kernels launch on cuda:0 and read cuda:1's memory from there.
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    got = _every_op(torch.device("cuda:1"))
+    torch.cuda.synchronize(1)
+    assert torch.cuda.current_device() == 0  # the guard restores the caller's device
+    torch.manual_seed(0)
+    want = _every_op(torch.device("cuda:1"), backend="torch")
+    for a, b in zip(got, want):
+        assert a.device == torch.device("cuda:1")
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-4, atol=1e-5)
