@@ -259,7 +259,8 @@ class TrainConfig:
         "auto",
         "truncated importance sampling against the rollout engine's log-probs: none, token (each token's policy "
         "loss times min(pi_old / pi_rollout, rollout_is_cap)) or sequence (times min(prod_t of that ratio, cap)); "
-        "auto = none for rollout_backend=hf (the trained model samples), token for vllm",
+        "auto = none for rollout_backend=hf (the trained model samples) and for bypass_mode with ppo_clip, "
+        "token for vllm",
         choices=("auto",) + ("none", "token", "sequence"),
     )
     rollout_is_cap: float = OBJECTIVE(2.0, "C, the truncation of the rollout importance weight (rollout_is)")
@@ -276,8 +277,10 @@ class TrainConfig:
     )
     policy_loss: str = OBJECTIVE(
         "vanilla",
-        "per-token policy loss (verl's names, docs/objective.md): vanilla (clipped surrogate, dual clip), gspo "
-        "(sequence ratio), sapo (soft gate), gpg, clip_cov, kl_cov, geo_mean (GMPO), cispo; erpo adds its Query-KL",
+        "per-token policy loss (verl's and TRL's names, docs/objective.md): vanilla (clipped surrogate, dual clip), "
+        "gspo (sequence ratio), sapo (soft gate), gpg, clip_cov, kl_cov, geo_mean (GMPO), cispo, dppo_tv, dppo_kl "
+        "(DPPO's binary trust regions), dro, bypass_mode (pi_old = the rollout's log-probs), luspo, vespo; erpo adds "
+        "its Query-KL",
         choices="erpo_kernels:POLICY_LOSSES",
     )
     loss_scale_factor: float = OBJECTIVE(
@@ -290,6 +293,24 @@ class TrainConfig:
     clip_cov_ub: float = OBJECTIVE(5.0, "clip_cov: ... and covariance < clip_cov_ub")
     kl_cov_ratio: float = OBJECTIVE(0.0002, "kl_cov: fraction of response tokens (largest covariance) penalised")
     ppo_kl_coef: float = OBJECTIVE(0.1, "kl_cov: coefficient of the |log ratio| penalty")
+    dro_beta: float = OBJECTIVE(0.0, "dro: coefficient of the quadratic log-ratio penalty, required (> 0) with "
+                                     "policy_loss=dro; 0 = unset (verl's policy_loss.dro_beta)")
+    bypass_loss_type: str = OBJECTIVE(
+        "ppo_clip", "bypass_mode: ppo_clip (vanilla on pi_theta / pi_rollout, no importance weight) or reinforce "
+                    "(-A logp times rollout_is's weight min(pi_theta / pi_rollout, rollout_is_cap))",
+        choices="erpo_kernels.objective.config:BYPASS_LOSS_TYPES",
+    )
+    rollout_rs: str = OBJECTIVE(
+        "none", "rejection of response tokens by their divergence from the rollout's log-probs (verl's names): none, "
+                "or comma-separated token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3; a rejected "
+                "token counts with loss 0")
+    rollout_rs_threshold: str = OBJECTIVE(
+        "", "rollout_rs's thresholds, one for all or one per option, comma-separated: lower_upper ratio bounds for "
+            "k1 (e.g. 0.5_2.0), an upper bound for k2 / k3; empty = unset")
+    vespo_k_pos: float = OBJECTIVE(2.0, "vespo: power k of the gamma weight for advantages >= 0 (TRL's)")
+    vespo_lambda_pos: float = OBJECTIVE(3.0, "vespo: decay lambda of the gamma weight for advantages >= 0")
+    vespo_k_neg: float = OBJECTIVE(3.0, "vespo: power k for negative advantages")
+    vespo_lambda_neg: float = OBJECTIVE(2.0, "vespo: decay lambda for negative advantages")
 
     group_size: int = ROLLOUT(8, "G, responses sampled per query")
     queries_per_step: int = ROLLOUT(16, "m, distinct queries per step (a step trains on m * G sequences)")
@@ -570,6 +591,8 @@ class TrainConfig:
         """`rollout_is`, with auto resolved: none for hf generate, token for vllm."""
         if self.rollout_is != "auto":
             return self.rollout_is
+        if self.policy_loss == "bypass_mode" and self.bypass_loss_type == "ppo_clip":
+            return "none"  # its ratio pi_theta / pi_rollout is the correction
         return "token" if self.rollout_backend == "vllm" else "none"
 
     def loss_config(self) -> Any:
@@ -586,6 +609,8 @@ class TrainConfig:
             values["loss_scale_factor"] = scale or float(self.max_new_tokens)
         else:
             values["loss_scale_factor"] = scale or None  # set without its loss_agg: LossConfig says so
+        values["dro_beta"] = float(self.dro_beta) or None  # 0 = unset
+        values["rollout_rs_threshold"] = self.rollout_rs_threshold or None  # "" = unset
         return LossConfig(**values)
 
     def validate(self) -> None:

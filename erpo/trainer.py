@@ -261,7 +261,8 @@ class Trainer:
         """The optimizer updates of one rollout batch (docs/method.md section 9): its m
         queries split into mini_batches equal shares of whole groups, ppo_epochs passes
         over them. With more than one update, old_logp of every row comes from one no-grad
-        pass under the sampling weights, before the first update. rollout_logprobs [m][G][L]:
+        pass under the sampling weights, before the first update (none with bypass_mode and
+        the engine's log-probs: they are pi_old). rollout_logprobs [m][G][L]:
         the engine's log-probs of the response tokens, or None. Returns each update's
         metrics (also kept in self.last_updates) and the rows N of the rollout batch."""
         cfg = self.cfg
@@ -269,7 +270,8 @@ class Trainer:
         shares = [slice(j * size, (j + 1) * size) for j in range(cfg.mini_batches)]
         batches = [self._mini_batch(idx[s], prompts[s], responses[s], advantages[s],
                                     None if rollout_logprobs is None else rollout_logprobs[s]) for s in shares]
-        if cfg.mini_batches * cfg.ppo_epochs > 1:
+        bypass = cfg.policy_loss == "bypass_mode" and rollout_logprobs is not None  # pi_old = pi_rollout: no pass
+        if cfg.mini_batches * cfg.ppo_epochs > 1 and not bypass:
             for mini in batches:
                 mini.batch.old_logp = self._row_logp(self.model, mini)  # [N_j] under the weights that sampled
         self.last_mini_batches = batches

@@ -7,6 +7,7 @@ tests/verl_live/test_policy_losses.py."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import types
 
 import pytest
@@ -58,10 +59,10 @@ def packed(logp, old, adv, mask, weights=None):
     return logp_rows, batch
 
 
-def config(name, agg="token-mean", **kw):
+def config(name="vanilla", agg="token-mean", **kw):
     scale = float(HORIZON) if agg == "seq-mean-token-sum-norm" else None
     base = dict(algorithm="grpo", beta=0.0, policy_loss=name, loss_agg=agg, loss_scale_factor=scale,
-                clip_cov_ratio=0.1, clip_cov_lb=0.1, kl_cov_ratio=0.2)
+                clip_cov_ratio=0.1, clip_cov_lb=0.1, kl_cov_ratio=0.2, dro_beta=0.1)
     base.update(kw)
     return LossConfig(**base)
 
@@ -70,7 +71,8 @@ def config(name, agg="token-mean", **kw):
 
 
 def test_registry_names_and_aggregations():
-    assert list(POLICY_LOSSES) == ["vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"]
+    assert list(POLICY_LOSSES) == ["vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo",
+                                   "dppo_tv", "dppo_kl", "dro", "bypass_mode", "luspo", "vespo"]
     assert LOSS_AGGS == ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
     assert LossConfig().policy_loss == "vanilla" and LossConfig().loss_agg == "token-mean"
 
@@ -107,6 +109,19 @@ def test_the_registry_marks_the_batch_wide_losses():
     (dict(kl_cov_ratio=1.5), r"^kl_cov_ratio must lie in \(0, 1\]"),
     (dict(clip_cov_lb=5.0, clip_cov_ub=1.0), "^clip_cov_lb must be < clip_cov_ub"),
     (dict(ppo_kl_coef=-0.1), "^ppo_kl_coef must be finite and >= 0"),
+    (dict(policy_loss="dro"), r"^dro_beta is required with policy_loss='dro'"),
+    (dict(dro_beta=0.0), "^dro_beta must be finite and > 0"),
+    (dict(bypass_loss_type="pg"), r"^bypass_loss_type must be one of \('ppo_clip', 'reinforce'\)"),
+    (dict(policy_loss="bypass_mode", rollout_is="token"), "^rollout_is='token' does not apply with "
+                                                          "policy_loss='bypass_mode' and bypass_loss_type='ppo_clip'"),
+    (dict(rollout_rs="token_k4", rollout_rs_threshold=2.0), "^rollout_rs must be 'none' or comma-separated options"),
+    (dict(rollout_rs="token_k1"), "^rollout_rs_threshold is required with rollout_rs='token_k1'"),
+    (dict(rollout_rs_threshold=2.0), "^rollout_rs_threshold applies with rollout_rs only"),
+    (dict(rollout_rs="token_k1,seq_max_k2", rollout_rs_threshold="2,3,4"), "^rollout_rs_threshold needs one threshold"),
+    (dict(rollout_rs="token_k1", rollout_rs_threshold="2_1"), "^rollout_rs_threshold for token_k1 must be 'lower_upper'"),
+    (dict(rollout_rs="seq_sum_k3", rollout_rs_threshold="0.1_2"), "^rollout_rs_threshold for seq_sum_k3 must be one"),
+    (dict(vespo_k_pos=-1.0), "^vespo_k_pos must be finite and >= 0"),
+    (dict(vespo_lambda_neg=0.0), "^vespo_lambda_neg must be finite and > 0"),
 ])
 def test_loss_config_checks_the_policy_loss(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -216,6 +231,75 @@ def test_micro_batches_add_up(name, agg):
     torch.testing.assert_close(g_parts, g_whole, rtol=1e-12, atol=1e-15)
 
 
+def with_rollout(batch, shift=0.2, seed=3):
+    """The batch with rollout_logp = old_logp + noise on its response rows."""
+    g = torch.Generator().manual_seed(seed)
+    return dataclasses.replace(batch, rollout_logp=batch.old_logp + shift * torch.randn(
+        batch.num_rows, generator=g, dtype=torch.float64))
+
+
+# bypass_mode and the rollout corrections: the settings the tests below run
+ROLLOUT_CASES = {
+    "bypass-ppo_clip-rs": dict(policy_loss="bypass_mode", rollout_rs="seq_mean_k3,token_k1",
+                               rollout_rs_threshold="0.05,0.7_1.4"),
+    "bypass-reinforce-seq-is": dict(policy_loss="bypass_mode", bypass_loss_type="reinforce", rollout_is="sequence",
+                                    rollout_rs="seq_max_k2", rollout_rs_threshold=0.1),
+    "decoupled-vespo-token-is-rs": dict(policy_loss="vespo", rollout_is="token", rollout_rs="token_k3",
+                                        rollout_rs_threshold=0.02),
+}
+
+
+@pytest.mark.parametrize("case", list(ROLLOUT_CASES))
+def test_rollout_corrections_add_up_over_micro_batches(case):
+    """The importance weights and rejections (per token and per sequence) are chunk-local:
+    micro-batches of whole sequences with the mini-batch's normalisers add up, and the
+    rejection drops some tokens, not all."""
+    logp, old, adv, mask = padded(2)
+    logp_rows, batch = packed(logp, old, adv, mask)
+    batch = with_rollout(batch)
+    cfg = config(agg="seq-mean-token-sum", algorithm="erpo", alpha=0.2, **ROLLOUT_CASES[case])
+    whole, metrics = erpo_loss_from_logp(logp_rows, batch, cfg)
+    (g_whole,) = torch.autograd.grad(whole, logp)
+    assert 0 < metrics["mismatch/rejected_frac"] < 1
+    norm = LossNormalizers.of(batch)
+    logp_rows, _ = packed(logp, old, adv, mask)
+    total = sum(erpo_loss_from_logp(logp_rows[m.rows], m.batch, cfg, normalizers=norm)[0]
+                for m in split_batch(batch, plan_micro_batches(batch, 14)))
+    (g_parts,) = torch.autograd.grad(total, logp)
+    assert float(total) == pytest.approx(float(whole), rel=1e-12)
+    torch.testing.assert_close(g_parts, g_whole, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_bypass_mode_is_vanilla_or_reinforce_on_the_rollouts_log_probs(agg):
+    """bypass_mode reads the rollout's log-probs as pi_old: rollout_logp when given (old_logp
+    is then ignored), else old_logp; ppo_clip is vanilla on them, reinforce without weights
+    gpg; reinforce's token weight is min(pi_theta / pi_rollout, C), a constant."""
+    logp, old, adv, mask = padded(3)
+
+    def run(batch_of, **kw):
+        logp_rows, batch = packed(logp, old, adv, mask)
+        loss = erpo_loss_from_logp(logp_rows, batch_of(batch), config(agg=agg, **kw))[0]
+        return float(loss), torch.autograd.grad(loss, logp)[0]
+
+    as_rollout = lambda b: dataclasses.replace(b, rollout_logp=b.old_logp, old_logp=b.old_logp - 0.4)  # noqa: E731
+    same = lambda b: b  # noqa: E731
+    for a, b in [(run(as_rollout, policy_loss="bypass_mode"), run(same, policy_loss="vanilla")),
+                 (run(same, policy_loss="bypass_mode"), run(same, policy_loss="vanilla")),
+                 (run(as_rollout, policy_loss="bypass_mode", bypass_loss_type="reinforce"), run(same, policy_loss="gpg"))]:
+        assert a[0] == pytest.approx(b[0], rel=1e-13)
+        torch.testing.assert_close(a[1], b[1], rtol=1e-13, atol=1e-15)
+    weighted = run(as_rollout, policy_loss="bypass_mode", bypass_loss_type="reinforce", rollout_is="token",
+                   rollout_is_cap=1.2)
+    w = torch.exp(logp.detach() - old).clamp(max=1.2)  # [B, T] pi_theta / pi_rollout, truncated
+    expected = -(adv[:, None] * w * logp * mask)
+    expected = expected.sum() / mask.sum() if agg == "token-mean" else \
+        ((expected.sum(1) / mask.sum(1)).reshape(3, 2).mean(1)).mean()
+    assert weighted[0] == pytest.approx(float(expected), rel=1e-12)
+    torch.testing.assert_close(weighted[1], torch.autograd.grad(expected, logp)[0], rtol=1e-12, atol=1e-15)
+    assert float(w.max()) == pytest.approx(1.2) and float(w.min()) < 1  # the truncation binds
+
+
 # ----------------------------------------------------------------------------- TRL 1.16
 
 
@@ -232,7 +316,8 @@ class _Accelerator:
         return x
 
 
-def trl_loss(loss_type, logp, old, adv, mask, *, level="token", eps_low=0.2, eps_high=0.28, tau=(1.0, 1.05)):
+def trl_loss(loss_type, logp, old, adv, mask, *, level="token", eps_low=0.2, eps_high=0.28, tau=(1.0, 1.05),
+             vespo=(2.0, 3.0, 3.0, 2.0)):
     """TRL 1.16's GRPOTrainer._compute_loss on the batch (beta = 0, one process, no
     accumulation), its per-token log-probs being `logp` (TRL's model forward is the stub)."""
     from trl import GRPOTrainer
@@ -243,9 +328,11 @@ def trl_loss(loss_type, logp, old, adv, mask, *, level="token", eps_low=0.2, eps
         aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
         importance_sampling_level=level, beta=0.0, loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high,
         args=types.SimpleNamespace(delta=None, sapo_temperature_pos=tau[0], sapo_temperature_neg=tau[1],
-                                   use_bias_correction_kl=False),
+                                   use_bias_correction_kl=False, vespo_k_pos=vespo[0], vespo_lambda_pos=vespo[1],
+                                   vespo_k_neg=vespo[2], vespo_lambda_neg=vespo[3]),
         use_vllm=False, vllm_importance_sampling_correction=False, model=types.SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=t, accelerator=_Accelerator(),
+        get_gamma_weights=GRPOTrainer.get_gamma_weights,  # TRL's own (a staticmethod)
         _entropy_bonus_enabled=False, _metrics=collections.defaultdict(lambda: collections.defaultdict(list)),
     )
     trainer.args.steps_per_generation = 1
@@ -269,6 +356,13 @@ TRL_SAME = {
     "cispo": dict(policy_loss="cispo", loss_agg="token-mean", eps_low=0.95, trl=dict(eps_high=1.28)),
     # sequence-level importance sampling (GSPO): TRL's grpo with importance_sampling_level="sequence"
     "grpo-sequence": dict(policy_loss="gspo", loss_agg="seq-mean-token-mean", trl=dict(level="sequence")),
+    # LUSPO: the sequence ratio's clip times the sequence's length, averaged over sequences (TRL's
+    # mean over the batch = ours over queries of equal group sizes)
+    "luspo": dict(policy_loss="luspo", loss_agg="seq-mean-token-sum", trl=dict(level="sequence")),
+    # VESPO: TRL builds k and lambda in float32 (torch.where of two floats): constants exact in float32
+    "vespo": dict(policy_loss="vespo", loss_agg="token-mean", vespo_k_pos=1.5, vespo_lambda_pos=2.5,
+                  vespo_k_neg=3.0, vespo_lambda_neg=1.75, trl=dict(vespo=(1.5, 2.5, 3.0, 1.75))),
+    "vespo-defaults": dict(policy_loss="vespo", loss_agg="token-mean"),
 }
 
 
@@ -288,5 +382,5 @@ def test_same_loss_as_trl(case):
     assert float(ours) == pytest.approx(float(theirs), rel=1e-10)
     torch.testing.assert_close(g_ours, g_theirs, rtol=1e-10, atol=1e-13)
     assert float(g_theirs.abs().max()) > 1e-3
-    if cfg.policy_loss in ("vanilla", "gspo", "cispo"):
+    if cfg.policy_loss in ("vanilla", "gspo", "cispo", "luspo"):
         assert 0 < metrics["pg/clipfrac"] < 1 and metrics["pg/dual_clipfrac"] == 0

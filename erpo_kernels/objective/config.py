@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+import math
+from typing import Optional, Tuple, Union
 
 from .._utils import check_number
 from ..weighted_k3 import MAX_GUARD
@@ -11,6 +12,57 @@ from .registry import check_policy_loss
 ALGORITHMS = ("erpo", "grpo")
 ROLLOUT_IS = ("none", "token", "sequence")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+# verl 0.9.1's rejection-sampling statistics of log(pi / pi_rollout) (rollout_rs): per token, or
+# the sum / mean / max over a sequence's response tokens of k1, k2 or k3
+ROLLOUT_RS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+
+
+def rollout_rs_bounds(rollout_rs: str, threshold: Union[str, float, None]) -> Tuple[Tuple[str, Optional[float], float], ...]:
+    """The rejection tests of rollout_rs (comma-separated options of ROLLOUT_RS, "none" for
+    none) with rollout_rs_threshold (one threshold for all, or one per option, comma-
+    separated): (option, lower, upper) each, a token kept where every option's statistic
+    lies in [lower, upper] (lower None: no lower bound). k1 options: ratio bounds
+    "lower_upper" (one number u: [1/u, u]), compared in log space; k2 / k3: an upper bound.
+    ValueError naming rollout_rs or rollout_rs_threshold."""
+    if rollout_rs == "none":
+        if threshold is not None:
+            raise ValueError(f"rollout_rs_threshold applies with rollout_rs only, got {threshold!r} with rollout_rs='none'")
+        return ()
+    options = [o.strip() for o in str(rollout_rs).split(",") if o.strip()]
+    options = list(dict.fromkeys(options))  # each once, in order
+    if not options or any(o not in ROLLOUT_RS for o in options):
+        raise ValueError(f"rollout_rs must be 'none' or comma-separated options of {ROLLOUT_RS}, got {rollout_rs!r}")
+    if threshold is None or isinstance(threshold, bool) or not isinstance(threshold, (str, int, float)):
+        raise ValueError(f"rollout_rs_threshold is required with rollout_rs={rollout_rs!r} (e.g. '0.5_2.0' for k1, "
+                         f"a number for k2 / k3)")
+    specs = [p.strip() for p in str(threshold).split(",") if p.strip()]
+    if len(specs) == 1:
+        specs = specs * len(options)
+    if len(specs) != len(options):
+        raise ValueError(f"rollout_rs_threshold needs one threshold, or one per rollout_rs option ({len(options)}), "
+                         f"got {threshold!r}")
+    bounds = []
+    for option, spec in zip(options, specs):
+        parts = spec.split("_")
+        try:
+            numbers = [float(x) for x in parts]
+        except ValueError:
+            raise ValueError(f"rollout_rs_threshold for {option} must be numbers, got {spec!r}") from None
+        if option.endswith("k1"):
+            if len(numbers) == 1:
+                numbers = [1.0 / numbers[0] if numbers[0] > 0 else -1.0, numbers[0]]
+            ok = len(numbers) == 2 and 0 < numbers[0] <= numbers[1] < math.inf
+            if not ok:
+                raise ValueError(f"rollout_rs_threshold for {option} must be 'lower_upper' ratio bounds with "
+                                 f"0 < lower <= upper (or one upper bound u: [1/u, u]), got {spec!r}")
+            bounds.append((option, math.log(numbers[0]), math.log(numbers[1])))
+        else:
+            if len(numbers) != 1 or not (0 < numbers[0] < math.inf):
+                raise ValueError(f"rollout_rs_threshold for {option} must be one finite number > 0, got {spec!r}")
+            bounds.append((option, None, numbers[0]))
+    return tuple(bounds)
 
 
 def check_clip_args(eps_low: float, eps_high: float, dual_clip: float) -> None:
@@ -63,6 +115,20 @@ class LossConfig:
         is dropped, drawn among those with lb < covariance < ub.
     kl_cov_ratio, ppo_kl_coef: kl_cov's fraction of tokens (largest covariance) that get
         the |log ratio| penalty, and its coefficient.
+    dppo_tv, dppo_kl read eps_low / eps_high as their trust-region thresholds and
+        dual_clip as the truncation of their ratio (verl's clip_ratio_low / _high / _c).
+    dro_beta: dro's quadratic log-ratio coefficient (> 0), required with policy_loss="dro"
+        (verl's policy_loss.dro_beta, no default); None otherwise.
+    bypass_loss_type: bypass_mode's loss, "ppo_clip" (vanilla on pi_theta / pi_rollout,
+        no importance weight: rollout_is must be "none") or "reinforce" (-A logp times
+        rollout_is's weight of pi_theta / pi_rollout); verl's rollout_correction.loss_type.
+    rollout_rs, rollout_rs_threshold: rejection of the response tokens whose divergence
+        between the trainer's policy (pi_old; pi_theta with bypass_mode) and the rollout's
+        (needs batch.rollout_logp, or old_logp with bypass_mode) passes a threshold: "none",
+        or comma-separated options of ROLLOUT_RS (rollout_rs_bounds); a rejected token counts
+        with loss 0, the denominators of loss_agg unchanged. verl's names.
+    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: vespo's gamma weight
+        phi(w) = exp(lambda + k log w - lambda w) for A >= 0 and A < 0 (TRL's names).
     """
 
     algorithm: str = "erpo"
@@ -86,6 +152,14 @@ class LossConfig:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
+    dro_beta: Optional[float] = None
+    bypass_loss_type: str = "ppo_clip"
+    rollout_rs: str = "none"
+    rollout_rs_threshold: Optional[Union[str, float]] = None
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -112,6 +186,7 @@ class LossConfig:
             raise ValueError(f"rollout_is_cap must be finite and > 0, got {self.rollout_is_cap}")
         self._validate_entropy()
         self._validate_policy_loss()
+        self._validate_peer_losses()
 
     @property
     def needs_entropy(self) -> bool:
@@ -150,3 +225,23 @@ class LossConfig:
                              f"got it with loss_agg={self.loss_agg!r}: leave it unset, or use that loss_agg")
         elif not (0.0 < check_number("loss_scale_factor", self.loss_scale_factor) < float("inf")):
             raise ValueError(f"loss_scale_factor must be finite and > 0, got {self.loss_scale_factor}")
+
+    def _validate_peer_losses(self) -> None:
+        """dro_beta, bypass_loss_type, rollout_rs / rollout_rs_threshold and vespo's constants."""
+        if self.dro_beta is not None and not (0.0 < check_number("dro_beta", self.dro_beta) < float("inf")):
+            raise ValueError(f"dro_beta must be finite and > 0, got {self.dro_beta}")
+        if self.policy_loss == "dro" and self.dro_beta is None:
+            raise ValueError("dro_beta is required with policy_loss='dro' (> 0, e.g. 0.1)")
+        if self.bypass_loss_type not in BYPASS_LOSS_TYPES:
+            raise ValueError(f"bypass_loss_type must be one of {BYPASS_LOSS_TYPES}, got {self.bypass_loss_type!r}")
+        if self.policy_loss == "bypass_mode" and self.bypass_loss_type == "ppo_clip" and self.rollout_is != "none":
+            raise ValueError(f"rollout_is={self.rollout_is!r} does not apply with policy_loss='bypass_mode' and "
+                             "bypass_loss_type='ppo_clip' (its ratio pi_theta / pi_rollout is the correction): set "
+                             "rollout_is='none', or bypass_loss_type='reinforce'")
+        rollout_rs_bounds(self.rollout_rs, self.rollout_rs_threshold)
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            if not (0.0 <= check_number(name, getattr(self, name)) < float("inf")):
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
+            if not (0.0 < check_number(name, getattr(self, name)) < float("inf")):
+                raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")

@@ -84,6 +84,11 @@ def _check_batch_against(batch: PackedLossBatch, name: str, tensor: torch.Tensor
                          "(one per entry of batch.targets)") from None  # fmt: skip
 
 
+def _bypass_has_rollout(batch: PackedLossBatch, config: LossConfig) -> bool:
+    """bypass_mode reads old_logp as the rollout's log-probs when rollout_logp is None."""
+    return config.policy_loss == "bypass_mode" and batch.old_logp is not None
+
+
 def _check_inputs(
     batch: PackedLossBatch,
     config: LossConfig,
@@ -113,8 +118,10 @@ def _check_inputs(
         normalizers.check_structure(batch.num_queries, rows[1].device)
     if config.algorithm == "grpo" and config.beta > 0 and batch.ref_logp is None:
         raise ValueError("ref_logp is required for algorithm='grpo' with beta > 0 (set beta = 0 to drop the KL term)")
-    if config.rollout_is != "none" and batch.rollout_logp is None:
+    if config.rollout_is != "none" and batch.rollout_logp is None and not _bypass_has_rollout(batch, config):
         raise ValueError(f"rollout_logp is required for rollout_is={config.rollout_is!r} (or set rollout_is='none')")
+    if config.rollout_rs != "none" and batch.rollout_logp is None and not _bypass_has_rollout(batch, config):
+        raise ValueError(f"rollout_logp is required for rollout_rs={config.rollout_rs!r} (or set rollout_rs='none')")
     if not checking_values(validate is not False):
         return batch, None
     if validate is None and sync_metrics:

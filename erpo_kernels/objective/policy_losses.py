@@ -15,6 +15,17 @@ its paper):
     geo_mean  -A * exp(mean_i of lr clipped to [-eps_low, eps_high] on A's side), one value
               per sequence, on each of its tokens (GMPO)
     cispo     -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp (CISPO)
+    dppo_tv   -A * sg(min(r, dual_clip)) * logp on the tokens inside the binary trust region
+              pi - pi_old <= eps_high (A > 0) / >= -eps_low (A <= 0), 0 outside (DPPO)
+    dppo_kl   the same with the binary KL of (pi_old, pi) as the divergence (DPPO)
+    dro       -(A logp - dro_beta / 2 * lr^2) (DRO)
+    bypass_mode  old_logp = the rollout's log-probs: vanilla (bypass_loss_type="ppo_clip") or
+              -A logp (bypass_loss_type="reinforce", times rollout_is's weight against
+              pi_theta); policy_term supplies the rollout's log-probs (verl's bypass mode)
+    luspo     gspo's clipped surrogate on the sequence ratio, log s clamped at 20 (LUSPO:
+              its length weighting is loss_agg="seq-mean-token-sum")
+    vespo     -sg(phi(w)) * A * logp, w = exp(sum_i lr) the sequence ratio, phi(w) =
+              exp(lambda + k log w - lambda w), (k, lambda) by the sign of A (VESPO)
 
 clip_cov and kl_cov rank the tokens of the call (a micro-batch, as verl's do), which reads
 their count on the host; clip_cov draws its subset with torch's global generator
@@ -22,6 +33,7 @@ their count on the host; clip_cov draws its subset with torch's global generator
 """
 from __future__ import annotations
 
+import math
 from typing import Tuple
 
 import torch
@@ -93,13 +105,21 @@ def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, config: Lo
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-@register_policy_loss("gspo")
-def gspo(rows: LossRows, old_logp: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> TokenLoss:
+def _sequence_surrogate(rows: LossRows, old_logp: torch.Tensor, advantages: torch.Tensor, config: LossConfig,
+                        log_cap: float) -> TokenLoss:
+    """The clip (no dual clip) on s_t = sg(s) pi_t / sg(pi_t), s = exp(mean_i lr) the
+    sequence's ratio, log s_t clamped at log_cap: every token's value is the sequence's,
+    d loss_t / d logp_t = s * d loss / d s (gspo, luspo)."""
     seq_log_ratio = _sequence_mean(rows, rows.logp - old_logp).detach()  # [B]
     log_s = rows.logp - rows.logp.detach() + seq_log_ratio[rows.layout.sequence]  # [N], value: the sequence's
-    s = torch.exp(torch.clamp(log_s, max=10.0))
+    s = torch.exp(torch.clamp(log_s, max=log_cap))
     loss, clipped = _clipped_surrogate(s, advantages, config)
     return TokenLoss(loss, clipped, _none(rows), s.detach())
+
+
+@register_policy_loss("gspo")
+def gspo(rows: LossRows, old_logp: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> TokenLoss:
+    return _sequence_surrogate(rows, old_logp, advantages, config, 10.0)  # verl caps log s at 10
 
 
 @register_policy_loss("sapo")
@@ -175,3 +195,71 @@ def cispo(rows: LossRows, old_logp: torch.Tensor, advantages: torch.Tensor, conf
     ratio = _ratio(rows.logp.detach(), old_logp)
     weight = torch.clamp(ratio, 1.0 - float(config.eps_low), 1.0 + float(config.eps_high))
     return TokenLoss(-weight * advantages * rows.logp, ratio != weight, _none(rows), ratio)
+
+
+def _binary_trust_region(rows: LossRows, old_logp: torch.Tensor, advantages: torch.Tensor, config: LossConfig,
+                         inside: torch.Tensor) -> TokenLoss:
+    """DPPO's loss given inside [N] bool (the token lies in its binary trust region):
+    -A sg(min(r, dual_clip)) logp inside, 0 outside; clipped = outside, dual = the
+    truncation binds inside."""
+    ratio = _ratio(rows.logp.detach(), old_logp)
+    cap = float(config.dual_clip)
+    loss = torch.where(inside, -advantages * torch.clamp(ratio, max=cap) * rows.logp, rows.zeros)
+    return TokenLoss(loss, ~inside, inside & (ratio > cap), ratio)
+
+
+@register_policy_loss("dppo_tv")
+def dppo_tv(rows: LossRows, old_logp: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> TokenLoss:
+    shift = torch.exp(rows.logp.detach()) - torch.exp(old_logp)  # [N] pi - pi_old
+    inside = torch.where(advantages > 0, shift <= float(config.eps_high), shift >= -float(config.eps_low))
+    return _binary_trust_region(rows, old_logp, advantages, config, inside)
+
+
+@register_policy_loss("dppo_kl")
+def dppo_kl(rows: LossRows, old_logp: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> TokenLoss:
+    logp = rows.logp.detach()
+    prob, old_prob = torch.exp(logp), torch.exp(old_logp)
+    binary_kl = old_prob * (old_logp - logp) + (1 - old_prob) * torch.log((1 - old_prob + 1e-8) / (1 - prob + 1e-8))
+    inside = torch.where(advantages > 0, (binary_kl <= float(config.eps_high)) | (prob <= old_prob),
+                         (binary_kl <= float(config.eps_low)) | (prob >= old_prob))
+    return _binary_trust_region(rows, old_logp, advantages, config, inside)
+
+
+@register_policy_loss("dro")
+def dro(rows: LossRows, old_logp: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> TokenLoss:
+    log_ratio = rows.logp - old_logp
+    loss = -(rows.logp * advantages - 0.5 * float(config.dro_beta) * log_ratio.square())
+    return TokenLoss(loss, _none(rows), _none(rows), _ratio(rows.logp.detach(), old_logp))
+
+
+@register_policy_loss("bypass_mode")
+def bypass_mode(rows: LossRows, old_logp: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> TokenLoss:
+    """old_logp: the rollout's log-probs here (policy_term passes them, bypass_rollout_logp)."""
+    if config.bypass_loss_type == "ppo_clip":
+        return vanilla(rows, old_logp, advantages, config)
+    ratio = _ratio(rows.logp.detach(), old_logp)
+    return TokenLoss(-advantages * rows.logp, _none(rows), _none(rows), ratio)
+
+
+@register_policy_loss("luspo")
+def luspo(rows: LossRows, old_logp: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> TokenLoss:
+    return _sequence_surrogate(rows, old_logp, advantages, config, LOG_RATIO_CLAMP)
+
+
+VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's lower clamp of log w
+
+
+@register_policy_loss("vespo")
+def vespo(rows: LossRows, old_logp: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> TokenLoss:
+    log_ratio = torch.clamp(rows.logp.detach() - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [N]
+    n_seq = rows.layout.response_length.shape[0]
+    seq_log_w = torch.zeros(n_seq, dtype=log_ratio.dtype, device=log_ratio.device).index_add(
+        0, rows.layout.sequence, torch.where(rows.response, log_ratio, rows.zeros))  # [B] sum_i lr
+    log_w = torch.clamp(seq_log_w, VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)[rows.layout.sequence]  # [N]
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, torch.full_like(log_w, float(config.vespo_k_pos)),
+                    torch.full_like(log_w, float(config.vespo_k_neg)))
+    lam = torch.where(nonneg, torch.full_like(log_w, float(config.vespo_lambda_pos)),
+                      torch.full_like(log_w, float(config.vespo_lambda_neg))).clamp(min=1e-4)  # TRL's floor
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return TokenLoss(-phi * advantages * rows.logp, _none(rows), _none(rows), torch.exp(log_w))

@@ -1,13 +1,18 @@
-"""Every registered policy loss (erpo_kernels.POLICY_LOSSES) under every aggregation
-against verl 0.9.1's own function of the same name (get_policy_loss_fn), loss and
-gradient, in float64, on one packed batch: three queries of two sequences each,
-responses of 1 to 6 tokens, ratios spread enough that the clips bind.
+"""Every registered policy loss that verl 0.9.1 also registers (erpo_kernels.POLICY_LOSSES
+but TRL's luspo and vespo) under every aggregation against verl's own function of the same
+name (get_policy_loss_fn), loss and gradient, in float64, on one packed batch: three
+queries of two sequences each, responses of 1 to 6 tokens, ratios spread enough that the
+clips bind. bypass_mode is compared under its rollout-correction settings (loss type,
+importance weights, rejection) with verl's training-time denominators (global_batch_info:
+the mini-batch's tokens and sequences, before rejection).
 
 verl fixes two aggregations itself: sapo always aggregates seq-mean-token-mean and
 geo_mean averages its per-sequence losses. For the other modes those two are compared
 with verl's function inside verl's own agg_loss at that mode (sapo: agg_loss's mode
 replaced; geo_mean: verl's loss of each sequence alone, aggregated by agg_loss)."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -18,8 +23,26 @@ PROMPT_LENS = [4, 3, 5]  # per query
 RESPONSE_LENS = [3, 5, 2, 4, 1, 6]  # two sequences per query
 HORIZON = max(RESPONSE_LENS)
 PARAMS = dict(eps_low=0.2, eps_high=0.28, dual_clip=3.0, tau_pos=1.0, tau_neg=1.05,
-              clip_cov_ratio=0.1, clip_cov_lb=0.1, clip_cov_ub=5.0, kl_cov_ratio=0.2, ppo_kl_coef=0.1)
+              clip_cov_ratio=0.1, clip_cov_lb=0.1, clip_cov_ub=5.0, kl_cov_ratio=0.2, ppo_kl_coef=0.1, dro_beta=0.1)
+# DPPO's thresholds are on pi - pi_old (TV) or the binary KL: at pi ~ e^-2 these bind on some
+# tokens; a truncation of 1.5 binds on some ratios
+DPPO = dict(eps_low=0.02, eps_high=0.03, dual_clip=1.5)
+OVERRIDES = {"dppo_tv": DPPO, "dppo_kl": dict(DPPO, eps_low=0.004, eps_high=0.006)}
 REL = 1e-7
+VERL_LOSSES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
+               "cispo", "bypass_mode")  # verl 0.9.1's registry, in its order
+# bypass_mode's rollout corrections (ours; verl's rollout_correction takes the same names, with
+# rollout_is_cap as rollout_is_threshold); the rejections make some tokens and sequences drop
+BYPASS = {
+    "ppo_clip": dict(bypass_loss_type="ppo_clip"),
+    "reinforce": dict(bypass_loss_type="reinforce"),
+    "reinforce-token-is": dict(bypass_loss_type="reinforce", rollout_is="token", rollout_is_cap=1.3),
+    "reinforce-seq-is": dict(bypass_loss_type="reinforce", rollout_is="sequence", rollout_is_cap=1.5),
+    "reinforce-token-rs": dict(bypass_loss_type="reinforce", rollout_is="token", rollout_is_cap=1.3,
+                               rollout_rs="token_k1,token_k3", rollout_rs_threshold="0.7_1.4,0.05"),
+    "ppo_clip-seq-rs": dict(bypass_loss_type="ppo_clip", rollout_rs="seq_mean_k3,seq_max_k2,seq_sum_k1",
+                            rollout_rs_threshold="0.08,0.3,0.4_3.0"),
+}
 
 
 def _padded(seed=0):
@@ -59,25 +82,44 @@ def _packed(logp, old, adv, mask):
     return logp_rows, batch
 
 
-def _verl_config(name, agg):
+def _params(name):
+    return dict(PARAMS, **OVERRIDES.get(name, {}))
+
+
+def _verl_config(name, agg, bypass=None):
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.workers.config import FSDPActorConfig, PolicyLossConfig
 
-    policy = PolicyLossConfig(loss_mode=name, clip_cov_ratio=PARAMS["clip_cov_ratio"], clip_cov_lb=PARAMS["clip_cov_lb"],
-                              clip_cov_ub=PARAMS["clip_cov_ub"], kl_cov_ratio=PARAMS["kl_cov_ratio"],
-                              ppo_kl_coef=PARAMS["ppo_kl_coef"])
+    correction = RolloutCorrectionConfig()
+    if bypass is not None:
+        is_level = bypass.get("rollout_is", "none")
+        rs = bypass.get("rollout_rs", "none")
+        correction = RolloutCorrectionConfig(
+            bypass_mode=True, loss_type=bypass["bypass_loss_type"], rollout_is=None if is_level == "none" else is_level,
+            rollout_is_threshold=bypass.get("rollout_is_cap", 2.0), rollout_rs=None if rs == "none" else rs,
+            rollout_rs_threshold=bypass.get("rollout_rs_threshold"))
+    params = _params(name)
+    policy = PolicyLossConfig(loss_mode=name, clip_cov_ratio=params["clip_cov_ratio"], clip_cov_lb=params["clip_cov_lb"],
+                              clip_cov_ub=params["clip_cov_ub"], kl_cov_ratio=params["kl_cov_ratio"],
+                              ppo_kl_coef=params["ppo_kl_coef"], dro_beta=params["dro_beta"],
+                              rollout_correction=correction)
     return FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=len(RESPONSE_LENS),
                            ppo_micro_batch_size_per_gpu=len(RESPONSE_LENS), use_dynamic_bsz=False, rollout_n=2,
-                           clip_ratio_low=PARAMS["eps_low"], clip_ratio_high=PARAMS["eps_high"],
-                           clip_ratio_c=PARAMS["dual_clip"], tau_pos=PARAMS["tau_pos"], tau_neg=PARAMS["tau_neg"],
+                           clip_ratio_low=params["eps_low"], clip_ratio_high=params["eps_high"],
+                           clip_ratio_c=params["dual_clip"], tau_pos=params["tau_pos"], tau_neg=params["tau_neg"],
                            loss_agg_mode=agg, policy_loss=policy)
 
 
-def _verl_loss(name, agg, logp, old, adv, mask, monkeypatch):
-    """verl's loss of `name` at `agg` (module docstring for sapo and geo_mean)."""
+def _verl_loss(name, agg, logp, old, adv, mask, monkeypatch, bypass=None):
+    """verl's loss of `name` at `agg` (module docstring for sapo, geo_mean and bypass_mode:
+    bypass's old_log_prob is the rollout's)."""
     from verl.trainer.ppo import core_algos
 
     fn = core_algos.get_policy_loss_fn(name)
-    config = _verl_config(name, agg)
+    config = _verl_config(name, agg, bypass)
+    if bypass is not None:  # verl's training-time denominators (workers/utils/losses.py): the mini-batch's
+        config.global_batch_info.update(dp_size=1, batch_num_tokens=mask.sum(), global_batch_size=mask.shape[0],
+                                        loss_scale_factor=None)
     if name == "geo_mean" and agg != "seq-mean-token-mean":
         per_seq = torch.stack([fn(old_log_prob=old[i:i + 1], log_prob=logp[i:i + 1], advantages=adv[i:i + 1],
                                   response_mask=mask[i:i + 1], loss_agg_mode=agg, config=config)[0]
@@ -92,10 +134,15 @@ def _verl_loss(name, agg, logp, old, adv, mask, monkeypatch):
     return loss
 
 
-def _ours(name, agg, logp, old, adv, mask):
+def _ours(name, agg, logp, old, adv, mask, bypass=None):
+    """Our loss; bypass_mode: `old` is the rollout's log-probs (batch.rollout_logp), and
+    batch.old_logp something else, which bypass_mode must ignore."""
     logp_rows, batch = _packed(logp, old, adv, mask)
+    if bypass is not None:
+        batch = dataclasses.replace(batch, rollout_logp=batch.old_logp, old_logp=batch.old_logp + 0.5)
     scale = float(HORIZON) if agg == "seq-mean-token-sum-norm" else None  # verl's default: the padded length
-    cfg = LossConfig(algorithm="grpo", beta=0.0, policy_loss=name, loss_agg=agg, loss_scale_factor=scale, **PARAMS)
+    cfg = LossConfig(algorithm="grpo", beta=0.0, policy_loss=name, loss_agg=agg, loss_scale_factor=scale,
+                     **_params(name), **(bypass or {}))
     return erpo_loss_from_logp(logp_rows, batch, cfg, backend="torch")
 
 
@@ -103,28 +150,55 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
 
 
-def _compare(name, agg, monkeypatch, seed=7):
+def _compare(name, agg, monkeypatch, seed=7, bypass=None):
     """(our loss, verl's, our gradient, verl's, our metrics) on the batch, clip_cov drawing
     with the same seed on both sides."""
     logp, old, adv, mask = _padded()
     torch.manual_seed(seed)  # clip_cov's random subset: the same draw for both
-    ours, metrics = _ours(name, agg, logp, old, adv, mask)
+    ours, metrics = _ours(name, agg, logp, old, adv, mask, bypass)
     (grad_ours,) = torch.autograd.grad(ours, logp)
     torch.manual_seed(seed)
-    theirs = _verl_loss(name, agg, logp, old, adv, mask, monkeypatch)
+    theirs = _verl_loss(name, agg, logp, old, adv, mask, monkeypatch, bypass)
     (grad_theirs,) = torch.autograd.grad(theirs, logp)
     return ours.detach(), theirs.detach(), grad_ours, grad_theirs, metrics
 
 
+def test_verl_registers_the_same_losses():
+    from verl.trainer.ppo import core_algos
+
+    assert tuple(n for n in core_algos.POLICY_LOSS_REGISTRY if n != "erpo") == VERL_LOSSES  # erpo: our plugin
+    assert set(VERL_LOSSES) <= set(POLICY_LOSSES)
+
+
 @pytest.mark.parametrize("agg", LOSS_AGGS)
-@pytest.mark.parametrize("name", list(POLICY_LOSSES))
+@pytest.mark.parametrize("name", [n for n in VERL_LOSSES if n != "bypass_mode"])
 def test_policy_loss_equals_verls(name, agg, monkeypatch):
     ours, theirs, grad_ours, grad_theirs, metrics = _compare(name, agg, monkeypatch)
     assert float(ours) == pytest.approx(float(theirs), rel=REL)
     assert _rel(grad_ours, grad_theirs) <= REL, _rel(grad_ours, grad_theirs)
     assert float(grad_theirs.abs().max()) > 1e-3  # a gradient that could differ
-    if name in ("vanilla", "gspo", "clip_cov", "kl_cov", "geo_mean", "cispo"):
+    if name in ("vanilla", "gspo", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl"):
         assert 0 < metrics["pg/clipfrac"] < 1  # the clip (or selection) binds on some tokens, not all
+
+
+def _bypass_honours(case, agg):
+    """verl divides each sequence by its kept tokens under seq-mean-token-mean; with a
+    token-level rejection ours keeps L_i (docs/objective.md)."""
+    return not (agg == "seq-mean-token-mean" and BYPASS[case].get("rollout_rs", "none").startswith("token"))
+
+
+@pytest.mark.parametrize("case,agg", [(c, a) for c in BYPASS for a in LOSS_AGGS if _bypass_honours(c, a)])
+def test_bypass_mode_equals_verls(case, agg, monkeypatch):
+    ours, theirs, grad_ours, grad_theirs, metrics = _compare("bypass_mode", agg, monkeypatch, bypass=BYPASS[case])
+    assert float(ours) == pytest.approx(float(theirs), rel=REL)
+    assert _rel(grad_ours, grad_theirs) <= REL, _rel(grad_ours, grad_theirs)
+    assert float(grad_theirs.abs().max()) > 1e-3
+    if BYPASS[case].get("rollout_rs", "none") != "none":
+        assert 0 < metrics["mismatch/rejected_frac"] < 1  # the rejection acts on some tokens, not all
+    if "is" in case:
+        assert metrics["mismatch/is_weight_mean"] < 1.3  # the truncation binds
+    if case == "ppo_clip":
+        assert 0 < metrics["pg/clipfrac"] < 1
 
 
 def test_clip_cov_draws_the_same_subset_as_verl(monkeypatch):
@@ -154,11 +228,15 @@ def test_report_measured(capsys, monkeypatch):
     """The largest relative differences (loss, gradient) of every variant and aggregation,
     printed as a table (pytest -s shows it), all within REL."""
     rows = []
-    for name in POLICY_LOSSES:
+    cases = [(n, n, None) for n in VERL_LOSSES if n != "bypass_mode"]
+    cases += [(f"bypass_mode[{c}]", "bypass_mode", BYPASS[c]) for c in BYPASS]
+    for label, name, bypass in cases:
         for agg in LOSS_AGGS:
-            ours, theirs, grad_ours, grad_theirs, _ = _compare(name, agg, monkeypatch)
-            rows.append((name, agg, _rel(ours, theirs), _rel(grad_ours, grad_theirs)))
+            ours, theirs, grad_ours, grad_theirs, _ = _compare(name, agg, monkeypatch, bypass=bypass)
+            honoured = bypass is None or _bypass_honours(label[len("bypass_mode["):-1], agg)
+            rows.append((label, agg, _rel(ours, theirs), _rel(grad_ours, grad_theirs), honoured))
     with capsys.disabled():
-        for name, agg, loss_rel, grad_rel in rows:
-            print(f"\n{name:9s} {agg:24s} loss {loss_rel:.1e} grad {grad_rel:.1e}", end="")
-    assert max(max(r[2], r[3]) for r in rows) <= REL
+        for name, agg, loss_rel, grad_rel, honoured in rows:
+            note = "" if honoured else "  (verl renormalises by the kept tokens: documented)"
+            print(f"\n{name:32s} {agg:24s} loss {loss_rel:.1e} grad {grad_rel:.1e}{note}", end="")
+    assert max(max(r[2], r[3]) for r in rows if r[4]) <= REL
