@@ -9,8 +9,10 @@ setup(
     python_requires=">=3.10",
     # the benchmark suite installs as erpo_bench (python -m erpo_bench), never as a top-level `bench`
     # that any other bench module would collide with; in a checkout it stays bench/ (python -m bench)
-    packages=find_packages(include=["erpo_kernels", "erpo_kernels.*", "erpo", "erpo.*"]) + ["erpo_bench"],
-    package_dir={"erpo_bench": "bench"},
+    # configs/*.yaml ship as erpo/configs (package data): `erpo train demo` runs them by name from an install
+    packages=find_packages(include=["erpo_kernels", "erpo_kernels.*", "erpo", "erpo.*"]) + ["erpo_bench", "erpo.configs"],
+    package_dir={"erpo_bench": "bench", "erpo.configs": "configs"},
+    package_data={"erpo.configs": ["*.yaml"]},
     install_requires=[
         "torch>=2.4",
         "triton>=3.0; platform_system == 'Linux'",

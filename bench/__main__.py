@@ -1,4 +1,5 @@
-"""Command line of the benchmark suite; see bench/__init__.py."""
+"""Command line of the benchmark suite: its --help is the package's docstring (the commands and
+the definitions of speed and memory)."""
 from __future__ import annotations
 
 import argparse
@@ -7,11 +8,9 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from .measure import RESULTS_DIR, RunOptions
+from .measure import IN_CHECKOUT, LOCAL_RESULTS_DIR, PROG, RESULTS_DIR, RunOptions
 
-# Where a measurement goes unless it is asked to be recorded (--record) or sent elsewhere (--out-dir):
-# untracked (.gitignore), so measuring never rewrites the project's results files.
-LOCAL_RESULTS_DIR = RESULTS_DIR / "local"
+_LOCAL_SHOWN = "bench/results/local, untracked" if IN_CHECKOUT else str(LOCAL_RESULTS_DIR)
 
 
 def _csv(text: Optional[str]) -> Optional[List[str]]:
@@ -28,8 +27,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=None, help="warm-up runs before measuring")
     p.add_argument("--repeats", type=int, default=None, help="timed runs (the median is reported)")
     p.add_argument("--out-dir", default=None,
-                   help="where <machine>.json and the plot go (default: bench/results/local, untracked; with "
-                        "--record: bench/results)")
+                   help=f"where <machine>.json and the plot go (default: {_LOCAL_SHOWN}; with --record: bench/results)")
     p.add_argument("--record", action="store_true",
                    help="append the run to the project's record, bench/results/<machine>.json (tracked by git)")
     p.add_argument("--machine", default=None, help="results file name (default: derived from the device)")
@@ -40,8 +38,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _record_args(p: argparse.ArgumentParser, stem: str) -> None:
     """--out-dir, --record and --machine of a subcommand writing <stem>-<machine>.json and a docs/vllm.md table."""
-    p.add_argument("--out-dir", default=None, help=f"where {stem}-<machine>.json goes (default: bench/results/local, "
-                                                   "untracked; with --record: bench/results)")
+    p.add_argument("--out-dir", default=None, help=f"where {stem}-<machine>.json goes (default: {_LOCAL_SHOWN}; with "
+                                                   "--record: bench/results)")
     p.add_argument("--record", action="store_true",
                    help=f"write bench/results/{stem}-<machine>.json (tracked) and docs/vllm.md's table")
     p.add_argument("--machine", default=None, help="results file name (default: derived from the device)")
@@ -51,6 +49,9 @@ def _out_dir(args: argparse.Namespace) -> str:
     """--out-dir, else bench/results with --record, else the untracked LOCAL_RESULTS_DIR."""
     if args.out_dir and args.record:
         raise SystemExit("erpo: error: --record writes into bench/results; give it or --out-dir, not both")
+    if args.record and not IN_CHECKOUT:
+        raise SystemExit(f"erpo: error: --record appends to the project's record, bench/results of a clone of erpo; "
+                         f"this is the installed suite: without --record it writes to {LOCAL_RESULTS_DIR}")
     return args.out_dir or str(RESULTS_DIR if args.record else LOCAL_RESULTS_DIR)
 
 
@@ -60,7 +61,7 @@ def _recorded_where(opts: RunOptions) -> None:
     from .report import results_path
 
     path = results_path(opts.out_dir, machine_name(opts.device, opts.machine))
-    if Path(opts.out_dir).resolve() == LOCAL_RESULTS_DIR.resolve():
+    if Path(opts.out_dir).resolve() == LOCAL_RESULTS_DIR.resolve() and IN_CHECKOUT:
         print(f"[bench] results in {path} (untracked); record them with: python -m bench merge {path}")
     else:
         print(f"[bench] results in {path}")
@@ -86,7 +87,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[:1] == ["_worker"]:  # one CPU measurement in a fresh process (bench/measure.py)
         return _worker(argv[1], json.loads(argv[2]))
 
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description=sys.modules[__package__].__doc__.replace("python -m bench", PROG))
     sub = parser.add_subparsers(dest="command", required=True)
 
     k = sub.add_parser("kernels", help="token_logprobs / linear_token_logprobs vs PyTorch and the peers")
@@ -161,19 +163,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     _record_args(dv, "demo-vllm")
 
     r = sub.add_parser("report", help="regenerate the README table and the plots from bench/results/*.json")
-    r.add_argument("--out-dir", default=str(RESULTS_DIR))
+    r.add_argument("--out-dir", default=str(RESULTS_DIR if IN_CHECKOUT else LOCAL_RESULTS_DIR))
     r.add_argument("--print", action="store_true", help="also print the generated section")
 
     mg = sub.add_parser("merge", help="fold the runs of a results file into bench/results/<machine>.json")
     mg.add_argument("file")
-    mg.add_argument("--out-dir", default=str(RESULTS_DIR))
+    mg.add_argument("--out-dir", default=str(RESULTS_DIR if IN_CHECKOUT else LOCAL_RESULTS_DIR))
 
     args = parser.parse_args(argv)
     if args.command == "report":
         from . import report
 
-        report.regenerate(args.out_dir, write_readme_table=True, echo=args.print)
-        return 0
+        return report.report_command(args.out_dir, echo=args.print)
     if args.command == "merge":
         from . import report
 

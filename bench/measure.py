@@ -38,6 +38,14 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"  # bench/results in a checkout
+# A checkout (bench/ beside setup.py: `python -m bench`) keeps the project's record in
+# bench/results and its README; the installed suite (erpo_bench in site-packages) has neither.
+IN_CHECKOUT = Path(__file__).resolve().parent.name == "bench" and (REPO / "setup.py").is_file()
+PROG = f"python -m {__package__ or 'bench'}"  # how the suite is run: python -m bench, or python -m erpo_bench
+# Where a measurement goes unless it is recorded (--record) or sent elsewhere (--out-dir): in a
+# checkout bench/results/local (untracked, .gitignore); installed, erpo-bench-results in the
+# current directory (never site-packages).
+LOCAL_RESULTS_DIR = RESULTS_DIR / "local" if IN_CHECKOUT else Path.cwd() / "erpo-bench-results"
 MIB = float(1 << 20)
 
 SPEED_DEFINITION = (

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -468,13 +469,15 @@ def kernels_summary(run: Dict[str, Any]) -> str:
 
 
 def regenerate(out_dir: str | os.PathLike = RESULTS_DIR, write_readme_table: bool = False,
-               echo: bool = False) -> str:
+               echo: bool = False, missing: Optional[List[str]] = None) -> str:
     """Plots for every results file in out_dir, and the README section's text.
 
     Only `python -m bench report` passes `write_readme_table` (measuring never edits the README):
     the section is then written between the README's markers when out_dir is bench/results.
-    It is printed when `echo`, or when the README has no markers to receive it.
+    It is printed when `echo`, or when the README has no markers to receive it; the pages
+    without their markers are appended to `missing`.
     """
+    missing = [] if missing is None else missing
     results = all_results(out_dir)
     for machine, data in results.items():
         plot(machine, data, out_dir)
@@ -484,17 +487,38 @@ def regenerate(out_dir: str | os.PathLike = RESULTS_DIR, write_readme_table: boo
         if write_readme(text, README):
             print(f"README.md: section between {START} and {END} regenerated")
         else:
-            print(f"README.md has no {START} ... {END} markers: nothing written; the section is:\n")
+            print(f"{README} has no {START} ... {END} markers: nothing written; the section is:\n")
             echo = True
+            missing.append(str(README))
         cost = cost_markdown(out_dir)
         if cost:
             if write_between(BENCH_DOC, COST_START, COST_END, cost):
                 print(f"docs/benchmarks.md: section between {COST_START} and {COST_END} regenerated")
             else:
                 print(f"docs/benchmarks.md has no {COST_START} ... {COST_END} markers: nothing written")
+                missing.append(str(BENCH_DOC))
     if echo:
         print(text)
     return text
+
+
+def report_command(out_dir: str | os.PathLike, echo: bool = False) -> int:
+    """`bench report`: regenerate; a page without its markers (or no results at all) is an
+    error, exit status 1 with an `erpo: error:` line, not a success that wrote nothing."""
+    from .measure import IN_CHECKOUT, PROG
+
+    if not all_results(out_dir) and not cost_runs(out_dir):
+        where = "" if IN_CHECKOUT else " (the installed suite writes its results there; it has no README to rewrite)"
+        print(f"erpo: error: no bench results in {out_dir}{where}; measure first ({PROG} kernels / step / cost) or "
+              f"give --out-dir", file=sys.stderr)
+        return 1
+    missing: List[str] = []
+    regenerate(out_dir, write_readme_table=True, echo=echo or not IN_CHECKOUT, missing=missing)
+    if missing:
+        print(f"erpo: error: {', '.join(missing)} lack the markers `bench report` writes between; nothing written "
+              f"there (the section is printed above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _num(x: Optional[float]) -> str:

@@ -1,6 +1,7 @@
 """The `erpo` command.
 
-    erpo train [config.yaml] [key=value ...]       train (no arguments: the embedded demo)
+    erpo train [config.yaml] [key=value ...]       train (no arguments: the embedded demo; a shipped config
+                                                   by name: erpo train demo, configs/*.yaml of the repository)
     erpo train resume=RUN [steps=N ...]            continue RUN exactly where it stopped
     erpo ref-cache [config.yaml] [key=value ...]   build the reference cache of a run
     erpo plot RUN [RUN ...] [--out PNG]            curves of one run, or several overlaid
@@ -79,6 +80,10 @@ def resolve_config(args: Sequence[str], command: str = "train") -> TrainConfig:
     RUN/config.yaml. For `eval` without a config file the base is the config.yaml of the
     run the first model= entry belongs to, else of run_dir when it has one."""
     path, overrides = _split_args(args)
+    if path:
+        from .named_configs import config_path
+
+        path = config_path(path)  # a shipped config by name (erpo train demo) where no such file is here
     if command == "eval":
         _check_eval_keys(overrides)
     cfg, given = load_config(path, overrides, aliases=EVAL_KEYS if command == "eval" else None)

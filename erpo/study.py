@@ -571,7 +571,12 @@ def study_command(args: Sequence[str], log: Callable[[str], None] = say) -> Dict
 
     if not args or "=" in args[0]:
         raise ConfigError("erpo study needs a study config first: erpo study configs/study-long.yaml [key=value ...]")
-    spec = load_study(args[0], args[1:])
+    from .named_configs import config_path
+
+    spec = load_study(config_path(args[0], "study-"), args[1:])  # a shipped study by name: erpo study study-epochs
+    if spec.doc and not os.path.isfile(spec.doc):  # e.g. docs/stability.md of a shipped study, run outside a clone
+        log(f"erpo: study: note: doc={spec.doc} does not exist here; the report goes to {spec.out} only")
+        spec.doc = ""
     units = units_of(spec)
     prepare_out(spec, units, log)
     if not spec.report_only:

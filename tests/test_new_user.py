@@ -282,3 +282,51 @@ def test_make_install_says_it_is_quiet_and_how_long_and_the_readme_names_it(tmp_
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     quick = readme[readme.index("## Quick start"):readme.index("### On a GPU machine")]
     assert "make install" in quick and "about two minutes" in quick
+
+
+# ---------------------------------------------------------------------- item 6: configs by name
+
+
+def test_shipped_configs_by_name_from_another_directory(tmp_path, monkeypatch, capsys):
+    from erpo.named_configs import config_path
+    from erpo.study import STUDY_FILE, STUDY_VERSION
+
+    monkeypatch.chdir(tmp_path)
+    demo = os.path.join(ROOT, "configs", "demo.yaml")
+    assert config_path("demo") == config_path("demo.yaml") == config_path("configs/demo.yaml") == demo
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "demo.yaml").write_text("steps: 1\n")
+    assert config_path("configs/demo.yaml") == "configs/demo.yaml"  # a file that is here is the one used
+    assert resolve_config(["demo", f"run_dir={tmp_path}/r"]).mini_batches == 2  # the shipped demo's setting
+    # a shipped study's doc= page outside a clone: a note at the start, the report in out= only
+    out = tmp_path / "study"
+    out.mkdir()
+    (out / STUDY_FILE).write_text(json.dumps({"version": STUDY_VERSION, "units": {}}))
+    capsys.readouterr()
+    assert main(["study", "study-tiny", f"out={out}", "doc=docs/stability.md", "report_only=true"]) == 0
+    said = capsys.readouterr().out
+    assert f"doc=docs/stability.md does not exist here; the report goes to {out} only" in said, said
+    assert (out / "report.md").is_file()
+
+
+def test_bench_report_into_a_readme_without_markers_is_an_error(tmp_path, monkeypatch, capsys):
+    """`bench report` where the README lacks the table's markers: the section is printed, and
+    the exit status is 1 with an `erpo: error:` line (it was 0: a success that wrote nothing)."""
+    from bench import kernels, report
+    from bench.__main__ import main
+    from bench.measure import RunOptions
+
+    cases = kernels.custom_cases(["token_logprobs"], ["qwen2.5-1.5b"], [8], ["fp32"], None, 50)
+    kernels.run(cases, ["erpo"], ["forward"], RunOptions(device="cpu", warmup=0, repeats=1, out_dir=str(tmp_path),
+                                                         machine="m", budget_s=0.0))
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers here\n")
+    monkeypatch.setattr(report, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(report, "README", readme)
+    capsys.readouterr()
+    assert main(["report", "--out-dir", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("erpo: error: ") and err.count("\n") == 1 and str(readme) in err, err
+    assert "nothing written" in out and readme.read_text() == "# no markers here\n"
+    assert main(["report", "--out-dir", str(tmp_path / "empty")]) == 1
+    assert "no bench results in" in capsys.readouterr().err
