@@ -10,6 +10,12 @@ from typing import List, Optional
 
 from .measure import IN_CHECKOUT, LOCAL_RESULTS_DIR, PROG, RESULTS_DIR, RunOptions
 
+def _shown_targets() -> str:
+    from .cost_subjects import TARGETS
+
+    return ",".join("x".join(map(str, t)) for t in TARGETS)
+
+
 _LOCAL_SHOWN = "bench/results/local, untracked" if IN_CHECKOUT else str(LOCAL_RESULTS_DIR)
 
 
@@ -87,6 +93,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[:1] == ["_worker"]:  # one CPU measurement in a fresh process (bench/measure.py)
         return _worker(argv[1], json.loads(argv[2]))
 
+    _DEFAULT_TARGETS = _shown_targets()  # named in --help (issue 18's three shapes)
     parser = argparse.ArgumentParser(prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description=sys.modules[__package__].__doc__.replace("python -m bench", PROG))
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,7 +130,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     c = sub.add_parser("cost", help="the counted cost model: ours and the peers at the target shapes (CPU, interpreter)")
     c.add_argument("--subjects", default=None, help="comma list of names (default: all; absent peers are listed)")
     c.add_argument("--ops", default=None, help="comma list: linear_token_logprobs,token_logprobs")
-    c.add_argument("--targets", default=None, help="comma list of NxDxV (default: issue 18's three shapes)")
+    c.add_argument("--targets", default=None, help=f"comma list of NxDxV (default: {_DEFAULT_TARGETS})")
     c.add_argument("--out-dir", default=None,
                    help="where cost.json goes (default: bench/results/local, untracked; with --record: bench/results)")
     c.add_argument("--record", action="store_true",
@@ -142,7 +149,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     cal = sub.add_parser("calibrate", help="GPU: the linear op and the bare lm_head GEMMs timed beside the cost model")
     _common(cal)
-    cal.add_argument("--targets", default=None, help="comma list of NxDxV (default: issue 18's three shapes)")
+    cal.add_argument("--targets", default=None, help=f"comma list of NxDxV (default: {_DEFAULT_TARGETS})")
     cal.add_argument("--subjects", default=None, help="comma list (default: every installed linear-op subject)")
 
     ro = sub.add_parser("rollout", help="rollout tokens/s of the HF and vLLM engines on one tiny model (needs vLLM)")

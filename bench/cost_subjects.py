@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import math
 import random
+import time
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -409,7 +410,12 @@ def _count_job(name: str, op: str, target: Shape, shape: Shape) -> Counts:
     return count(subject, shape, subject.fit_plan(target))
 
 
-def fit_subject(subject: Subject, target: Shape, cache: Dict[Tuple, Fit], log=print, jobs: int = 1) -> Fit:
+def say(line: str) -> None:
+    """A progress line, out at once (a pipe or a log file would hold it back for minutes)."""
+    print(line, flush=True)
+
+
+def fit_subject(subject: Subject, target: Shape, cache: Dict[Tuple, Fit], log=say, jobs: int = 1) -> Fit:
     """The subject's fit for `target` (shared by targets whose plans have the same key); with
     jobs > 1 the shapes are counted in that many worker processes."""
     plan = subject.fit_plan(target)
@@ -418,15 +424,30 @@ def fit_subject(subject: Subject, target: Shape, cache: Dict[Tuple, Fit], log=pr
         return cache[key]
     # a subject that ignores D is counted once per (N, V)
     todo = list(dict.fromkeys(s if subject.uses_d else (s[0], plan.fit[0][1], s[2]) for s in plan.fit + plan.check))
+    t0 = time.monotonic()
+    log(f"  {subject.name} {subject.op}: counting {len(todo)} shapes (N, D, V) for the target "
+        f"{'x'.join(map(str, target))}, {min(jobs, len(todo))} at a time ...")
+
+    def counted_one(i: int, shape: Shape) -> None:  # a line per shape: how far, and about how long is left
+        took = time.monotonic() - t0
+        log(f"    {subject.name} {subject.op}: {i}/{len(todo)} shapes counted ({shape}), {took:.0f} s so far, "
+            f"about {took / i * (len(todo) - i):.0f} s left")
+
+    done = {}
     if jobs > 1 and len(todo) > 1:
         import concurrent.futures
         import multiprocessing
 
         with concurrent.futures.ProcessPoolExecutor(min(jobs, len(todo)),
                                                     mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = dict(zip(todo, pool.map(_count_job, *zip(*[(subject.name, subject.op, target, s) for s in todo]))))
+            futures = {pool.submit(_count_job, subject.name, subject.op, target, s): s for s in todo}
+            for i, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                done[futures[future]] = future.result()
+                counted_one(i, futures[future])
     else:
-        done = {s: count(subject, s, plan) for s in todo}
+        for i, shape in enumerate(todo, 1):
+            done[shape] = count(subject, shape, plan)
+            counted_one(i, shape)
     log(f"  counted {subject.name} {subject.op} at {len(todo)} shapes (N, D, V): {todo}")
     counted = {s: done[s if subject.uses_d else (s[0], plan.fit[0][1], s[2])] for s in plan.fit + plan.check}
     fit = fit_exact({s: counted[s] for s in plan.fit}, plan.features)
@@ -467,7 +488,7 @@ def evaluate(fit: Fit, target: Shape) -> Dict:
     return {"shape": dict(zip("NDV", target)), "passes": passes, "floors_ms": floors, "groups": groups}
 
 
-def run(subjects: List[Subject], targets: List[Shape], log=print, jobs: int = 1) -> Dict:
+def run(subjects: List[Subject], targets: List[Shape], log=say, jobs: int = 1) -> Dict:
     """Fit and evaluate every subject (absent or failing ones are recorded with the reason)."""
     from .cost_model import BYTES_RULE, HARDWARE, L2_RULE
 

@@ -330,3 +330,26 @@ def test_bench_report_into_a_readme_without_markers_is_an_error(tmp_path, monkey
     assert "nothing written" in out and readme.read_text() == "# no markers here\n"
     assert main(["report", "--out-dir", str(tmp_path / "empty")]) == 1
     assert "no bench results in" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- item 5: bench cost's progress
+
+
+def test_bench_cost_says_how_far_it_is_per_subject_and_shape(capsys):
+    """A line per counted shape (how many of how many, seconds so far, about how many left),
+    printed as it goes; --help names the default shapes."""
+    from bench import cost_subjects as cs
+    from bench.__main__ import main
+
+    sub = next(x for x in cs.SUBJECTS if x.name == "erpo-reference" and x.op == "token_logprobs")
+    said = []
+    cs.fit_subject(sub, (64, 1, 4480), {}, log=said.append)
+    shapes = [line for line in said if " shapes counted (" in line]
+    assert said[0].startswith("  erpo-reference token_logprobs: counting ") and "64x1x4480" in said[0]
+    n = len(shapes)
+    assert n >= 2 and [line.split(": ")[1].split()[0] for line in shapes] == [f"{i}/{n}" for i in range(1, n + 1)]
+    assert all("s so far, about " in line and line.endswith(" s left") for line in shapes)
+    with pytest.raises(SystemExit):
+        main(["cost", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 8192x4096x151936,2048x4096x151936,16384x1536x151936)" in text and "issue 18" not in text
