@@ -102,6 +102,7 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
     and with none (the union of the code and the plain call), the product kernel (one
     specialization: its chunk position is a runtime value) and the merge."""
     m = _module("linear_token_logprobs")
+    fused = _module("fused_linear_loss")
     types = _types(dtype)
     lowp = dtype != "fp32"
     flags = dict(IEEE=not lowp, UPCAST=False)
@@ -110,8 +111,13 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
         base = dict(flags, BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d, HAS_BIAS=on,
                     HAS_SOFTCAP=on)  # fmt: skip
         tag = "bias+softcap+entropy" if on else "plain"
-        out.append(Variant(f"{tag}", m._ltl_fwd_kernel, types, dict(base, WANT_ENTROPY=on), tiles.num_warps,
-                           tiles.num_stages, lowp))
+        out.append(Variant(f"{tag}", m._ltl_fwd_kernel, types, dict(base, WANT_ENTROPY=on, KEEP_LOGITS=on),
+                           tiles.num_warps, tiles.num_stages, lowp))  # fmt: skip
+        # erpo_loss's fused path: the softmax gradient from the kept logits (no dot)
+        out.append(Variant(f"{tag}", fused._fused_dr_kernel, types,
+                           dict(HAS_SOFTCAP=on, HAS_ENTROPY_GRAD=on, WANT_DB=on, ZERO_PAD=on, UPCAST=False,
+                                BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v),
+                           tiles.num_warps, tiles.num_stages, False, has_dots=False))  # fmt: skip
         out.append(Variant(f"{tag}", m._ltl_bwd_dr_kernel, types, dict(base, HAS_ENTROPY_GRAD=on, WANT_DB=on),
                            tiles.num_warps, tiles.num_stages, lowp))
     gemm = dict(flags, GEMM_N=tiles.gemm_n, GEMM_V=tiles.gemm_v, GEMM_D=tiles.gemm_d, GEMM_K=tiles.gemm_k)

@@ -172,10 +172,11 @@ def _ltl_fwd_kernel(
     sum_ptr,  # [splits, N] fp32 out: l = sum_j exp(s_j - m)
     entropy_ptr,  # [splits, N] fp32 out: a = sum_j exp(s_j - m) (s_j - m)  (WANT_ENTROPY)
     target_logit_ptr,  # [splits, N] fp32 out: s_target if the target is in the split, else 0
+    kept_ptr,  # [N, V] fp32 out (KEEP_LOGITS): s itself at compact positions p < n_valid (fused_linear_loss.py)
     n_rows, V, D, v_per_split,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
     softcap, softcap_pre, logit_scale,  # fp32 runtime values (softcap, softcap_pre read with HAS_SOFTCAP)
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WANT_ENTROPY: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WANT_ENTROPY: tl.constexpr, KEEP_LOGITS: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -203,6 +204,9 @@ def _ltl_fwd_kernel(
             stride_hn, stride_hd, stride_wv, stride_wd, stride_b, softcap, softcap_pre,
             HAS_BIAS, HAS_SOFTCAP, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
         )
+        if KEEP_LOGITS:  # the chunk's logits, kept for the fused loss's gradient (no recompute)
+            tl.store(kept_ptr + rows.to(tl.int64)[:, None] * V + cols[None, :], s,
+                     mask=row_mask[:, None] & col_mask[None, :])  # fmt: skip
         # tl.max / tl.maximum may drop a NaN logit (fmax); its NaN still reaches l via p below
         m_new = tl.maximum(m, tl.max(s, axis=1))
         # a row whose logits so far are all -inf keeps l = 0: shift by 0, not by -inf
@@ -398,11 +402,12 @@ def _grouped_tile(t, n_m, n_n, GROUP: tl.constexpr):
 
 @triton.jit
 def _dweight_tile(
-    t, dr_ptr, h_ptr, order_ptr, dw_ptr, n_valid, v0, chunk_cols, D, stride_dr, stride_hn, stride_hd,
+    t, dr_ptr, h_ptr, order_ptr, dw_ptr, n_valid, v0, chunk_cols, D, stride_dr, stride_hn, stride_hd, accumulate,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, GEMM_V: tl.constexpr, GEMM_D: tl.constexpr, GEMM_K: tl.constexpr,
 ):
     """d_weight[v0 + i, d] = sum_p dr[p, i] hidden[order[p], d] for one [GEMM_V, GEMM_D]
-    tile (K = the valid rows, GEMM_K at a time, in order), written once in weight's dtype."""
+    tile (K = the valid rows, GEMM_K at a time, in order), written once in dw's dtype, or
+    with `accumulate` (runtime 0 / 1) added to what dw holds (the fused loss's row chunks)."""
     tm, tn = _grouped_tile(t, tl.cdiv(chunk_cols, GEMM_V), tl.cdiv(D, GEMM_D), 8)
     local = tm * GEMM_V + tl.arange(0, GEMM_V)
     v_mask = local < chunk_cols
@@ -420,25 +425,29 @@ def _dweight_tile(
         h = _load_rows(h_ptr, row_index, p_mask, stride_hn, offs_d, d_mask, stride_hd)  # [GEMM_K, GEMM_D]
         acc = _mm(drt, h, acc, IEEE, UPCAST)
     cols64 = (v0 + local).to(tl.int64)
-    tl.store(
-        dw_ptr + cols64[:, None] * D + offs_d[None, :], round_to(acc, dw_ptr.dtype.element_ty, UPCAST),
-        mask=v_mask[:, None] & d_mask[None, :],
-    )
+    out = dw_ptr + cols64[:, None] * D + offs_d[None, :]
+    if accumulate != 0:
+        acc += tl.load(out, mask=v_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    tl.store(out, round_to(acc, dw_ptr.dtype.element_ty, UPCAST), mask=v_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
 def _dbias_tile(
-    tm, db_part_ptr, db_ptr, n_valid, part_rows, v0, chunk_cols, stride_dr, UPCAST: tl.constexpr,
+    tm, db_part_ptr, db_ptr, n_valid, part_rows, v0, chunk_cols, stride_dr, accumulate, UPCAST: tl.constexpr,
     GEMM_V: tl.constexpr,
 ):
     """d_bias[v0 + i] for one GEMM_V tile of the chunk: the dr kernel's fp32 partial
-    sums, row tile after row tile (part_rows rows each), written once in bias's dtype."""
+    sums, row tile after row tile (part_rows rows each), written once in db's dtype (with
+    `accumulate`: added to what db holds)."""
     local = tm * GEMM_V + tl.arange(0, GEMM_V)
     v_mask = local < chunk_cols
     db = tl.zeros((GEMM_V,), dtype=tl.float32)
     for r in range(0, tl.cdiv(n_valid, part_rows)):
         db += tl.load(db_part_ptr + r * stride_dr + local, mask=v_mask, other=0.0)
-    tl.store(db_ptr + (v0 + local).to(tl.int64), round_to(db, db_ptr.dtype.element_ty, UPCAST), mask=v_mask)
+    out = db_ptr + (v0 + local).to(tl.int64)
+    if accumulate != 0:
+        db += tl.load(out, mask=v_mask, other=0.0).to(tl.float32)
+    tl.store(out, round_to(db, db_ptr.dtype.element_ty, UPCAST), mask=v_mask)
 
 
 @triton.jit
@@ -484,7 +493,7 @@ def _dhidden_tile(
 # ([n_db, n_db + n_dw)) and the d_hidden tiles (the rest), so that all read the chunk's
 # dr while it is in L2 and small batches still fill the GPU. Each output tile is one
 # program's register accumulator: no atomics, a fixed order.
-@triton.jit(do_not_specialize=["first", "last"])
+@triton.jit(do_not_specialize=["first", "last", "accumulate"])
 def _ltl_bwd_gemm_kernel(
     dr_ptr,  # [N, C] from _ltl_bwd_dr_kernel (compact positions), row stride stride_dr
     db_part_ptr,  # [cdiv(N, part_rows), C] fp32 from _ltl_bwd_dr_kernel (when n_db > 0)
@@ -495,17 +504,19 @@ def _ltl_bwd_gemm_kernel(
     n_db, n_dw, n_rows, part_rows, v0, chunk_cols, D, stride_dr,
     stride_hn, stride_hd, stride_wv, stride_wd,
     first, last,  # 1 in the vocabulary's first / last chunk, else 0 (runtime: never specialized)
+    accumulate,  # 1: d_weight and d_bias are added to what db / dw hold (fused_linear_loss.py's row chunks), else 0
     IEEE: tl.constexpr, UPCAST: tl.constexpr,
     GEMM_N: tl.constexpr, GEMM_V: tl.constexpr, GEMM_D: tl.constexpr, GEMM_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_valid = tl.load(n_valid_ptr)
     if pid < n_db:
-        _dbias_tile(pid, db_part_ptr, db_ptr, n_valid, part_rows, v0, chunk_cols, stride_dr, UPCAST, GEMM_V)
+        _dbias_tile(pid, db_part_ptr, db_ptr, n_valid, part_rows, v0, chunk_cols, stride_dr, accumulate, UPCAST,
+                    GEMM_V)  # fmt: skip
     elif pid < n_db + n_dw:
         _dweight_tile(
             pid - n_db, dr_ptr, h_ptr, order_ptr, dw_ptr, n_valid, v0, chunk_cols, D, stride_dr, stride_hn,
-            stride_hd, IEEE, UPCAST, GEMM_V, GEMM_D, GEMM_K,
+            stride_hd, accumulate, IEEE, UPCAST, GEMM_V, GEMM_D, GEMM_K,
         )
     else:
         _dhidden_tile(
@@ -593,25 +604,29 @@ class _Launch:
 MERGE_BLOCK = 256
 
 
-def _forward_splits(launch: _Launch, want_entropy: bool) -> torch.Tensor:
+def _forward_splits(launch: _Launch, want_entropy: bool, kept: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The forward kernel's statistics [4, splits, N] fp32: m, l, a, t of each vocabulary
     split (see `_ltl_fwd_kernel`) at compact positions, only the first n_valid written.
     `_forward` merges them; the vocabulary-parallel op (vocab_parallel.py) merges them
-    over the ranks' shards. N >= 1."""
+    over the ranks' shards. N >= 1. kept: None, or an fp32 buffer of at least N x V values
+    (contiguous) that receives the scaled logits s [N, V] at compact positions
+    (fused_linear_loss.py)."""
     n = launch.n
     splits, per_split = _split_vocab(launch.weight.shape[0], launch.tiles)
     stats = torch.empty(4, splits, n, dtype=torch.float32, device=launch.hidden.device)
     m, l, a, t = stats.unbind(0)
     _ltl_fwd_kernel[launch.grid_rows(splits)](
-        max_ptr=m, sum_ptr=l, entropy_ptr=a, target_logit_ptr=t,
-        n_rows=n, v_per_split=per_split, WANT_ENTROPY=want_entropy, **launch.common(),
+        max_ptr=m, sum_ptr=l, entropy_ptr=a, target_logit_ptr=t, kept_ptr=kept if kept is not None else m,
+        n_rows=n, v_per_split=per_split, WANT_ENTROPY=want_entropy, KEEP_LOGITS=kept is not None, **launch.common(),
     )
     return stats
 
 
-def _forward(launch: _Launch, want_entropy: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+def _forward(
+    launch: _Launch, want_entropy: bool, kept: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """logp [N], entropy [N] or None, and lse_parts [2, N] (M, log l) saved for the
-    backward; all fp32, 0 in ignored rows."""
+    backward; all fp32, 0 in ignored rows. kept: as `_forward_splits`."""
     n = launch.n
     f32 = dict(dtype=torch.float32, device=launch.hidden.device)
     logp = torch.zeros(n, **f32)
@@ -619,7 +634,7 @@ def _forward(launch: _Launch, want_entropy: bool) -> Tuple[torch.Tensor, Optiona
     lse_parts = torch.zeros(2, n, **f32)
     if n == 0:
         return logp, entropy, lse_parts
-    m, l, a, t = _forward_splits(launch, want_entropy).unbind(0)
+    m, l, a, t = _forward_splits(launch, want_entropy, kept).unbind(0)
     splits = m.shape[0]
     _ltl_merge_kernel[(_cdiv(n, MERGE_BLOCK),)](
         max_ptr=m, sum_ptr=l, entropy_part_ptr=a, target_logit_ptr=t,
@@ -674,10 +689,11 @@ def _backward(
 
 def _chunk_products(
     launch: _Launch, dr: torch.Tensor, db_part: torch.Tensor, v0: int, cols: int, out: List[Optional[torch.Tensor]],
-    acc: Optional[torch.Tensor],
+    acc: Optional[torch.Tensor], accumulate: bool = False,
 ) -> None:
     """One `_ltl_bwd_gemm_kernel` launch for the chunk [v0, v0 + cols): its rows of
-    d_weight and d_bias into out[1], out[2], and its share of d_hidden into acc / out[0]."""
+    d_weight and d_bias into out[1], out[2] (added to them with `accumulate`), and its
+    share of d_hidden into acc / out[0]."""
     d_hidden, d_weight, d_bias = out
     h, w, cfg = launch.hidden, launch.weight, launch.tiles
     n, d = h.shape
@@ -691,7 +707,7 @@ def _chunk_products(
         acc_ptr=acc if acc is not None else dr, dh_ptr=d_hidden if d_hidden is not None else dr,
         n_db=n_db, n_dw=n_dw, n_rows=n, part_rows=cfg.block_n, v0=v0, chunk_cols=cols, D=d, stride_dr=dr.stride(0),
         stride_hn=h.stride(0), stride_hd=h.stride(1), stride_wv=w.stride(0), stride_wd=w.stride(1),
-        first=int(v0 == 0), last=int(v0 + cols == w.shape[0]),
+        first=int(v0 == 0), last=int(v0 + cols == w.shape[0]), accumulate=int(accumulate),
         IEEE=h.dtype == torch.float32, UPCAST=h.dtype == torch.bfloat16 and interpreting(),
         GEMM_N=cfg.gemm_n, GEMM_V=cfg.gemm_v, GEMM_D=cfg.gemm_d, GEMM_K=cfg.gemm_k, num_warps=cfg.gemm_warps,
         num_stages=cfg.gemm_stages,

@@ -48,7 +48,10 @@ class Tiles:
     run on gemm_warps warps (gemm_stages pipeline stages): d_weight in [gemm_v, gemm_d]
     tiles over the rows, d_hidden in [gemm_n, gemm_d] tiles over the chunk's columns,
     both gemm_k at a time. Block sizes are powers of two >= 16 (tl.dot); num_stages
-    (software pipelining of the loads) changes no result.
+    (software pipelining of the loads) changes no result. gemm_engine: who runs the two
+    products of erpo_loss's fused path (fused_linear_loss.py): 0 our Triton product kernel
+    (gemm_* tiles), 1 torch matmuls (cuBLAS on a GPU: the input dtype's operands, fp32
+    accumulation); `python -m bench tune` may record either per GPU.
     """
 
     block_n: int = 64
@@ -63,8 +66,11 @@ class Tiles:
     gemm_k: int = 32
     num_stages: int = 3
     gemm_stages: int = 3
+    gemm_engine: int = 0
 
     def __post_init__(self) -> None:
+        if self.gemm_engine not in (0, 1) or isinstance(self.gemm_engine, bool):
+            raise ValueError(f"Tiles.gemm_engine must be 0 (Triton) or 1 (torch matmuls), got {self.gemm_engine!r}")
         for name in ("block_n", "block_v", "block_d", "gemm_n", "gemm_v", "gemm_d", "gemm_k"):
             _check_power_of_two("Tiles", name, getattr(self, name), 16)
         for name in ("num_warps", "gemm_warps"):

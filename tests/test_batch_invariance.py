@@ -136,3 +136,35 @@ def test_token_logprobs_row_is_batch_invariant(device, dtype):
         (d_z,) = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), z)
         results.append((logp[pos], ent[pos], d_z[pos]))
     _check_same(results)
+
+
+def test_fused_chunks_row_is_batch_invariant(device):
+    """erpo_loss's fused path (fused_linear_loss.LinearLogprobsChunks, our products): a
+    row's logp, entropy and d_hidden row are the same bits whatever the rest of its chunk
+    and whichever chunk holds it."""
+    from erpo_kernels.fused_linear_loss import LinearLogprobsChunks
+
+    dtype, softcap = torch.bfloat16, 3.0
+    weight = (torch.randn(V, D) * 0.5).to(dtype).to(device)
+    bias = torch.randn(V).to(dtype).to(device)
+    row = torch.randn(D).to(dtype)
+    results = []
+    for n, pos, ignored in PLACEMENTS[:3]:
+        hidden, targets = _batch(n, pos, ignored, row, lambda: torch.randn(D).to(dtype),
+                                 lambda: int(torch.randint(0, V, ())), device)  # fmt: skip
+        targets[pos] = 7
+        inv_t = (torch.rand(n) + 0.5).to(device)
+        inv_t[pos] = 0.8
+        g_logp, g_ent = torch.randn(n, device=device), torch.randn(n, device=device)
+        g_logp[pos], g_ent[pos] = 0.6, -1.3
+        cut = [0, pos, n] if 0 < pos < n - 1 else [0, n]  # the row opens a chunk, or the batch is one
+        op = LinearLogprobsChunks(hidden, weight, bias, max_rows=n, n_chunks=len(cut) - 1, need=(True, False, False),
+                                  softcap=softcap, tiles=SMALL_TILES, ignore_index=IGNORE)  # fmt: skip
+        out = []
+        for a, b in zip(cut[:-1], cut[1:]):
+            logp, ent = op.forward(a, b, targets[a:b], inv_t[a:b], True)
+            op.backward(g_logp[a:b], g_ent[a:b])
+            out.append((a, logp, ent))
+        a, logp, ent = next(o for o in out if o[0] <= pos < o[0] + o[1].shape[0])
+        results.append((logp[pos - a], ent[pos - a], op.gradients()[0][pos]))
+    _check_same(results)

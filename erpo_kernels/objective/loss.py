@@ -59,8 +59,10 @@ import torch
 
 from .._utils import FLOAT_DTYPES, check_rows, check_tensor, checking_values
 from ..linear_token_logprobs import linear_token_logprobs
+from ..tiles import Tiles
 from .batch import LossNormalizers, PackedLossBatch
 from .config import LossConfig
+from .fused import check_fused_budget, fused_erpo_loss, fused_path_reason
 from .metrics import batch_metrics, metrics_out
 from .policy_loss import policy_term
 from .query_kl import query_kl_metrics, query_kl_term
@@ -272,6 +274,8 @@ def erpo_loss(
     sync_metrics: bool = True,
     logit_scale: Optional[float] = None,
     softcap: Optional[float] = None,
+    fused_budget: Optional[int] = None,
+    tiles: Optional[Tiles] = None,
 ) -> Tuple[torch.Tensor, Dict[str, Union[float, torch.Tensor]]]:
     """The ERPO (or GRPO) loss straight from final hidden states and the lm_head weight.
 
@@ -287,17 +291,35 @@ def erpo_loss(
     rows, and call erpo_loss(hidden_k, weight, micro.batch, config,
     normalizers=LossNormalizers.of(mini_batch)); backward each loss (gradients
     accumulate to the mini-batch's) and combine_metrics the k metric dicts.
+
+    The fused path (objective/fused.py; docs/objective.md says which calls take it):
+    when a gradient is wanted, the loss and its gradients are formed in this call, a
+    chunk of whole sequences at a time from logits computed once (3 GEMMs of work
+    instead of 4); backward only scales them. fused_budget: the bytes of fp32 logits a
+    chunk keeps (None: 1 GiB, rows = budget // (4 V), 1766 rows at V = 151,936; 0: always
+    the 4-GEMM path); a batch of more rows is split, which reads span_cu_seqlens on the
+    host once. tiles: the kernels' Tiles (None: the device's; Tiles.gemm_engine picks who
+    runs the fused path's products).
     """
     check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=hidden.device)
     batch, checks = _check_inputs(batch, config, ("hidden", hidden), normalizers, validate, sync_metrics,
                                   vocab_size=weight.shape[0])  # fmt: skip
     _check_entropy(config, with_entropy)
+    budget = check_fused_budget(fused_budget)
+    if fused_path_reason(hidden, weight, bias, config, normalizers, backend, budget) is None:
+        fused = fused_erpo_loss(
+            _loss_from_logp, hidden, weight, bias, batch, config, backend=backend, with_entropy=with_entropy,
+            normalizers=normalizers, softcap=softcap, logit_scale=logit_scale, fused_budget=budget, tiles=tiles,
+        )
+        if fused is not None:
+            return fused[0], metrics_out(fused[1], checks, sync_metrics)
     out = linear_token_logprobs(
         hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,
         ignore_index=batch.ignore_index, return_entropy=with_entropy, backend=backend,
         validate=False,  # targets (< V) and inv_temperature: checked once by _check_inputs / batch.validate
         logit_scale=logit_scale, softcap=softcap,  # the model's own logit transform, if any
+        tiles=tiles,
     )
     logp, entropy = out if with_entropy else (out, None)
     loss, metrics = _loss_from_logp(logp, batch, config, entropy, backend, normalizers)

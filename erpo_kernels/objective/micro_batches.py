@@ -5,7 +5,7 @@ is built."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -35,11 +35,18 @@ def plan_micro_batches(batch: PackedLossBatch, max_rows: int) -> List[List[int]]
     lengths = [cu[2 * b + 2] - cu[2 * b] for b in range(batch.num_sequences)]
     if max_rows == 0:
         return [list(range(len(lengths)))]
+    too_long = [b for b, n in enumerate(lengths) if n > max_rows]
+    if too_long:
+        b = too_long[0]
+        raise ValueError(f"max_rows = {max_rows} is smaller than sequence {b} ({lengths[b]} rows); raise the budget")
+    return _pack(lengths, max_rows)
+
+
+def _pack(lengths: Sequence[int], max_rows: int) -> List[List[int]]:
+    """Whole sequences in order, greedily, at most max_rows rows per part (each length <= max_rows)."""
     plan: List[List[int]] = []
     used = 0
     for b, n in enumerate(lengths):
-        if n > max_rows:
-            raise ValueError(f"max_rows = {max_rows} is smaller than sequence {b} ({n} rows); raise the budget")
         if plan and used + n <= max_rows:
             plan[-1].append(b)
             used += n
@@ -47,6 +54,39 @@ def plan_micro_batches(batch: PackedLossBatch, max_rows: int) -> List[List[int]]
             plan.append([b])
             used = n
     return plan
+
+
+def row_chunks(batch: PackedLossBatch, max_rows: int) -> Optional[List[Tuple[int, int, PackedLossBatch]]]:
+    """erpo_loss's fused path: the batch as consecutive chunks of whole sequences of at most
+    max_rows rows each, as (r0, r1, the chunk's batch) with rows [r0, r1) of the batch.
+    Each chunk's batch is a micro-batch as split_batch makes them (the batch's query
+    arrays, its rows' and sequences' fields), its row and sequence fields views (slices,
+    no copies). N <= max_rows: the batch itself, reading nothing on the host. Else one
+    host read of span_cu_seqlens; None when a sequence is longer than max_rows (the
+    caller takes another path)."""
+    n = batch.num_rows
+    if n <= max_rows:
+        return [(0, n, batch)]
+    cu = batch.span_cu_seqlens.tolist()  # the one host read
+    lengths = [cu[2 * b + 2] - cu[2 * b] for b in range(batch.num_sequences)]
+    if max(lengths) > max_rows:
+        return None
+    out = []
+    for part in _pack(lengths, max_rows):
+        b0, b1 = part[0], part[-1] + 1
+        r0, r1 = cu[2 * b0], cu[2 * b1]
+
+        def rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t[r0:r1]
+
+        spans = torch.tensor([c - r0 for c in cu[2 * b0 : 2 * b1 + 1]], dtype=batch.span_cu_seqlens.dtype)
+        out.append((r0, r1, replace(
+            batch, targets=batch.targets[r0:r1], inv_temperature=batch.inv_temperature[r0:r1],
+            span_cu_seqlens=spans.to(batch.span_cu_seqlens.device), group_index=batch.group_index[b0:b1],
+            advantages=batch.advantages[b0:b1], old_logp=rows(batch.old_logp), ref_logp=rows(batch.ref_logp),
+            rollout_logp=rows(batch.rollout_logp),
+        )))  # fmt: skip
+    return out
 
 
 def split_batch(batch: PackedLossBatch, plan: Sequence[Sequence[int]]) -> List[MicroBatch]:

@@ -1,0 +1,290 @@
+"""The fused path of erpo_loss: log-probs and the loss's gradient of a chunk of rows from
+logits computed once (3 GEMMs of work where linear_token_logprobs' forward + backward
+does 4).
+
+`LinearLogprobsChunks` scores the rows of a batch a chunk at a time. Per chunk of rows
+[r0, r1) (whole sequences, chosen by the caller):
+
+    forward(r0, r1, ...)   linear_token_logprobs' forward kernel and merge, with the
+                           kernel also storing the chunk's scaled logits s [rows, V]
+                           (fp32, exactly what the softmax saw) in a kept buffer
+                           -> logp [rows], entropy [rows] (fp32)
+    backward(g_logp, g_H)  the per-row upstream coefficients of the loss (the caller gets
+                           them by autograd over the [rows] vectors); per vocabulary chunk
+                           of C = split_tiles * block_v columns, `_fused_dr_kernel` forms
+                           the softmax gradient dr [rows, C] from the kept logits (no
+                           recompute), then the two products: d_hidden[r0:r1] = dr @ W
+                           (summed over the vocabulary chunks) and d_weight (+)= dr.T @ h,
+                           d_bias (+)= sum of dr over the rows, added over the row chunks.
+    gradients()            d_hidden [N, D], d_weight [V, D], d_bias [V] in the operands'
+                           (uncast) dtypes.
+
+Work: 2 N D V FLOPs for the logits and 4 N D V for the products: 3 GEMMs of 2 N D V.
+Memory: the kept buffer holds max_rows x V fp32 values (the caller's budget), the dr
+workspace max_rows x C in the input dtype (as linear_token_logprobs' backward), d_bias an
+fp32 [V]; d_weight is written directly when the weight's gradient is fp32 (it accumulates
+in place) or when there is one row chunk; bf16 / fp16 weights over several row chunks
+accumulate in one fp32 [V, D] buffer for the whole call (never one per chunk), cast once
+at the end. Nothing of size N x V for the whole batch.
+
+Precision and order. The kept logits are the forward's fp32 values bit for bit, so dr is
+the one linear_token_logprobs' backward forms from its recompute (the soft cap's slope
+1 - tanh^2 is recovered from s: tanh = s / (inv_T c), an absolute error of a few fp32
+ulps); dr is rounded to the input dtype before the products, as there. The products
+(Tiles.gemm_engine): 0 = `_ltl_bwd_gemm_kernel` (our Triton products, fixed order, no
+atomics); 1 = torch matmuls (cuBLAS on a GPU: the input dtype's operands with fp32
+accumulation into an fp32 output where the output is fp32; on a CPU the operands are
+upcast first). A row's logp, entropy and d_hidden row depend on the row, the weights, the
+options and the tiles only (batch invariant, as linear_token_logprobs): d_hidden sums
+over the vocabulary chunks in order; d_weight and d_bias over the rows of a chunk in
+order, then the chunks in order, so they are deterministic for a fixed chunking.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+from ._triton import interpreting, round_to, tl, triton
+from ._utils import no_autocast
+from .linear_token_logprobs import (
+    _cdiv,
+    _checked_operands,
+    _chunk_products,
+    _forward,
+    _Launch,
+    _load_row_stats,
+    _rows_of,
+    _softmax_grad,
+    _split_vocab,
+    _tiles_of,
+)
+from .logit_transform import LogitTransform
+from .tiles import Tiles
+
+# The default bound on what one chunk keeps: 1 GiB of fp32 logits (1766 rows at V = 151,936).
+DEFAULT_FUSED_BUDGET = 1 << 30
+
+
+def rows_for_budget(budget: int, vocab: int) -> int:
+    """Rows per chunk whose kept fp32 logits fit in `budget` bytes: budget // (4 V), at least 1."""
+    return max(1, int(budget) // (4 * int(vocab)))
+
+
+# The softmax gradient from the kept logits, per valid row with p = softmax(s) and the
+# upstream coefficients g_logp, g_H (linear_token_logprobs' backward comment has the
+# derivation; `_softmax_grad` is the one implementation):
+#     dz_j = inv_T (g_logp (onehot_j - p_j) - g_H p_j (s_j - lse + H)),
+#     dr_j = dz_j logit_scale (1 - tanh^2)   with a soft cap c, tanh = s_j / (inv_T c),
+# else dr = dz (a logit scale without a cap is folded into inv_T). p log p is 0 where
+# p = 0 (masked columns, s = -inf). Rows past the valid count (ignored targets) get
+# dr = 0 when ZERO_PAD (the torch products read every row of the workspace), else are
+# left alone (the Triton products stop at the valid count). One program per
+# [BLOCK_N, BLOCK_V] tile of the vocabulary chunk [v0, v0 + chunk_cols); program pid makes
+# vocabulary tile pid % n_vt of row tile pid // n_vt. With WANT_DB it also writes each
+# row tile's column sums of dr (before rounding) for d_bias, as `_ltl_bwd_dr_kernel` does.
+@triton.jit
+def _fused_dr_kernel(
+    kept_ptr,  # [N, V] fp32: the forward's s at compact positions (row stride V)
+    targets_ptr, inv_t_ptr, order_ptr, n_valid_ptr,  # as in linear_token_logprobs' forward kernel
+    shift_ptr, log_l_ptr,  # [N] fp32 M and log l from the merge (lse = M + log l)
+    entropy_ptr,  # [N] fp32 entropy (HAS_ENTROPY_GRAD)
+    g_logp_ptr, g_entropy_ptr,  # [N] fp32 upstream coefficients (g_entropy with HAS_ENTROPY_GRAD)
+    dr_ptr,  # [N, C] out, the input dtype, compact positions (row stride stride_dr)
+    db_part_ptr,  # [cdiv(N, BLOCK_N), C] fp32 out (WANT_DB)
+    n_rows, V, v0, chunk_cols, stride_dr,
+    softcap, logit_scale,  # fp32 runtime values (read with HAS_SOFTCAP)
+    HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, WANT_DB: tl.constexpr, ZERO_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_vt = tl.cdiv(chunk_cols, BLOCK_V)
+    rows = (pid // n_vt) * BLOCK_N + tl.arange(0, BLOCK_N)
+    local = (pid % n_vt) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_mask, row_index, n_valid = _rows_of(rows, order_ptr, n_valid_ptr)
+    if ZERO_PAD or tl.min(rows, axis=0) < n_valid:  # a tile of ignored rows: no work unless zeroed
+        col_mask = local < chunk_cols
+        cols = v0 + local
+        tgt, inv_t, shift, log_l, entropy, g_logp, g_entropy = _load_row_stats(
+            row_index, row_mask, targets_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr,
+            g_entropy_ptr, HAS_ENTROPY_GRAD,
+        )
+        in_tile = row_mask[:, None] & col_mask[None, :]
+        s = tl.load(kept_ptr + rows.to(tl.int64)[:, None] * V + cols[None, :], mask=in_tile, other=float("-inf"))
+        if HAS_SOFTCAP:
+            t = tl.where(in_tile, s / (inv_t[:, None] * softcap), 0.0)
+            cap_slope = 1.0 - t * t
+        else:
+            cap_slope = s  # unread
+        dr = _softmax_grad(
+            s, cap_slope, row_mask, cols, tgt, shift, log_l, entropy, g_logp, g_entropy, inv_t, logit_scale,
+            HAS_ENTROPY_GRAD, HAS_SOFTCAP,
+        )
+        dr = tl.where(in_tile, dr, 0.0)
+        store_rows = (rows < n_rows) if ZERO_PAD else row_mask
+        tl.store(
+            dr_ptr + rows.to(tl.int64)[:, None] * stride_dr + local[None, :],
+            round_to(dr, dr_ptr.dtype.element_ty, UPCAST),
+            mask=store_rows[:, None] & col_mask[None, :],
+        )
+        if WANT_DB:  # padded rows hold dr = 0
+            tl.store(db_part_ptr + (pid // n_vt).to(tl.int64) * stride_dr + local, tl.sum(dr, axis=0), mask=col_mask)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """out (+)= a @ b for the torch products: a, b in the input dtype; out in their dtype
+    (one cuBLAS GEMM, fp32 accumulation inside) or fp32 (on CUDA one GEMM of the input
+    dtype's operands with an fp32 output, addmm(out_dtype=float32); on a CPU the operands
+    are upcast first)."""
+    if out.dtype == a.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif out.is_cuda:
+        torch.addmm(out, a, b, beta=1 if accumulate else 0, out_dtype=out.dtype, out=out)
+    elif accumulate:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+    else:
+        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+class LinearLogprobsChunks:
+    """linear_token_logprobs' log-probs and their gradients, one chunk of rows at a time,
+    from logits computed once per chunk (module docstring). Triton backend only.
+
+    hidden [N, D], weight [V, D], bias [V] or None (fp16 / bf16 / fp32, checked and cast
+    as linear_token_logprobs casts them under autocast); max_rows: the most rows a chunk
+    will have (the kept buffer holds max_rows x V fp32 values); n_chunks: how many chunks
+    the call makes (1: d_weight is written directly); need: (d_hidden, d_weight, d_bias)
+    wanted. Call forward / backward chunk after chunk, in row order, then gradients().
+    """
+
+    def __init__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, max_rows: int,
+        n_chunks: int, need: Tuple[bool, bool, bool], softcap: Optional[float] = None,
+        logit_scale: Optional[float] = None, ignore_index: int = -100, tiles: Optional[Tiles] = None,
+    ) -> None:
+        self.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        hidden, weight, bias = (None if t is None else t.detach() for t in _checked_operands(hidden, weight, bias))
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.softcap, self.logit_scale, self.ignore_index = softcap, logit_scale, ignore_index
+        self.tiles = tiles if tiles is not None else _tiles_of([], hidden, weight)
+        need = (bool(need[0]), bool(need[1]), bool(need[2]) and bias is not None)
+        self.need = need
+        n, d = hidden.shape
+        vocab = weight.shape[0]
+        dev = hidden.device
+        f32 = dict(dtype=torch.float32, device=dev)
+        rows = max(1, min(int(max_rows), n))
+        _, self.chunk = _split_vocab(vocab, self.tiles)
+        self.width = min(self.chunk, vocab)
+        self.kept = torch.empty(rows * vocab, **f32)  # the chunk's logits, reused chunk after chunk
+        self.dr = torch.empty(rows, self.width, dtype=hidden.dtype, device=dev)  # the workspace
+        self.db_part = torch.empty(_cdiv(rows, self.tiles.block_n) if need[2] else 0, self.width, **f32)
+        self.torch_products = self.tiles.gemm_engine == 1
+        # the running d_hidden of a chunk over the vocabulary chunks (fp32): the torch products
+        # always, the Triton ones for low-precision d_hidden over more than one vocabulary chunk
+        self.dh_acc = None
+        if need[0] and (self.torch_products or (self.dtypes[0] != torch.float32 and vocab > self.chunk)):
+            self.dh_acc = torch.empty(rows, d, **f32)
+        self.d_hidden = torch.zeros(n, d, dtype=self.dtypes[0], device=dev) if need[0] else None
+        self.d_weight = None
+        if need[1]:  # fp32 gradients accumulate in place; one chunk writes the gradient directly
+            direct = self.dtypes[1] == torch.float32 or n_chunks == 1
+            self.d_weight = torch.empty(vocab, d, dtype=self.dtypes[1] if direct else torch.float32, device=dev)
+        self.d_bias = torch.empty(vocab, **f32) if need[2] else None
+        self.started = False  # a chunk's products were added (later chunks accumulate)
+        self._state: Optional[tuple] = None
+
+    def forward(
+        self, r0: int, r1: int, targets: torch.Tensor, inv_temperature: Union[None, float, torch.Tensor],
+        want_entropy: bool,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """logp [r1 - r0] fp32 and entropy (or None) of rows [r0, r1); targets and
+        inv_temperature are those rows' (already validated). Keeps the chunk's logits for
+        `backward`."""
+        h = self.hidden[r0:r1]
+        n = h.shape[0]
+        transform = LogitTransform.build(inv_temperature, n, h.device, softcap=self.softcap,
+                                         logit_scale=self.logit_scale, validate=False)  # fmt: skip
+        with no_autocast(h.device):
+            launch = _Launch.build(h, self.weight, self.bias, targets, transform, self.ignore_index, self.tiles)
+            kept = self.kept[: n * self.weight.shape[0]]
+            logp, entropy, lse_parts = _forward(launch, want_entropy, kept if n > 0 else None)
+        self._state = (r0, launch, lse_parts, entropy, kept)
+        return logp, entropy
+
+    def backward(self, g_logp: torch.Tensor, g_entropy: Optional[torch.Tensor]) -> None:
+        """Add the last forward chunk's gradients, given the loss's coefficients g_logp
+        [rows] and g_entropy [rows] (None: the loss does not read the entropy)."""
+        r0, launch, lse_parts, entropy, kept = self._state
+        self._state = None
+        n = launch.n
+        if n == 0 or not any(self.need):
+            return
+        vocab = self.weight.shape[0]
+        g = g_logp.detach().to(torch.float32).contiguous()
+        ge = g_entropy.detach().to(torch.float32).contiguous() if g_entropy is not None else None
+        has_eg = ge is not None and entropy is not None
+        cfg = self.tiles
+        dr, db_part = self.dr[:n], self.db_part[: _cdiv(n, cfg.block_n)] if self.need[2] else self.db_part
+        d_hidden = self.d_hidden[r0 : r0 + n] if self.need[0] else None
+        out = [d_hidden, self.d_weight, self.d_bias]
+        dh_acc = self.dh_acc[:n] if self.dh_acc is not None else d_hidden
+        transform = launch.transform.kernel_args()
+        h_c = None
+        if self.torch_products and (self.need[1]):
+            h_c = launch.hidden.index_select(0, launch.order)  # [n, D] the rows in compact order
+        with no_autocast(self.hidden.device):
+            for v0 in range(0, vocab, self.chunk):
+                cols = min(self.chunk, vocab - v0)
+                grid = (_cdiv(n, cfg.block_n) * _cdiv(cols, cfg.block_v),)
+                _fused_dr_kernel[grid](
+                    kept_ptr=kept, targets_ptr=launch.targets, inv_t_ptr=launch.transform.inv_t,
+                    order_ptr=launch.order, n_valid_ptr=launch.n_valid, shift_ptr=lse_parts[0],
+                    log_l_ptr=lse_parts[1], entropy_ptr=entropy if has_eg else g, g_logp_ptr=g,
+                    g_entropy_ptr=ge if has_eg else g, dr_ptr=dr, db_part_ptr=db_part if self.need[2] else dr,
+                    n_rows=n, V=vocab, v0=v0, chunk_cols=cols, stride_dr=self.width,
+                    softcap=transform["softcap"], logit_scale=transform["logit_scale"],
+                    HAS_SOFTCAP=transform["HAS_SOFTCAP"], HAS_ENTROPY_GRAD=has_eg, WANT_DB=self.need[2],
+                    ZERO_PAD=self.torch_products, UPCAST=self.hidden.dtype == torch.bfloat16 and interpreting(),
+                    BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+                )
+                if self.torch_products:
+                    self._torch_products(dr[:, :cols], db_part, h_c, v0, cols, n)
+                else:
+                    _chunk_products(launch, dr, db_part, v0, cols, out, dh_acc, accumulate=self.started)
+            if self.torch_products and self.need[0]:
+                d_hidden.index_copy_(0, launch.order, self.dh_acc[:n].to(d_hidden.dtype))
+        self.started = True
+
+    def _torch_products(self, dr: torch.Tensor, db_part: torch.Tensor, h_c: Optional[torch.Tensor], v0: int,
+                        cols: int, n: int) -> None:
+        """The products of one vocabulary chunk by torch matmuls (dr [n, cols], rows past the
+        valid count 0)."""
+        if self.need[0]:
+            _mm_into(self.dh_acc[:n], dr, self.weight[v0 : v0 + cols], accumulate=v0 > 0)
+        if self.need[1]:
+            _mm_into(self.d_weight[v0 : v0 + cols], dr.t(), h_c, accumulate=self.started)
+        if self.need[2]:
+            part = db_part.sum(0)[:cols]
+            target = self.d_bias[v0 : v0 + cols]
+            target.add_(part) if self.started else target.copy_(part)
+
+    def gradients(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(d_hidden [N, D], d_weight [V, D], d_bias [V]) in the uncast operands' dtypes,
+        None where not wanted (or no chunk ran: zeros)."""
+        out: List[Optional[torch.Tensor]] = []
+        for t, want, dtype, like in zip((self.d_hidden, self.d_weight, self.d_bias), self.need, self.dtypes,
+                                        (self.hidden, self.weight, self.bias)):  # fmt: skip
+            if not want:
+                out.append(None)
+            elif not self.started and t is not self.d_hidden:
+                out.append(torch.zeros(like.shape, dtype=dtype, device=like.device))
+            else:
+                out.append(t if t.dtype == dtype else t.to(dtype))
+        return tuple(out)  # type: ignore[return-value]
+
+
+__all__ = ["DEFAULT_FUSED_BUDGET", "LinearLogprobsChunks", "rows_for_budget"]

@@ -1,0 +1,199 @@
+"""erpo_loss's fused path (objective/fused.py): the loss and its gradients formed in the
+forward pass, a chunk of whole sequences at a time, equal the 4-GEMM composition
+(linear_token_logprobs + erpo_loss_from_logp + autograd: erpo_loss(fused_budget=0)) in
+fp32 within 1e-5, with one chunk and several, for the chunk-local policy losses, the
+Query-KL, grpo's KL and the entropy bonus; micro-batches with normalizers; bf16 against
+float64; determinism; and its GEMM count (3 GEMMs of work; clip_cov keeps 4)."""
+from dataclasses import fields, replace
+
+import pytest
+import torch
+
+from erpo_kernels import LossConfig, LossNormalizers, erpo_loss, split_batch
+from erpo_kernels.objective.fused import fused_path_reason
+from test_linear_token_logprobs import SMALL_TILES
+from test_objective import make_point
+
+D = 24
+V = 50  # test_objective's VOCAB
+ROW_BYTES = 4 * V  # one row of kept fp32 logits
+
+
+def _batch(dtype=torch.float32):
+    batch, _, logp, _ = make_point("softmax", with_ref_logp=True)
+    float_fields = {f.name: getattr(batch, f.name).to(dtype) for f in fields(batch)
+                    if isinstance(getattr(batch, f.name), torch.Tensor) and getattr(batch, f.name).is_floating_point()}
+    return replace(batch, **float_fields)
+
+
+def _operands(n, dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, D, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(V, D, generator=g) * 0.5).to(dtype).requires_grad_()
+    b = torch.randn(V, generator=g).to(dtype).requires_grad_() if bias else None
+    return hidden, weight, b
+
+
+CONFIGS = {
+    "vanilla": LossConfig(algorithm="erpo", alpha=0.3),
+    "cispo": LossConfig(algorithm="erpo", alpha=0.3, policy_loss="cispo"),
+    "gspo-qkl": LossConfig(algorithm="erpo", alpha=0.5, policy_loss="gspo", loss_agg="seq-mean-token-mean"),
+    "grpo-kl-entropy": LossConfig(algorithm="grpo", beta=0.2, entropy_coeff=0.05),
+}
+
+
+@pytest.fixture
+def chunks(monkeypatch):
+    """The row counts of the fused path's chunks, call after call (empty: it did not run)."""
+    from erpo_kernels.fused_linear_loss import LinearLogprobsChunks
+
+    seen = []
+    forward = LinearLogprobsChunks.forward
+
+    def spy(self, r0, r1, *args):
+        seen.append(r1 - r0)
+        return forward(self, r0, r1, *args)
+
+    monkeypatch.setattr(LinearLogprobsChunks, "forward", spy)
+    return seen
+
+
+def _run(cfg, batch, operands, **kw):
+    hidden, weight, bias = (None if t is None else t.detach().requires_grad_() for t in operands)
+    loss, metrics = erpo_loss(hidden, weight, batch, cfg, bias=bias, backend="triton", tiles=SMALL_TILES, **kw)
+    loss.backward()
+    return loss.detach(), metrics, hidden.grad, weight.grad, None if bias is None else bias.grad
+
+
+def _assert_same(ours, ref, tol=1e-5):
+    assert ours[1].keys() == ref[1].keys()
+    for key in ref[1]:
+        assert abs(ours[1][key] - ref[1][key]) <= tol * (1 + abs(ref[1][key])), key
+    for name, o, r in zip(("loss", None, "d_hidden", "d_weight", "d_bias"), ours, ref):
+        if name is not None and r is not None:  # within tol of the gradient's scale (sums in another order)
+            assert o.dtype == r.dtype and o.shape == r.shape, name
+            assert float((o - r).abs().max()) <= tol * (1 + float(r.abs().max())), name
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("budget_rows", [12, 1000])  # several chunks (the longest sequence: 11 rows), one
+def test_fp32_equals_the_four_gemm_composition(name, budget_rows, chunks):
+    batch = _batch()
+    operands = _operands(batch.num_rows)
+    cfg = CONFIGS[name]
+    assert fused_path_reason(*operands, cfg, None, "triton", budget_rows * ROW_BYTES) is None
+    ours = _run(cfg, batch, operands, fused_budget=budget_rows * ROW_BYTES)
+    assert sum(chunks) == batch.num_rows and max(chunks) <= budget_rows
+    assert len(chunks) == (1 if budget_rows >= batch.num_rows else 7)
+    _assert_same(ours, _run(cfg, batch, operands, fused_budget=0))
+    assert len(chunks) == (1 if budget_rows >= batch.num_rows else 7)  # fused_budget=0: not fused
+
+
+def test_a_sequence_longer_than_a_chunk_takes_the_four_gemm_path(chunks):
+    batch = _batch()
+    operands = _operands(batch.num_rows)
+    ours = _run(CONFIGS["vanilla"], batch, operands, fused_budget=10 * ROW_BYTES)
+    assert chunks == []
+    _assert_same(ours, _run(CONFIGS["vanilla"], batch, operands, fused_budget=0), tol=0)
+
+
+def test_soft_cap_logit_scale_no_bias_and_determinism(chunks):
+    batch = _batch()
+    operands = _operands(batch.num_rows, bias=False)
+    cfg = CONFIGS["vanilla"]
+    kw = dict(softcap=2.5, logit_scale=1.3)
+    ours = _run(cfg, batch, operands, fused_budget=13 * ROW_BYTES, **kw)
+    assert len(chunks) > 1
+    _assert_same(ours, _run(cfg, batch, operands, fused_budget=0, **kw))
+    again = _run(cfg, batch, operands, fused_budget=13 * ROW_BYTES, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(ours[2:4], again[2:4])) and torch.equal(ours[0], again[0])
+
+
+def test_micro_batches_with_normalizers(chunks):
+    """Each micro-batch fused (in chunks) with the mini-batch's normalizers: the sum of the
+    losses and the accumulated gradients equal the one-batch composition."""
+    batch = _batch()
+    operands = _operands(batch.num_rows)
+    cfg = CONFIGS["gspo-qkl"]
+    ref = _run(cfg, batch, operands, fused_budget=0)
+    norm = LossNormalizers.of(batch)
+    hidden, weight, bias = (t.detach().requires_grad_() for t in operands)
+    total = 0.0
+    for micro in split_batch(batch, [[5, 1], [7, 0, 3], [2, 4, 6]]):
+        loss, _ = erpo_loss(hidden[micro.rows], weight, micro.batch, cfg, bias=bias, backend="triton",
+                            tiles=SMALL_TILES, normalizers=norm, fused_budget=12 * ROW_BYTES)
+        loss.backward()
+        total += float(loss.detach())
+    assert len(chunks) > 3
+    _assert_same((torch.tensor(total, dtype=ref[0].dtype), ref[1], hidden.grad, weight.grad, bias.grad), ref)
+
+
+def test_bf16_close_to_float64(chunks):
+    """bf16 operands: the fused path's gradients as close to float64 as the composition's
+    (the same dr, rounded to bf16 before the products, from the same fp32 logits)."""
+    batch = _batch()
+    operands = _operands(batch.num_rows, dtype=torch.bfloat16)
+    cfg = CONFIGS["grpo-kl-entropy"]
+    ours = _run(cfg, batch, operands, fused_budget=12 * ROW_BYTES)
+    assert len(chunks) > 1
+    comp = _run(cfg, batch, operands, fused_budget=0)
+    truth = erpo_loss(*(t.detach().double().requires_grad_() for t in operands[:2]), _batch(torch.float64), cfg,
+                      bias=operands[2].detach().double().requires_grad_(), backend="torch")
+    for o, c in zip(ours[2:], comp[2:]):
+        # same logits and the same rounded dr: the products differ only by the row chunks' order of sums
+        err = (o.double() - c.double()).abs().max()
+        assert err <= 2 * c.double().abs().max() * 2**-8, err
+    assert abs(float(ours[0]) - float(truth[0])) <= 1e-2 * (1 + abs(float(truth[0])))
+
+
+@pytest.mark.parametrize("case", ["no-grad", "batch-wide", "quantile", "torch-backend"])
+def test_what_takes_the_four_gemm_path(case):
+    operands = _operands(3)
+    cfg, normalizers, backend = CONFIGS["vanilla"], None, "triton"
+    if case == "batch-wide":
+        cfg = LossConfig(policy_loss="clip_cov")
+    if case == "quantile":
+        cfg = LossConfig(top_entropy_quantile=0.5)
+    if case == "torch-backend":
+        backend = "torch"
+    if case == "no-grad":
+        with torch.no_grad():
+            assert fused_path_reason(*operands, cfg, normalizers, backend, 1 << 30) is not None
+        return
+    assert fused_path_reason(*operands, cfg, normalizers, backend, 1 << 30) is not None
+    if case == "quantile":  # a threshold from the normalizers makes the selection chunk-local
+        norm = LossNormalizers.of(_batch())
+        norm.entropy_threshold = torch.tensor(0.5)
+        assert fused_path_reason(*operands, cfg, norm, backend, 1 << 30) is None
+
+
+GEMM_CASES = {**{k: (v, 3.1) for k, v in CONFIGS.items()},
+              "clip_cov": (LossConfig(algorithm="grpo", beta=0.0, policy_loss="clip_cov", clip_cov_ratio=0.1), 4.25)}
+
+
+@pytest.mark.parametrize("engine", [0, 1])
+@pytest.mark.parametrize("name", sorted(GEMM_CASES))
+def test_gemm_count(name, engine):
+    """Issue 33's GEMM count, counted in the interpreter (bench.cost): erpo_loss's default
+    forward + backward against one GEMM = linear_token_logprobs' forward alone on the same
+    rows; with our products (engine 0) and torch's (1, their matmuls counted as ATen ops)."""
+    from bench.cost import count_launches
+    from erpo_kernels import linear_token_logprobs
+
+    cfg, bound = GEMM_CASES[name]
+    batch = _batch()
+    hidden, weight, bias = _operands(batch.num_rows)
+    tiles = replace(SMALL_TILES, gemm_engine=engine)
+    gemm = sum(r.total_flops for r in count_launches(
+        lambda: linear_token_logprobs(hidden.detach(), weight.detach(), batch.targets, bias=bias.detach(),
+                                      inv_temperature=batch.inv_temperature, tiles=tiles, backend="triton")))  # fmt: skip
+    assert gemm > 0
+
+    def fwd_bwd():
+        loss, _ = erpo_loss(hidden, weight, batch, cfg, bias=bias, backend="triton", tiles=tiles)
+        loss.backward()
+
+    work = sum(r.total_flops for r in count_launches(fwd_bwd)) / gemm
+    assert work <= bound, work
+    # every product counted (torch's matmuls count the rows as they are, our kernels whole tiles of them)
+    assert work >= (bound - 0.25 if engine == 0 else bound - 1), work
