@@ -46,7 +46,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from ._triton import interpreting, round_to, tl, triton
-from ._utils import no_autocast
+from ._utils import device_guard, no_autocast
 from .linear_token_logprobs import (
     _cdiv,
     _checked_operands,
@@ -208,7 +208,7 @@ class LinearLogprobsChunks:
         n = h.shape[0]
         transform = LogitTransform.build(inv_temperature, n, h.device, softcap=self.softcap,
                                          logit_scale=self.logit_scale, validate=False)  # fmt: skip
-        with no_autocast(h.device):
+        with no_autocast(h.device), device_guard(h.device):
             launch = _Launch.build(h, self.weight, self.bias, targets, transform, self.ignore_index, self.tiles)
             kept = self.kept[: n * self.weight.shape[0]]
             logp, entropy, lse_parts = _forward(launch, want_entropy, kept if n > 0 else None)
@@ -236,7 +236,7 @@ class LinearLogprobsChunks:
         h_c = None
         if self.torch_products and (self.need[1]):
             h_c = launch.hidden.index_select(0, launch.order)  # [n, D] the rows in compact order
-        with no_autocast(self.hidden.device):
+        with no_autocast(self.hidden.device), device_guard(self.hidden.device):
             for v0 in range(0, vocab, self.chunk):
                 cols = min(self.chunk, vocab - v0)
                 grid = (_cdiv(n, cfg.block_n) * _cdiv(cols, cfg.block_v),)

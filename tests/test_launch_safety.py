@@ -210,6 +210,12 @@ def _every_op(device, backend="triton"):
     bias = torch.randn(v, **kw, requires_grad=True)
     logp, ent = linear_token_logprobs(hidden, weight, targets, bias=bias, return_entropy=True, backend=backend)
     out += [logp, ent, *torch.autograd.grad(logp.sum() - ent.sum(), (hidden, weight, bias))]
+    from erpo_kernels.fused_linear_loss import LinearLogprobsChunks  # erpo_loss's fused path
+
+    chunks = LinearLogprobsChunks(hidden, weight, bias, max_rows=n, n_chunks=1, need=(True, True, True))
+    logp_f, ent_f = chunks.forward(0, n, targets, None, True)
+    chunks.backward(torch.ones_like(logp_f), -torch.ones_like(ent_f))
+    out += [logp_f, ent_f, *chunks.gradients()]
     values = torch.randn(n, **kw, requires_grad=True)
     cu = torch.tensor([0, 5, 5, 20, n], **kw)
     (g,) = torch.autograd.grad(segment_sum(values, cu, backend=backend).pow(2).sum(), values, create_graph=True)
