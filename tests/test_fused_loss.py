@@ -75,8 +75,8 @@ def _assert_same(ours, ref, tol=1e-5):
             assert float((o - r).abs().max()) <= tol * (1 + float(r.abs().max())), name
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("budget_rows", [12, 1000])  # several chunks (the longest sequence: 11 rows), one
+# several chunks (the longest sequence: 11 rows) for each loss, and one
+@pytest.mark.parametrize("name,budget_rows", [(name, 12) for name in sorted(CONFIGS)] + [("gspo-qkl", 1000)])
 def test_fp32_equals_the_four_gemm_composition(name, budget_rows, chunks):
     batch = _batch()
     operands = _operands(batch.num_rows)
@@ -171,8 +171,7 @@ GEMM_CASES = {**{k: (v, 3.1) for k, v in CONFIGS.items()},
               "clip_cov": (LossConfig(algorithm="grpo", beta=0.0, policy_loss="clip_cov", clip_cov_ratio=0.1), 4.25)}
 
 
-@pytest.mark.parametrize("engine", [0, 1])
-@pytest.mark.parametrize("name", sorted(GEMM_CASES))
+@pytest.mark.parametrize("name,engine", [(name, 0) for name in sorted(GEMM_CASES)] + [("gspo-qkl", 1)])
 def test_gemm_count(name, engine):
     """Issue 33's GEMM count, counted in the interpreter (bench.cost): erpo_loss's default
     forward + backward against one GEMM = linear_token_logprobs' forward alone on the same
@@ -197,3 +196,33 @@ def test_gemm_count(name, engine):
     assert work <= bound, work
     # every product counted (torch's matmuls count the rows as they are, our kernels whole tiles of them)
     assert work >= (bound - 0.25 if engine == 0 else bound - 1), work
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_erpo_train_takes_the_fused_path(tmp_path, chunks, monkeypatch):
+    """erpo train's update (Trainer._update -> erpo_loss) runs the fused path on the Triton
+    backend, and its gradients equal those of the same step on the 4-GEMM composition."""
+    from test_trainer import fixed_trainer
+    from erpo_kernels.objective import fused
+
+    cache_dir = tmp_path / "cache"
+    runs = []
+    for budget in (fused.DEFAULT_FUSED_BUDGET, 0):
+        monkeypatch.setattr(fused, "DEFAULT_FUSED_BUDGET", budget)
+        trainer = fixed_trainer(tmp_path, cache_dir, f"run{budget}", kernel_backend="triton", mini_batches=1,
+                                ppo_epochs=1, micro_batch_tokens=64)  # fmt: skip
+        grads = {}
+        step = trainer.optimizer.step
+
+        def record(*args, _step=step, _grads=grads, _model=trainer.model, **kwargs):
+            _grads.update((n, p.grad.clone()) for n, p in _model.named_parameters() if p.grad is not None)
+            return _step(*args, **kwargs)
+
+        trainer.optimizer.step = record
+        trainer.step(1)
+        runs.append((grads, len(chunks)))
+    (fused_grads, n_fused), (plain_grads, n_plain) = runs
+    assert n_fused > 1 and n_plain == n_fused  # several chunks; the composition ran none
+    assert fused_grads.keys() == plain_grads.keys() and "lm_head.weight" in fused_grads
+    for name, g in fused_grads.items():
+        assert float((g - plain_grads[name]).abs().max()) <= 1e-5 * (1 + float(g.abs().max())), name
