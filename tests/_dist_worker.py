@@ -160,7 +160,26 @@ def train(out_dir: str, *overrides: str) -> dict:
     with recording_lm_head(D) as heads:
         trainer.train()
     return {"rank": D.rank(), "rollouts": trainer.engine.calls, "micro_batches": plans, "lm_heads": heads,
-            "gathered_shapes": gathers}
+            "gathered_shapes": gathers, "run_dir": str(cfg.run_dir), "steps": cfg.steps}
+
+
+def resume(out_dir: str, run_dir: str, steps: int) -> dict:
+    """`erpo train resume=OUT_DIR/resumed` as `torchrun -m erpo train resume=...` runs it (the
+    CLI's main, in these ranks: one launch serves the run and its resume), where
+    OUT_DIR/resumed is a copy of the run just trained without its last checkpoint. Returns
+    the CLI's exit status."""
+    import shutil
+
+    from erpo import distributed as D
+    from erpo.cli import main as cli
+
+    resumed = os.path.join(out_dir, "resumed")
+    if D.rank() == 0:
+        shutil.copytree(run_dir, resumed)
+        shutil.rmtree(os.path.join(resumed, "checkpoints", f"step-{steps:06d}"))
+    D.barrier()
+    rank = D.rank()
+    return {"rank": rank, "resumed": resumed, "resume_exit": cli(["train", f"resume={resumed}"])}
 
 
 @contextlib.contextmanager
@@ -211,16 +230,20 @@ def recording_gathers(seen):
 
 
 def main() -> None:
-    """python tests/_dist_worker.py units OUT_DIR | train OUT_DIR key=value ... | both OUT_DIR key=value ..."""
+    """python tests/_dist_worker.py units OUT_DIR | train OUT_DIR key=value ... | both OUT_DIR key=value ...
+    (train+resume, both+resume: then the run's resume from its next-to-last checkpoint, see `resume`)"""
     what, out_dir, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
     from erpo import distributed as D
 
+    what, _, then = what.partition("+")
     try:
         res = {}
         if what in ("units", "both"):
             res.update(units(out_dir))
         if what in ("train", "both"):
             res.update(train(out_dir, *overrides))
+        if then == "resume":
+            res.update(resume(out_dir, res["run_dir"], res["steps"]))
         with open(os.path.join(out_dir, f"rank{res['rank']}.json"), "w") as f:
             json.dump(res, f)
     finally:

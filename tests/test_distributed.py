@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -57,13 +56,15 @@ def overrides(**values):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """One 2-rank launch: the erpo.distributed checks, then 3 steps of the tiny default
-    with its rollouts recorded. Returns (out_dir, run_dir, cache_dir, per-rank results)."""
+    with its rollouts recorded, then `erpo train resume=` of a copy of that run without its
+    step-3 checkpoint (the CLI in the same ranks). Returns (out_dir, run_dir, cache_dir,
+    per-rank results, the launch's stdout)."""
     out = tmp_path_factory.mktemp("two-ranks")
     run_dir, cache_dir = out / "run", out / "cache"
     args = overrides(**TINY, run_dir=run_dir, cache_dir=cache_dir)
-    proc = torchrun([WORKER, "both", str(out), *args], cwd=out)
+    proc = torchrun([WORKER, "both+resume", str(out), *args], cwd=out)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, run_dir, cache_dir, rank_files(out)
+    return out, run_dir, cache_dir, rank_files(out), proc.stdout
 
 
 def test_fsdp2_wiring_on_two_ranks(two_ranks):
@@ -147,7 +148,7 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(two_ranks, tmp_pat
     from erpo.config import TrainConfig
     from erpo.trainer import Trainer
 
-    _, run_dir, cache_dir, ranks = two_ranks
+    _, run_dir, cache_dir, ranks, _ = two_ranks
     # the ranks' micro-batch counts differed (the one with fewer made empty passes to keep in step)
     assert ranks[0]["micro_batches"] != ranks[1]["micro_batches"], ranks[0]["micro_batches"]
     cfg = TrainConfig(**TINY, run_dir=str(tmp_path / "one"), cache_dir=str(cache_dir),
@@ -174,16 +175,14 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(two_ranks, tmp_pat
     assert all(r["pg/ratio_mean"] != 1.0 for r in a)  # the second update of each step is off-policy
 
 
-def test_two_rank_resume_equals_the_uninterrupted_run(two_ranks, tmp_path):
-    """A fresh 2-rank `torchrun -m erpo train resume=RUN` from the step-2 checkpoint gives
-    step 3 bit for bit: consolidated weights and the metrics row."""
-    _, run_dir, _, _ = two_ranks
-    resumed = tmp_path / "resumed"
-    shutil.copytree(run_dir, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step-000003")
-    proc = torchrun(["-m", "erpo", "train", f"resume={resumed}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("erpo: erpo finished step 3/3") == 1  # rank 0 speaks for the run
+def test_two_rank_resume_equals_the_uninterrupted_run(two_ranks):
+    """A 2-rank `erpo train resume=RUN` (the CLI, after the run in the same launch: a new
+    Trainer from what the step-2 checkpoint holds) gives step 3 bit for bit: consolidated
+    weights and the metrics row."""
+    out, run_dir, _, ranks, stdout = two_ranks
+    resumed = out / "resumed"
+    assert [r["resume_exit"] for r in ranks] == [0, 0] and all(r["resumed"] == str(resumed) for r in ranks)
+    assert stdout.count("erpo: erpo finished step 3/3") == 1  # rank 0 speaks for the run
     a = weights_of(run_dir / "checkpoints" / "step-000003")
     b = weights_of(resumed / "checkpoints" / "step-000003")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -224,7 +223,7 @@ def test_bad_world_size_is_one_line_before_anything_runs(tmp_path, monkeypatch, 
 
 
 def test_resume_on_another_world_size_is_one_line(two_ranks, tmp_path, monkeypatch, capsys):
-    _, run_dir, _, _ = two_ranks
+    _, run_dir, _, _, _ = two_ranks
     before = metrics_of(run_dir)
     for world in (None, 4):  # plain `erpo train`, and a 4-rank torchrun
         code, err = run_cli(["train", f"resume={run_dir}", "steps=4"], monkeypatch, capsys, world=world)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,11 +139,12 @@ LOSSES = ("loss", "pg/loss", "qkl/loss")
 def tp_run(tmp_path_factory):
     """`erpo train tp_size=2` on 2 gloo ranks (one tensor-parallel group: the lm_head and
     the decoder's projections sharded, FSDP2 over a data-parallel mesh of 1), its rollouts,
-    lm_head weights and every gather inside its updates recorded."""
+    lm_head weights and every gather inside its updates recorded; then, in the same launch,
+    `erpo train resume=` of a copy of the run without its step-2 checkpoint."""
     out = tmp_path_factory.mktemp("tp-train")
     run_dir, cache_dir = out / "run", out / "cache"
-    proc = torchrun([DIST_WORKER, "train", str(out), *overrides(**TP_TRAIN, tp_size=2, run_dir=run_dir,
-                                                                  cache_dir=cache_dir)], cwd=out)  # fmt: skip
+    proc = torchrun([DIST_WORKER, "train+resume", str(out), *overrides(**TP_TRAIN, tp_size=2, run_dir=run_dir,
+                                                                         cache_dir=cache_dir)], cwd=out)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, cache_dir, rank_files(out)
 
@@ -184,15 +185,13 @@ def test_erpo_train_tp_size_2_matches_one_process(tp_run, tmp_path, _keep_torch_
     assert width == TINY["tiny_hidden_size"]
 
 
-def test_tp_size_2_resume_equals_the_uninterrupted_run(tp_run, tmp_path):
-    """A fresh `torchrun -m erpo train resume=RUN` of the tensor-parallel run from its step-1
-    checkpoint gives step 2 bit for bit: consolidated weights and the metrics rows."""
-    run_dir = tp_run[0]
-    resumed = tmp_path / "resumed"
-    shutil.copytree(run_dir, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step-000002")
-    proc = torchrun(["-m", "erpo", "train", f"resume={resumed}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_tp_size_2_resume_equals_the_uninterrupted_run(tp_run):
+    """`erpo train resume=RUN` of the tensor-parallel run from its step-1 checkpoint (the CLI
+    in the run's launch: a new Trainer from what the checkpoint holds) gives step 2 bit for
+    bit: consolidated weights and the metrics rows."""
+    run_dir, _, ranks = tp_run
+    assert [r["resume_exit"] for r in ranks] == [0, 0]
+    resumed = Path(ranks[0]["resumed"])
     a = weights_of(run_dir / "checkpoints" / "step-000002")
     b = weights_of(resumed / "checkpoints" / "step-000002")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
