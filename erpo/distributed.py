@@ -38,9 +38,11 @@ rank can abort in gloo's teardown while another still finishes its last collecti
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import types
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -135,8 +137,21 @@ def use_tensor_parallel(device_type: str, tp: int) -> None:
         return
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
-    _LAYOUT.update(tp=tp, mesh=mesh)
+    _LAYOUT.update(tp=tp, mesh=two_d_mesh(init_device_mesh, device_type, world_size() // tp, tp))
+
+
+def two_d_mesh(init_device_mesh: Callable[..., Any], device_type: str, dp: int, tp: int) -> Any:
+    """The ("dp", "tp") mesh of dp x tp ranks, with its two dimensions also flattened into one
+    ("dp_tp"; a collective). A DTensor spread over both dimensions (the gradient norm of
+    clip_grad_norm_, Partial on both; a checkpoint's full_state_dict, sharded on both) is then
+    reduced or gathered in one collective over all ranks. Without it torch runs one per
+    dimension, and says so in a warning per rank ("... 2 sequential all_reduce operations ...
+    may give inconsistent results between ranks ..."; docs/distributed.md)."""
+    mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    flatten = getattr(mesh["dp", "tp"], "_flatten", None)  # private in torch 2.13; its own recipes use it
+    if flatten is not None:
+        flatten("dp_tp")
+    return mesh
 
 
 def tp_size() -> int:
@@ -408,8 +423,9 @@ def parallelize_decoder(model: Any, tp_mesh: Any) -> None:
 
     check_tensor_parallel(model.config, tp_mesh.size())
     if getattr(model.config, "tie_word_embeddings", False):
-        raise ErpoError("tp_size > 1 needs separate input and output embeddings (tie_word_embeddings=False): "
-                         "a tied lm_head would shard the input embedding too")
+        raise ErpoError("tp_size > 1 needs separate input and output embeddings, and this model ties them "
+                        "(tie_word_embeddings=true in its config.json: sharding the lm_head would shard the input "
+                        "embedding too); train it with tp_size=1 (FSDP2 alone shards it over every rank)")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for layer in decoder_layers(model):
         missing = [name for name in LAYER_PLAN if not isinstance(_submodule(layer, name), torch.nn.Linear)]
@@ -487,7 +503,29 @@ def full_state_dict(model: Any) -> Dict[str, torch.Tensor]:
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    with _quiet_gathers():
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+class _SequentialGathers(logging.Filter):
+    """Drops DTensor's warning that a tensor sharded over both mesh dimensions (FSDP2's
+    _StridedShard over "dp", the tensor-parallel Shard(0) over "tp": not in ascending order,
+    so not mergeable) is gathered by 2 sequential all_gathers, "which may give inconsistent
+    results between ranks due to different reduction orders": a gather adds nothing, so its
+    result is the same bits on every rank whatever the order (docs/distributed.md)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential all_gather operations" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_gathers() -> Iterator[None]:
+    log, quiet = logging.getLogger("torch.distributed.tensor._redistribute"), _SequentialGathers()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 def save_optimizer(model: Any, optimizer: torch.optim.Optimizer, path: str) -> None:

@@ -353,3 +353,65 @@ def test_bench_cost_says_how_far_it_is_per_subject_and_shape(capsys):
         main(["cost", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 8192x4096x151936,2048x4096x151936,16384x1536x151936)" in text and "issue 18" not in text
+
+
+# ---------------------------------------------------------------------- item 7: torchrun
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of this one process (world size 1), destroyed after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_2d_mesh_reduces_in_one_collective_and_gathers_quietly(one_rank_group, caplog):
+    """The ("dp", "tp") mesh is also flattened, so a Partial over both dimensions (the
+    gradient norm) is one all_reduce, not two with DTensor's "inconsistent results between
+    ranks" warning; the checkpoint's gather over both (exact whatever the order) says nothing."""
+    import logging
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from erpo.distributed import _quiet_gathers, two_d_mesh
+
+    caplog.set_level(logging.WARNING, logger="torch.distributed.tensor._redistribute")
+    mesh = two_d_mesh(init_device_mesh, "cpu", 1, 1)
+    norm = DTensor.from_local(torch.ones(3), mesh, [Partial(), Partial()]).redistribute(mesh, [Replicate(), Replicate()])
+    with _quiet_gathers():
+        whole = DTensor.from_local(torch.arange(4.0), mesh, [Shard(0), Shard(0)]).full_tensor()
+    assert norm.to_local().tolist() == [1.0, 1.0, 1.0] and whole.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert not [r for r in caplog.records if "sequential" in r.getMessage()], [r.getMessage() for r in caplog.records]
+
+
+def test_a_tied_model_under_tp_says_to_use_tp_size_1(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from erpo.distributed import parallelize_decoder
+    from erpo.errors import ErpoError
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+    with pytest.raises(ErpoError, match="tie_word_embeddings=true .* train it with tp_size=1"):
+        parallelize_decoder(model, init_device_mesh("cpu", (1,)))
+
+
+def test_a_refused_start_under_torchrun_is_one_line_from_rank_0_and_exit_status_2(tmp_path, monkeypatch, capsys):
+    """What docs/distributed.md says a user sees: every rank refuses with status 2, rank 0
+    alone prints the line (torchrun then reports the failed ranks and exits 1 itself)."""
+    doc = open(os.path.join(ROOT, "docs", "distributed.md"), encoding="utf-8").read()
+    assert "ChildFailedError" in doc and "exit status 2" in doc and "torchrun's own exit status is 1" in doc
+    for rank, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        monkeypatch.setenv("RANK", rank)
+        assert main(["train", "tp_size=3", f"run_dir={tmp_path}/r"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("erpo: error: tp_size=3 does not divide the 2 rank(s)") == lines, err
+    assert not (tmp_path / "r").exists()
