@@ -384,6 +384,12 @@ class TrainConfig:
         "of at most this many tokens, gradients accumulated (the same update as one pass); 0 = the whole "
         "mini-batch at once",
     )
+    fused_budget_mb: int = MEMORY(
+        1024,
+        "MiB of fp32 logits the loss keeps per chunk of whole sequences on its fused path (the gradient formed "
+        "during the forward: 3 GEMMs of lm_head work instead of 4; docs/objective.md); rows per chunk = budget / "
+        "(4 bytes x vocabulary size); 0 = the 4-GEMM path",
+    )
     gradient_checkpointing: bool = MEMORY(
         False,
         "recompute each decoder layer's activations in the backward instead of keeping them (the model's own "
@@ -656,7 +662,8 @@ class TrainConfig:
         for name in ("queries_per_step", "steps", "mini_batches", "ppo_epochs", "tp_size"):
             at_least(name, getattr(self, name), 1)
         for name in ("cpu_threads", "max_new_tokens", "rollout_batch_size", "warmup_steps", "save_every",
-                     "keep_checkpoints", "max_prompt_tokens", "micro_batch_tokens", "filter_groups_max_batches"):
+                     "keep_checkpoints", "max_prompt_tokens", "micro_batch_tokens", "filter_groups_max_batches",
+                     "fused_budget_mb"):
             at_least(name, getattr(self, name), 0)
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
             raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must lie in (0, 1]")

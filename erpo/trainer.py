@@ -321,7 +321,7 @@ class Trainer:
             #    -> Query-KL against ref_query_logp, clipped policy loss weighted by query_weights
             loss, metrics = erpo_loss(hidden, weight, batch, self.loss_config, bias=bias, backend=cfg.kernel_backend,
                                       normalizers=norm, validate=False, sync_metrics=False,  # no host sync
-                                      **lm_head_options(self.model))
+                                      fused_budget=cfg.fused_budget_mb << 20, **lm_head_options(self.model))
             if repeat:  # a pass that only keeps this rank in step with the others
                 loss = loss * 0.0
             else:

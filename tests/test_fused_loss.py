@@ -199,18 +199,16 @@ def test_gemm_count(name, engine):
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
-def test_erpo_train_takes_the_fused_path(tmp_path, chunks, monkeypatch):
+def test_erpo_train_takes_the_fused_path(tmp_path, chunks):
     """erpo train's update (Trainer._update -> erpo_loss) runs the fused path on the Triton
     backend, and its gradients equal those of the same step on the 4-GEMM composition."""
     from test_trainer import fixed_trainer
-    from erpo_kernels.objective import fused
 
     cache_dir = tmp_path / "cache"
     runs = []
-    for budget in (fused.DEFAULT_FUSED_BUDGET, 0):
-        monkeypatch.setattr(fused, "DEFAULT_FUSED_BUDGET", budget)
+    for budget in (1024, 0):  # fused_budget_mb: the default, and the 4-GEMM path
         trainer = fixed_trainer(tmp_path, cache_dir, f"run{budget}", kernel_backend="triton", mini_batches=1,
-                                ppo_epochs=1, micro_batch_tokens=64)  # fmt: skip
+                                ppo_epochs=1, micro_batch_tokens=64, fused_budget_mb=budget)  # fmt: skip
         grads = {}
         step = trainer.optimizer.step
 
