@@ -116,8 +116,8 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
         # erpo_loss's fused path: the softmax gradient from the kept logits (no dot)
         out.append(Variant(f"{tag}", fused._fused_dr_kernel, types,
                            dict(HAS_SOFTCAP=on, HAS_ENTROPY_GRAD=on, WANT_DB=on, ZERO_PAD=on, UPCAST=False,
-                                BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v),
-                           tiles.num_warps, tiles.num_stages, False, has_dots=False))  # fmt: skip
+                                BLOCK_N=tiles.block_n, BLOCK_V=fused.dr_block_v(tiles)),
+                           fused.DR_WARPS, tiles.num_stages, False, has_dots=False))  # fmt: skip
         out.append(Variant(f"{tag}", m._ltl_bwd_dr_kernel, types, dict(base, HAS_ENTROPY_GRAD=on, WANT_DB=on),
                            tiles.num_warps, tiles.num_stages, lowp))
     gemm = dict(flags, GEMM_N=tiles.gemm_n, GEMM_V=tiles.gemm_v, GEMM_D=tiles.gemm_d, GEMM_K=tiles.gemm_k)

@@ -66,6 +66,19 @@ from .tiles import Tiles
 DEFAULT_FUSED_BUDGET = 1 << 30
 
 
+# `_fused_dr_kernel`'s tile: the logit tiles' rows (the d_bias partial sums are per row tile
+# of block_n rows, as `_ltl_bwd_dr_kernel`'s), DR_TILE values in all, on DR_WARPS warps (16
+# values per thread: it is elementwise, and the logit tiles' 128 x 256 would spill).
+DR_TILE = 4096
+DR_WARPS = 8
+
+
+def dr_block_v(tiles: Tiles) -> int:
+    """The vocabulary width of `_fused_dr_kernel`'s tile for these tiles (a power of two
+    dividing the chunk): DR_TILE // block_n columns, within [16, block_v]."""
+    return max(16, min(tiles.block_v, DR_TILE // tiles.block_n))
+
+
 def rows_for_budget(budget: int, vocab: int) -> int:
     """Rows per chunk whose kept fp32 logits fit in `budget` bytes: budget // (4 V), at least 1."""
     return max(1, int(budget) // (4 * int(vocab)))
@@ -239,7 +252,8 @@ class LinearLogprobsChunks:
         with no_autocast(self.hidden.device), device_guard(self.hidden.device):
             for v0 in range(0, vocab, self.chunk):
                 cols = min(self.chunk, vocab - v0)
-                grid = (_cdiv(n, cfg.block_n) * _cdiv(cols, cfg.block_v),)
+                block_v = dr_block_v(cfg)
+                grid = (_cdiv(n, cfg.block_n) * _cdiv(cols, block_v),)
                 _fused_dr_kernel[grid](
                     kept_ptr=kept, targets_ptr=launch.targets, inv_t_ptr=launch.transform.inv_t,
                     order_ptr=launch.order, n_valid_ptr=launch.n_valid, shift_ptr=lse_parts[0],
@@ -249,7 +263,7 @@ class LinearLogprobsChunks:
                     softcap=transform["softcap"], logit_scale=transform["logit_scale"],
                     HAS_SOFTCAP=transform["HAS_SOFTCAP"], HAS_ENTROPY_GRAD=has_eg, WANT_DB=self.need[2],
                     ZERO_PAD=self.torch_products, UPCAST=self.hidden.dtype == torch.bfloat16 and interpreting(),
-                    BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+                    BLOCK_N=cfg.block_n, BLOCK_V=block_v, num_warps=DR_WARPS,
                 )
                 if self.torch_products:
                     self._torch_products(dr[:, :cols], db_part, h_c, v0, cols, n)
