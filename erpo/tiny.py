@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import time
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
 import transformers
@@ -137,6 +137,23 @@ def warmstart_dir(cfg: TrainConfig, examples: Sequence[Example], template: str) 
     return os.path.join(cfg.resolved_cache_dir, f"warmstart-{warmstart_key(cfg, examples, template)}")
 
 
+def padded(batch: Sequence[Sequence[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(ids [b, L] right-padded with pad_id, attention mask [b, L]) of b token lists, L the longest."""
+    width = max(len(seq) for seq in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, seq in enumerate(batch):
+        ids[r, : len(seq)] = torch.tensor(seq)
+        mask[r, : len(seq)] = 1
+    return ids, mask
+
+
+def progress_line(done: int, steps: int, loss: float, took: float) -> str:
+    """The warm start's line every 10% of its steps: how far, and about how long is left."""
+    return (f"erpo: warm start: step {done}/{steps}, loss {loss:.3f}, {took:.0f}s so far, about "
+            f"{took / done * (steps - done):.0f}s left")
+
+
 def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log=print) -> str:
     """The directory of the warm-started demo model for these settings (trained and
     cached on first use)."""
@@ -159,7 +176,7 @@ def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log
     model.train()
     loss = torch.tensor(float("nan"))
     steps = cfg.demo.warmstart_steps
-    every = max(1, steps // 10)  # a line every 10% of the steps: how far it is, and about how long is left
+    every = max(1, steps // 10)  # a progress line every 10% of the steps
     for step in range(steps):
         # lr: linear warm-up over 10% of the steps, then cosine to 10%
         frac = step / max(1, cfg.demo.warmstart_steps)
@@ -167,13 +184,7 @@ def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log
         for group in opt.param_groups:
             group["lr"] = cfg.demo.warmstart_lr * scale
         pick = torch.randint(len(seqs), (cfg.demo.warmstart_batch_size,), generator=g).tolist()
-        batch = [seqs[i] for i in pick]
-        width = max(len(s) for s in batch)
-        ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)  # [b, L]
-        mask = torch.zeros((len(batch), width), dtype=torch.long)  # [b, L]
-        for r, s in enumerate(batch):
-            ids[r, : len(s)] = torch.tensor(s)
-            mask[r, : len(s)] = 1
+        ids, mask = padded([seqs[i] for i in pick], tokenizer.pad_token_id)  # [b, L] each
         targets = torch.where(mask[:, 1:] == 1, ids[:, 1:], -100)  # [b, L-1] next token, -100 on padding
         hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]  # [b, L-1, D]
         logp = linear_token_logprobs(hidden.reshape(-1, hidden.shape[-1]), head.weight, targets.reshape(-1))  # [b(L-1)]
@@ -182,11 +193,8 @@ def warm_start(cfg: TrainConfig, examples: Sequence[Example], template: str, log
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        done = step + 1
-        if done % every == 0 and done < steps:
-            took = time.perf_counter() - t0
-            log(f"erpo: warm start: step {done}/{steps}, loss {loss.item():.3f}, {took:.0f}s so far, about "
-                f"{took / done * (steps - done):.0f}s left")
+        if (step + 1) % every == 0 and step + 1 < steps:
+            log(progress_line(step + 1, steps, loss.item(), time.perf_counter() - t0))
     model.eval()
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
