@@ -13,7 +13,7 @@ rows_for_budget(fused_budget, V) rows; the whole batch when it fits, with no hos
        [rows] vectors;
     4. d_hidden[r0:r1], and d_weight, d_bias added over the chunks, from the kept logits.
 The returned loss is the chunks' sum through `_ScaledGradients`, whose backward returns
-the saved gradients times the upstream gradient. Metrics combine as micro-batches'
+the saved gradients times the upstream gradient (no host read). Metrics combine as micro-batches'
 (combine_metrics).
 
 Which calls take it (`fused_path_reason`, docs/objective.md): a gradient is wanted
@@ -77,7 +77,8 @@ def fused_path_reason(
 
 class _ScaledGradients(torch.autograd.Function):
     """loss -> loss, with the gradients formed in the forward pass: backward returns them
-    times the upstream gradient (unscaled when it is exactly 1: one host read)."""
+    times the upstream gradient (a 0-d tensor on the device: no host read; out of place, so
+    a graph kept with retain_graph=True gives the same gradients again)."""
 
     @staticmethod
     def forward(ctx, loss, hidden, weight, bias, d_hidden, d_weight, d_bias):  # type: ignore[override]
@@ -86,10 +87,7 @@ class _ScaledGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        grads = ctx.saved_tensors
-        present = [g for g in grads if g is not None]
-        unit = bool(present) and bool(grad == 1)
-        out = [None if g is None else (g if unit else g * grad.to(g.dtype)) for g in grads]
+        out = [None if g is None else g * grad.to(g.dtype) for g in ctx.saved_tensors]
         return (None, *out, None, None, None)
 
 
