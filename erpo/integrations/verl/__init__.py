@@ -65,11 +65,11 @@ try:
     from verl.trainer.ppo import core_algos as _core_algos
     from verl.workers.config import PolicyLossConfig
     from verl.workers.utils import losses as _verl_losses
-except ImportError:
+except ImportError as _missing:
     if sys.argv[:1] == ["-m"]:  # `python -m erpo.integrations.verl ...` (runpy imports this first): one line
         from ._command import without_verl
 
-        raise SystemExit(without_verl(sys.argv[1:]))
+        raise SystemExit(without_verl(sys.argv[1:], "" if _missing.name == "verl" else str(_missing)))
     raise ImportError("erpo.integrations.verl needs verl 0.9.1 (docs/verl.md says how to install it beside erpo)") from None
 
 import torch
