@@ -465,7 +465,9 @@ def test_a_tiny_run_trains_with_the_entropy_bonus_on_the_top_entropy_tokens(tmp_
 def test_every_recipe_on_two_ranks(tmp_path):
     """`torchrun --nproc-per-node 2 -m erpo train` with every recipe on (gloo, FSDP2): the
     dynamic sampling's loop and the entropy threshold's pass keep the ranks in step
-    (micro-batches whose number differs by rank), and the run logs each recipe's metrics."""
+    (micro-batches whose number differs by rank), and the run logs each recipe's metrics;
+    the policy loss is verl's bypass_mode with its weights and rejections (pi_old = the
+    rollout's log-probs: no pi_old pass for the second mini-batch)."""
     import torch.distributed as dist
 
     from test_distributed import TINY, overrides, torchrun
@@ -474,7 +476,8 @@ def test_every_recipe_on_two_ranks(tmp_path):
         pytest.skip("torch.distributed is not available in this build")
     keys = dict(TINY, steps=2, save_every=0, run_dir=tmp_path / "run", cache_dir=tmp_path / "cache",
                 filter_groups="true", filter_groups_max_batches=3, overlong_buffer=2, entropy_coeff=0.01,
-                top_entropy_quantile=0.2)
+                top_entropy_quantile=0.2, policy_loss="bypass_mode", bypass_loss_type="reinforce",
+                rollout_is="sequence", rollout_rs="seq_mean_k3,token_k1", rollout_rs_threshold="1.0,0.5_2.0")
     proc = torchrun(["-m", "erpo", "train", *overrides(**keys)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(str(tmp_path / "run"))
@@ -482,6 +485,7 @@ def test_every_recipe_on_two_ranks(tmp_path):
     for row in rows:
         assert 1 <= row["filter_groups/batches"] <= 3 and 0 < row["entropy/selected_frac"] <= 0.5
         assert "reward/overlong_penalty" in row and row["entropy/bonus"] > 0
+        assert 0 <= row["mismatch/rejected_frac"] < 1 and row["mismatch/is_weight_mean"] > 0
         assert all(v == v for v in row.values())
 
 
@@ -585,3 +589,41 @@ def test_the_issues_recipe_command_trains(tmp_path, cache_dir, policy_loss, caps
     for row in read_metrics(str(tmp_path / "run")):
         assert row["filter_groups/batches"] >= 1 and 0 < row["entropy/selected_frac"] <= 0.5
         assert all(v == v for v in row.values())
+
+
+# ---------------------------------------------------------------------- issue 36's policy losses
+
+# each with the keys it needs or exercises (bypass_mode: REINFORCE with sequence weights and
+# a rejection, on the rollout's log-probs that hf generate returns)
+PEER_LOSSES = {
+    "dppo_tv": [], "dppo_kl": [], "dro": ["dro_beta=0.1"],
+    "bypass_mode": ["bypass_loss_type=reinforce", "rollout_is=sequence", "rollout_rs=seq_mean_k3,token_k1",
+                    "rollout_rs_threshold=1.0,0.5_2.0"],
+    "luspo": ["loss_agg=seq-mean-token-sum"], "vespo": [],
+}
+
+
+@pytest.mark.parametrize("policy_loss", list(PEER_LOSSES))
+def test_the_peer_losses_train_with_erpo_and_grpo(tmp_path, cache_dir, policy_loss, capsys):
+    """`erpo train policy_loss=NAME algorithm=erpo` trains 3 steps of the shrunk demo, each
+    step 2 mini-batches (the second off-policy) in micro-batches; then 1 step of grpo for the
+    three that read sequence statistics or the rollout's log-probs (the objective's grpo for
+    all six: test_policy_losses.py; 2 ranks: bypass_mode in test_every_recipe_on_two_ranks)."""
+    small = dict(tiny_hidden_size=32, tiny_layers=1, warmstart_steps=100, warmstart_batch_size=16,
+                 warmstart_unboxed=0.0, task_max_operand=4, task_train_size=20, task_eval_size=5, group_size=4,
+                 queries_per_step=4, max_new_tokens=6, save_every=0, progress="false", lr=1e-3, warmup_steps=1,
+                 mini_batches=2, micro_batch_tokens=19, cache_dir=cache_dir)
+    runs = [("erpo", 3)] + ([("grpo", 1)] if policy_loss in ("bypass_mode", "luspo", "vespo") else [])
+    for algorithm, steps in runs:
+        run = tmp_path / algorithm
+        argv = ["train", f"algorithm={algorithm}", f"policy_loss={policy_loss}", *PEER_LOSSES[policy_loss],
+                f"steps={steps}", f"run_dir={run}", *(f"{k}={v}" for k, v in small.items())]
+        assert main(argv) == 0
+        assert f"erpo: {algorithm} finished step {steps}/{steps}" in capsys.readouterr().out
+        rows = read_metrics(str(run))
+        assert [r["step"] for r in rows] == list(range(1, steps + 1))
+        assert any(row["pg/loss"] != 0 for row in rows)  # some group had a signal
+        for row in rows:
+            assert all(v == v for v in row.values())
+            if policy_loss == "bypass_mode":
+                assert 0 <= row["mismatch/rejected_frac"] < 1 and row["mismatch/is_weight_mean"] > 0

@@ -237,6 +237,19 @@ def test_erpo_with_a_policy_loss_trl_lacks_trains(tmp_path, model_dir, tokenizer
         train_args(ERPOConfig, tmp_path, policy_loss="gspo", beta=0.1)
 
 
+def test_erpo_config_takes_the_peer_losses(tmp_path):
+    """ERPOConfig(policy_loss=) accepts issue 36's six; vespo takes TRL's own vespo_* keys,
+    dro its dro_beta (required), each checked by LossConfig."""
+    for name in ("dppo_tv", "dppo_kl", "bypass_mode", "luspo"):
+        assert train_args(ERPOConfig, tmp_path, policy_loss=name).erpo_loss_config().policy_loss == name
+    cfg = train_args(ERPOConfig, tmp_path, policy_loss="vespo", vespo_k_pos=1.5, vespo_lambda_neg=2.5)
+    loss = cfg.erpo_loss_config()
+    assert (loss.vespo_k_pos, loss.vespo_lambda_pos, loss.vespo_k_neg, loss.vespo_lambda_neg) == (1.5, 3.0, 3.0, 2.5)
+    assert train_args(ERPOConfig, tmp_path, policy_loss="dro", dro_beta=0.1).erpo_loss_config().dro_beta == 0.1
+    with pytest.raises(ValueError, match="^dro_beta is required with policy_loss='dro'"):
+        train_args(ERPOConfig, tmp_path, policy_loss="dro")
+
+
 def _erpo_loss_on_same_batch(trainer, inputs, alpha):
     """erpo_loss (advantages 0, so the loss is alpha * R_query) on the micro-batch
     `inputs`, repacked: one row per token, positions from 0, the prompt scored once per query."""

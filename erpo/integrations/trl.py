@@ -324,9 +324,12 @@ class ERPOConfig(GRPOConfig):
     erpo_backend: str = field(default="auto", metadata={"help": "Backend of the erpo kernels: auto (Triton on CUDA), "
                               "triton or torch."})
     policy_loss: Optional[str] = field(default=None, metadata={"help": "erpo's policy loss (erpo_kernels.POLICY_LOSSES: "
-                                       "vanilla, gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo) in place of TRL's "
-                                       "loss_type, with epsilon / epsilon_high as its clip range and sapo_temperature_* "
-                                       "as sapo's; None: TRL's loss_type."})
+                                       "vanilla, gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo, dppo_tv, dppo_kl, "
+                                       "dro, bypass_mode, luspo, vespo) in place of TRL's loss_type, with epsilon / "
+                                       "epsilon_high as its clip range (dppo_*: its thresholds), sapo_temperature_* as "
+                                       "sapo's and vespo_* as vespo's; None: TRL's loss_type."})
+    dro_beta: Optional[float] = field(default=None, metadata={"help": "With policy_loss='dro': its quadratic log-ratio "
+                                      "coefficient (> 0, required)."})
     loss_agg: str = field(default="token-mean", metadata={"help": "With policy_loss: its aggregation over the "
                           "generation batch (token-mean, seq-mean-token-mean, seq-mean-token-sum, "
                           "seq-mean-token-sum-norm with max_completion_length as the constant)."})
@@ -349,14 +352,18 @@ class ERPOConfig(GRPOConfig):
 
     def erpo_loss_config(self) -> Optional[LossConfig]:
         """The LossConfig of policy_loss (None without it): erpo's L_PG(w_B) alone (alpha=0:
-        ERPOTrainer adds the Query-KL itself), TRL's clip range and SAPO temperatures."""
+        ERPOTrainer adds the Query-KL itself), TRL's clip range, SAPO temperatures and VESPO
+        constants. bypass_mode reads old_per_token_logps as the rollout's (TRL samples with the
+        trained weights; use_vllm is refused with policy_loss)."""
         if self.policy_loss is None:
             return None
         high = self.epsilon if self.epsilon_high is None else self.epsilon_high
         scale = float(self.max_completion_length) if self.loss_agg == "seq-mean-token-sum-norm" else None
         return LossConfig(algorithm="erpo", alpha=0.0, policy_loss=self.policy_loss, loss_agg=self.loss_agg,
                           eps_low=self.epsilon, eps_high=high, loss_scale_factor=scale,
-                          tau_pos=self.sapo_temperature_pos, tau_neg=self.sapo_temperature_neg)
+                          tau_pos=self.sapo_temperature_pos, tau_neg=self.sapo_temperature_neg, dro_beta=self.dro_beta,
+                          vespo_k_pos=self.vespo_k_pos, vespo_lambda_pos=self.vespo_lambda_pos,
+                          vespo_k_neg=self.vespo_k_neg, vespo_lambda_neg=self.vespo_lambda_neg)
 
 
 class ERPOTrainer(GRPOTrainer):

@@ -109,11 +109,14 @@ def test_erpo_loss_and_gradients_equal_erpo_loss(tmp_path, agg):
 INNER_REL = {"geo_mean": 1e-8}
 
 
-@pytest.mark.parametrize("inner", ["gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"])
+@pytest.mark.parametrize("inner", ["gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv",
+                                   "dppo_kl", "dro", "bypass_mode", "luspo", "vespo"])
 def test_erpo_with_any_inner_policy_loss_equals_erpo_loss(tmp_path, inner):
     """policy_loss.inner_loss_mode=NAME: ERPO's weights and Query-KL on verl's policy loss
     NAME = erpo_loss with policy_loss=NAME (seq-mean-token-mean, the aggregation verl's sapo
-    and geo_mean use whatever loss_agg_mode says)."""
+    and geo_mean use whatever loss_agg_mode says); luspo and vespo are ours in verl's
+    registry (verl_policy_loss); bypass_mode takes old_log_probs as the rollout's, with verl's
+    default rollout correction (PPO-clip: no weights) and none here."""
     _erpo_in_verl_equals_erpo_loss(tmp_path, "seq-mean-token-mean", inner, rel=INNER_REL.get(inner, 1e-12))
 
 
@@ -131,7 +134,8 @@ def _erpo_in_verl_equals_erpo_loss(tmp_path, agg, inner, rel=1e-12):
     assert not torch.allclose(w_q, torch.ones_like(w_q))
     alpha = 0.3
     settings = ev.ERPOPolicyLossConfig(alpha=alpha, ref_cache=path, query_weighting="softmax", weight_temperature=0.5,
-                                       kernel_backend="torch", inner_loss_mode=inner)
+                                       kernel_backend="torch", inner_loss_mode=inner, dro_beta=0.1,
+                                       vespo_k_pos=1.5, vespo_lambda_neg=2.5)
     data = _verl_data()
     ev.add_mini_batch_fields(data, settings)  # what the engine's train_batch does with a mini-batch
     torch.testing.assert_close(data["erpo_query_weights"], w_q[group], rtol=0, atol=0)
@@ -153,13 +157,13 @@ def _erpo_in_verl_equals_erpo_loss(tmp_path, agg, inner, rel=1e-12):
     hidden_e = _hidden(rows).requires_grad_()
     weight_e = weight0.clone().requires_grad_()
     cfg = LossConfig(algorithm="erpo", alpha=alpha, loss_agg=agg, eps_low=0.2, eps_high=0.28, dual_clip=3.0,
-                     policy_loss=inner)
+                     policy_loss=inner, dro_beta=0.1, vespo_k_pos=1.5, vespo_lambda_neg=2.5)
     torch.manual_seed(5)
     loss_e, metrics_e = erpo_loss(hidden_e, weight_e, batch, cfg, backend="torch")
     loss_e.backward()
 
     assert metrics_e["qkl/loss"] > 1e-3  # both terms are live
-    if inner in ("vanilla", "gspo", "cispo", "clip_cov", "kl_cov", "geo_mean"):
+    if inner in ("vanilla", "gspo", "cispo", "clip_cov", "kl_cov", "geo_mean", "bypass_mode", "luspo"):
         assert metrics_e["pg/clipfrac"] > 0  # and the clip (or the covariance selection)
     torch.testing.assert_close(loss_v.detach(), loss_e.detach(), rtol=rel, atol=rel)
     for ours, theirs in ((hidden.grad, hidden_e.grad), (weight.grad, weight_e.grad)):

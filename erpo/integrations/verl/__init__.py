@@ -89,6 +89,7 @@ __all__ = [
     "compute_policy_loss_erpo",
     "erpo_ppo_loss",
     "forward_kernel_backend",
+    "verl_policy_loss",
     "forward_with_erpo_backend",
     "install",
     "query_fields",
@@ -128,8 +129,11 @@ class ERPOPolicyLossConfig(PolicyLossConfig):
         weights' keys (erpo.query_weights.QueryWeighter).
         kl_guard: c of the K3 guard. kernel_backend: auto (Triton on CUDA), triton or torch.
         inner_loss_mode: the policy loss ERPO weights and adds its Query-KL to: any name of
-        verl's registry but erpo (vanilla, gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo,
-        ...), with its own keys of this config and the actor's (clip ratios, tau_pos, ...).
+        verl's registry but erpo (vanilla, dppo_tv, dppo_kl, gspo, sapo, gpg, clip_cov, kl_cov,
+        geo_mean, dro, cispo, bypass_mode; and TRL's luspo, vespo, which install() registers
+        there: verl_policy_loss), with its own keys of this config and the actor's (clip
+        ratios, tau_pos, dro_beta, rollout_correction, ...). vespo_k_pos, vespo_lambda_pos,
+        vespo_k_neg, vespo_lambda_neg: vespo's constants (TRL's names and defaults).
     """
 
     loss_mode: str = LOSS_MODE
@@ -144,6 +148,10 @@ class ERPOPolicyLossConfig(PolicyLossConfig):
     kl_guard: float = 10.0
     kernel_backend: str = "auto"
     inner_loss_mode: str = "vanilla"
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     def __post_init__(self) -> None:
         parent = getattr(super(), "__post_init__", None)
@@ -152,6 +160,10 @@ class ERPOPolicyLossConfig(PolicyLossConfig):
         try:  # ERPO's keys checked in one place (as ERPOConfig and TrainConfig do)
             ERPOSettings.of(self).validate()
             check_backend(self.kernel_backend, "kernel_backend")
+            from erpo_kernels import LossConfig
+
+            LossConfig(vespo_k_pos=self.vespo_k_pos, vespo_lambda_pos=self.vespo_lambda_pos,
+                       vespo_k_neg=self.vespo_k_neg, vespo_lambda_neg=self.vespo_lambda_neg)  # their checks
         except ValueError as exc:
             raise ValueError(f"policy_loss.{exc}") from None
         names = [n for n in _core_algos.POLICY_LOSS_REGISTRY if n != LOSS_MODE]
@@ -352,12 +364,70 @@ def compute_policy_loss_erpo(
                            "that erpo is installed where the workers run and VERL_USE_EXTERNAL_PLUGINS is not 'none'")
     if scope.query_weights is not None:
         w = scope.query_weights.to(device=log_prob.device, dtype=log_prob.dtype)[:, None].expand_as(log_prob)  # [B, R]
-        rollout_is_weights = w if rollout_is_weights is None else rollout_is_weights * w
+        if scope.inner_loss_mode == "bypass_mode":
+            # verl's bypass_mode drops rollout_is_weights (it computes its own); its losses (PPO-clip with
+            # dual clip, REINFORCE) are positively homogeneous in A, so w_B >= 0 scales the advantages
+            advantages = advantages * w
+        else:
+            rollout_is_weights = w if rollout_is_weights is None else rollout_is_weights * w
     inner = _core_algos.get_policy_loss_fn(scope.inner_loss_mode)
     return inner(
         old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask,
         loss_agg_mode=loss_agg_mode, config=config, rollout_is_weights=rollout_is_weights,
     )
+
+
+# erpo_kernels' policy losses that verl 0.9.1 lacks (TRL's), registered under their names in
+# verl's registry: usable as loss_mode=NAME and inner_loss_mode=NAME
+ERPO_ONLY_LOSSES = ("luspo", "vespo")
+
+
+def verl_policy_loss(name: str) -> Any:
+    """verl's policy-loss function over erpo_kernels.POLICY_LOSSES[name]: verl's [B, R] tensors
+    (one sequence per row, its response tokens where response_mask is set) as a packed batch
+    of empty prompts, our per-token losses times rollout_is_weights, aggregated by verl's
+    agg_loss at loss_agg_mode with config.global_batch_info (as verl's own losses are). The
+    clip range is the actor's clip_ratio_low / _high (clip_ratio_c: dual_clip); vespo's
+    constants are policy_loss.vespo_* when set (TRL's defaults else)."""
+    from erpo_kernels import POLICY_LOSSES, LossConfig, LossNormalizers, PackedLossBatch
+    from erpo_kernels.objective.rows import LossRows
+
+    def loss_fn(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
+                rollout_is_weights: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        b, r = log_prob.shape
+        mask = response_mask.bool()
+        dev = log_prob.device
+        ends = torch.arange(b + 1, device=dev) * r
+        spans = torch.cat([ends[:1], torch.stack([ends[:-1], ends[1:]], dim=1).reshape(-1)])  # [2B + 1]: empty prompts
+        batch = PackedLossBatch(
+            targets=torch.where(mask, 0, -100).reshape(-1), inv_temperature=torch.ones(b * r, device=dev),
+            span_cu_seqlens=spans, group_index=torch.zeros(b, dtype=torch.long, device=dev),
+            advantages=advantages.detach()[:, 0].to(torch.float32), ref_query_logp=torch.zeros(1, device=dev),
+            query_weights=torch.ones(1, device=dev))
+        rows = LossRows.build(log_prob.reshape(-1), batch, LossNormalizers.of(batch), query_weighted=False)
+        low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+        high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+        policy = config.policy_loss
+        vespo = {k: float(policy.get(k, getattr(LossConfig, k))) for k in
+                 ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}
+        cfg = LossConfig(policy_loss=name, eps_low=float(low), eps_high=float(high),
+                         dual_clip=float(config.get("clip_ratio_c", 3.0)), **vespo)
+        old = torch.where(rows.response, old_log_prob.detach().reshape(-1).to(rows.dtype), rows.logp.detach())
+        token = POLICY_LOSSES[name](rows, old, advantages.detach().reshape(-1).to(rows.dtype), cfg)
+        pg_losses = token.loss.reshape(b, r).to(log_prob.dtype)
+        if rollout_is_weights is not None:
+            pg_losses = pg_losses * rollout_is_weights
+        pg_loss = _core_algos.agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                                       **config.global_batch_info)
+        with torch.no_grad():
+            n = response_mask.sum().clamp(min=1)
+            metrics = {"actor/pg_clipfrac": float((token.clipped.reshape(b, r) & mask).sum() / n),
+                       "actor/ppo_kl": float(((old_log_prob - log_prob) * response_mask).sum() / n)}
+        return pg_loss, metrics
+
+    loss_fn.__name__ = f"compute_policy_loss_{name}"
+    return loss_fn
 
 
 def prompt_token_lists(data: Any) -> List[List[int]]:
@@ -617,6 +687,9 @@ def install() -> None:
         _patch_forward_with_backends._erpo = True
         _monkey_patch.patch_forward_with_backends = _patch_forward_with_backends
     _core_algos.register_policy_loss(LOSS_MODE)(compute_policy_loss_erpo)
+    for name in ERPO_ONLY_LOSSES:
+        if name not in _core_algos.POLICY_LOSS_REGISTRY:
+            _core_algos.register_policy_loss(name)(verl_policy_loss(name))
     erpo_ppo_loss._erpo = True
     _verl_losses.ppo_loss = erpo_ppo_loss
     workers = sys.modules.get("verl.workers.engine_workers")  # imported before us: rebind its name too
