@@ -384,3 +384,51 @@ def test_same_loss_as_trl(case):
     assert float(g_theirs.abs().max()) > 1e-3
     if cfg.policy_loss in ("vanilla", "gspo", "cispo", "luspo"):
         assert 0 < metrics["pg/clipfrac"] < 1 and metrics["pg/dual_clipfrac"] == 0
+
+
+# ----------------------------------------------------------------------------- erpo_loss's fused path
+
+# issue 36's six are chunk-local (registered without batch_wide): on erpo_loss's 3-GEMM path
+# (chunks of whole sequences) they equal the 4-GEMM composition, with the rollout corrections.
+# Three cases (the interpreter is slow): a per-token mask (as dppo_tv's and dro's), the
+# sequence-level weights and rejections of bypass_mode, vespo's sequence sum (luspo's
+# sequence mean is gspo's, tests/test_fused_loss.py)
+FUSED_CASES = {
+    "dppo_kl": dict(policy_loss="dppo_kl", eps_low=1e-6, eps_high=1e-6, dual_clip=1.2),  # the rows' pi are small
+    "bypass_mode": dict(policy_loss="bypass_mode", bypass_loss_type="reinforce", rollout_is="sequence",
+                        rollout_rs="seq_mean_k3,token_k1", rollout_rs_threshold="0.05,0.8_1.25"),
+    "vespo": dict(policy_loss="vespo", loss_agg="seq-mean-token-mean", rollout_is="token", rollout_rs="token_k3",
+                  rollout_rs_threshold=0.02),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_the_peer_losses_on_the_fused_path(name, monkeypatch):
+    from erpo_kernels.fused_linear_loss import LinearLogprobsChunks
+    from erpo_kernels.objective.fused import fused_path_reason
+    from test_fused_loss import ROW_BYTES, _assert_same, _batch, _operands, _run
+
+    seen = []
+    forward = LinearLogprobsChunks.forward
+    monkeypatch.setattr(LinearLogprobsChunks, "forward", lambda self, r0, r1, *a: seen.append(r1 - r0) or
+                        forward(self, r0, r1, *a))
+    from erpo_kernels import linear_token_logprobs
+
+    batch = _batch()
+    operands = _operands(batch.num_rows)
+    with torch.no_grad():  # pi_old and pi_rollout near the current policy (ratios of e^(+-0.3 sigma))
+        current = linear_token_logprobs(operands[0], operands[1], batch.targets, bias=operands[2],
+                                        inv_temperature=batch.inv_temperature, backend="torch")
+    g = torch.Generator().manual_seed(4)
+    old, rollout = (current + 0.3 * torch.randn(current.shape, generator=g) for _ in range(2))
+    batch = dataclasses.replace(batch, old_logp=old, rollout_logp=rollout)
+    cfg = LossConfig(algorithm="erpo", alpha=0.3, **FUSED_CASES[name])
+    assert fused_path_reason(*operands, cfg, None, "triton", 12 * ROW_BYTES) is None
+    ours = _run(cfg, batch, operands, fused_budget=12 * ROW_BYTES)
+    assert len(seen) > 1  # several chunks
+    ref = _run(cfg, batch, operands, fused_budget=0)
+    _assert_same(ours, ref)
+    if cfg.rollout_rs != "none":
+        assert 0 < ref[1]["mismatch/rejected_frac"] < 1
+    else:
+        assert 0 < ref[1]["pg/clipfrac"] < 1 and ref[1]["pg/dual_clipfrac"] > 0  # the region and the truncation bind
