@@ -284,6 +284,10 @@ def init_mesh():
 
 def main() -> None:
     out_dir, names = sys.argv[1], sys.argv[2].split(",")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        from _interpreter_speed import skip_repeated_language_patches
+
+        skip_repeated_language_patches()  # as tests/conftest.py does in the test process
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
