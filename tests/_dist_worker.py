@@ -230,20 +230,31 @@ def recording_gathers(seen):
 
 
 def main() -> None:
-    """python tests/_dist_worker.py units OUT_DIR | train OUT_DIR key=value ... | both OUT_DIR key=value ...
-    (train+resume, both+resume: then the run's resume from its next-to-last checkpoint, see `resume`)"""
-    what, out_dir, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+    """python tests/_dist_worker.py STEPS OUT_DIR key=value ..., STEPS joined by "+", run in this
+    order: vocab:CASE,CASE,... (tests/_vocab_parallel_worker.py's cases, written to OUT_DIR/vocab),
+    units, train (both = units+train), resume (the run's resume from its next-to-last
+    checkpoint, see `resume`): one launch for all of them."""
+    steps, out_dir, overrides = sys.argv[1].split("+"), sys.argv[2], sys.argv[3:]
     from erpo import distributed as D
 
-    what, _, then = what.partition("+")
+    if "both" in steps:
+        steps[steps.index("both"):steps.index("both") + 1] = ["units", "train"]
     try:
         res = {}
-        if what in ("units", "both"):
-            res.update(units(out_dir))
-        if what in ("train", "both"):
-            res.update(train(out_dir, *overrides))
-        if then == "resume":
-            res.update(resume(out_dir, res["run_dir"], res["steps"]))
+        for step in steps:
+            if step.startswith("vocab:"):
+                from _vocab_parallel_worker import run as vocab_cases
+
+                D.init("cpu")
+                vocab_cases(os.path.join(out_dir, "vocab"), step[len("vocab:"):].split(","))
+            elif step == "units":
+                res.update(units(out_dir))
+            elif step == "train":
+                res.update(train(out_dir, *overrides))
+            elif step == "resume":
+                res.update(resume(out_dir, res["run_dir"], res["steps"]))
+            else:
+                raise SystemExit(f"unknown step {step!r}")
         with open(os.path.join(out_dir, f"rank{res['rank']}.json"), "w") as f:
             json.dump(res, f)
     finally:

@@ -1,10 +1,11 @@
 """Tensor parallelism over the vocabulary (issue 28). The op: linear_token_logprobs with
-the lm_head a DTensor Shard(0) over 2 and 3 gloo ranks on CPU, V = 1003 split unevenly
-(502 + 501, 335 + 335 + 333), against the unsharded op on the same inputs, forward and
+the lm_head a DTensor Shard(0) over 2 and 3 gloo ranks on CPU, V = 403 split unevenly
+(202 + 201, 135 + 135 + 133), against the unsharded op on the same inputs, forward and
 backward, fp32, on the kernels (Triton's interpreter) and on the reference; one torchrun
 launch per group size runs every case (tests/_vocab_parallel_worker.py). The trainer:
-`erpo train tp_size=2` on 2 ranks against one process on the same batches. Pass or fail
-comes from the files the ranks wrote plus the exit code.
+`erpo train tp_size=2` on 2 ranks against one process on the same batches, and its resume,
+in the same 2-rank launch as the op's cases (tests/_dist_worker.py). Pass or fail comes
+from the files the ranks wrote plus the exit code.
 """
 from __future__ import annotations
 
@@ -31,10 +32,7 @@ OP_CASES = ["triton", "triton_softcap_temp", "triton_temp_no_entropy", "torch", 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
 
 
-def launch(tmp_path_factory, world, cases):
-    out = tmp_path_factory.mktemp(f"vocab-parallel-{world}")
-    proc = torchrun([WORKER, str(out), ",".join(cases)], cwd=out, nproc=world, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def read_ranks(out, world):
     ranks = []
     for r in range(world):
         with open(out / f"rank{r}.json") as f:
@@ -44,18 +42,36 @@ def launch(tmp_path_factory, world, cases):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return launch(tmp_path_factory, 2, OP_CASES + ["bf16", "sequence_parallel", "errors", "batch_invariance"])
+def two_rank_launch(tmp_path_factory):
+    """One 2-rank launch for everything on two ranks (tests/_dist_worker.py): the op's cases
+    (in OUT/vocab), then `erpo train tp_size=2` and its resume (see tp_run). Returns
+    (OUT, run_dir, cache_dir)."""
+    out = tmp_path_factory.mktemp("two-ranks")
+    run_dir, cache_dir = out / "run", out / "cache"
+    cases = OP_CASES + ["bf16", "sequence_parallel", "errors", "batch_invariance"]
+    steps = "+".join(["vocab:" + ",".join(cases), "train", "resume"])
+    proc = torchrun([DIST_WORKER, steps, str(out), *overrides(**TP_TRAIN, tp_size=2, run_dir=run_dir,
+                                                               cache_dir=cache_dir)], cwd=out, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, run_dir, cache_dir
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_rank_launch):
+    return read_ranks(two_rank_launch[0] / "vocab", 2)
 
 
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory):
-    return launch(tmp_path_factory, 3, ["triton_softcap_temp", "torch", "batch_invariance"])
+    out = tmp_path_factory.mktemp("vocab-parallel-3")
+    proc = torchrun([WORKER, str(out), "triton_softcap_temp,torch,batch_invariance"], cwd=out, nproc=3, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_ranks(out, 3)
 
 
 def check_case(ranks, name, world):
     sizes = [r[name]["local_rows"] for r in ranks]
-    assert sum(sizes) == 1003 and len(set(sizes)) == 2, sizes  # uneven shards
+    assert sum(sizes) == 403 and len(set(sizes)) == 2, sizes  # uneven shards
     for res in ranks:
         case = res[name]
         for key in ("logp", "entropy", "d_hidden", "d_weight", "d_bias"):
@@ -124,7 +140,7 @@ def test_misuse_is_a_value_error_naming_the_argument(two_ranks):
     assert errors["replicated_weight"].startswith("weight must be a DTensor sharded Shard(0)")
     assert "Replicate()" in errors["replicated_weight"]
     assert errors["row_sharded_hidden"].startswith("hidden must be the same on every rank")
-    assert errors["target_out_of_range"].startswith("targets[0] = 1003 is outside [0, 1003)")
+    assert errors["target_out_of_range"].startswith("targets[0] = 403 is outside [0, 403)")
     assert errors["wrong_d"] == "weight has D = 24 columns but hidden has D = 5"
 
 
@@ -136,16 +152,12 @@ LOSSES = ("loss", "pg/loss", "qkl/loss")
 
 
 @pytest.fixture(scope="module")
-def tp_run(tmp_path_factory):
+def tp_run(two_rank_launch):
     """`erpo train tp_size=2` on 2 gloo ranks (one tensor-parallel group: the lm_head and
     the decoder's projections sharded, FSDP2 over a data-parallel mesh of 1), its rollouts,
     lm_head weights and every gather inside its updates recorded; then, in the same launch,
     `erpo train resume=` of a copy of the run without its step-2 checkpoint."""
-    out = tmp_path_factory.mktemp("tp-train")
-    run_dir, cache_dir = out / "run", out / "cache"
-    proc = torchrun([DIST_WORKER, "train+resume", str(out), *overrides(**TP_TRAIN, tp_size=2, run_dir=run_dir,
-                                                                         cache_dir=cache_dir)], cwd=out)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out, run_dir, cache_dir = two_rank_launch
     return run_dir, cache_dir, rank_files(out)
 
 
