@@ -249,15 +249,16 @@ ROLLOUT_CASES = {
 }
 
 
+@pytest.mark.parametrize("agg", ["seq-mean-token-sum", "seq-mean-token-mean"])
 @pytest.mark.parametrize("case", list(ROLLOUT_CASES))
-def test_rollout_corrections_add_up_over_micro_batches(case):
-    """The importance weights and rejections (per token and per sequence) are chunk-local:
-    micro-batches of whole sequences with the mini-batch's normalisers add up, and the
-    rejection drops some tokens, not all."""
+def test_rollout_corrections_add_up_over_micro_batches(case, agg):
+    """The importance weights and rejections (per token and per sequence; seq-mean-token-mean
+    dividing by the kept tokens) are chunk-local: micro-batches of whole sequences with the
+    mini-batch's normalisers add up, and the rejection drops some tokens, not all."""
     logp, old, adv, mask = padded(2)
     logp_rows, batch = packed(logp, old, adv, mask)
     batch = with_rollout(batch)
-    cfg = config(agg="seq-mean-token-sum", algorithm="erpo", alpha=0.2, **ROLLOUT_CASES[case])
+    cfg = config(agg=agg, algorithm="erpo", alpha=0.2, **ROLLOUT_CASES[case])
     whole, metrics = erpo_loss_from_logp(logp_rows, batch, cfg)
     (g_whole,) = torch.autograd.grad(whole, logp)
     assert 0 < metrics["mismatch/rejected_frac"] < 1

@@ -126,7 +126,8 @@ class LossConfig:
         between the trainer's policy (pi_old; pi_theta with bypass_mode) and the rollout's
         (needs batch.rollout_logp, or old_logp with bypass_mode) passes a threshold: "none",
         or comma-separated options of ROLLOUT_RS (rollout_rs_bounds); a rejected token counts
-        with loss 0, the denominators of loss_agg unchanged. verl's names.
+        with loss 0, the denominators of loss_agg unchanged but seq-mean-token-mean's, each
+        sequence's kept tokens (verl's). verl's names.
     vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: vespo's gamma weight
         phi(w) = exp(lambda + k log w - lambda w) for A >= 0 and A < 0 (TRL's names).
     """

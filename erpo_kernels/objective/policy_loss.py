@@ -23,7 +23,7 @@ Truncated importance sampling (a constant under backprop), with C = rollout_is_c
     sequence:  c_t *= min(prod_t' pi_old / pi_rollout, C)        over the sequence's tokens
 Rejection (rollout_rs): c_t = 0 where the divergence of pi_old from pi_rollout passes
 rollout_rs_threshold, per token or per sequence (rollout_rejection); the denominators
-stay. bypass_mode (verl's bypass mode, one mechanism with the above): pi_old is the
+stay, but seq-mean-token-mean's L_i, which counts the sequence's kept tokens (verl's). bypass_mode (verl's bypass mode, one mechanism with the above): pi_old is the
 rollout's policy (batch.rollout_logp, or old_logp standing for it), so the loss sees
 old_logp = rollout_logp, and the weights and rejections compare pi_theta (detached) with
 pi_rollout in place of pi_old.
@@ -103,6 +103,17 @@ def _per_sequence(rows: LossRows, values: torch.Tensor, how: str) -> torch.Tenso
         if how == "mean":
             out = out / rows.layout.response_length.to(values.dtype).clamp(min=1)
     return out[sequence]
+
+
+def _kept_length_factor(rows: LossRows, kept: torch.Tensor) -> torch.Tensor:
+    """[N] L_i / (kept tokens of sequence i), at least 1 in the denominator: seq-mean-token-mean
+    with a rejection divides each sequence's sum by its kept tokens (verl's agg_loss on the
+    rejection mask); the other aggregations keep their denominators."""
+    n_seq = rows.layout.response_length.shape[0]
+    n_kept = torch.zeros(n_seq, dtype=rows.dtype, device=kept.device).index_add(
+        0, rows.layout.sequence, (kept & rows.response).to(rows.dtype))  # [B]
+    lengths = rows.layout.response_length.to(rows.dtype)
+    return (lengths / n_kept.clamp(min=1))[rows.layout.sequence]
 
 
 def rollout_rejection(rows: LossRows, log_w: torch.Tensor, config: LossConfig) -> torch.Tensor:
@@ -190,6 +201,8 @@ def policy_term(rows: LossRows, batch: PackedLossBatch, config: LossConfig,
         kept = rollout_rejection(rows, log_w, config)
         coef = coef * is_weight
         keep = keep & kept
+        if config.rollout_rs != "none" and config.loss_agg == "seq-mean-token-mean":
+            coef = coef * _kept_length_factor(rows, kept)  # each sequence's mean over its kept tokens, as verl
         if batch.rollout_logp is not None:
             metrics.update(mismatch_metrics(rows, log_w, is_weight))
         if config.rollout_rs != "none":
