@@ -604,7 +604,7 @@ PEER_LOSSES = {
 
 
 @pytest.mark.parametrize("policy_loss", list(PEER_LOSSES))
-def test_the_peer_losses_train_with_erpo_and_grpo(tmp_path, cache_dir, policy_loss, capsys):
+def test_the_peer_losses_train_with_erpo_and_grpo(tmp_path, cache_dir, policy_loss, capsys, monkeypatch):
     """`erpo train policy_loss=NAME algorithm=erpo` trains 3 steps of the shrunk demo, each
     step 2 mini-batches (the second off-policy) in micro-batches; then 1 step of grpo for the
     three that read sequence statistics or the rollout's log-probs (the objective's grpo for
@@ -614,6 +614,10 @@ def test_the_peer_losses_train_with_erpo_and_grpo(tmp_path, cache_dir, policy_lo
                  queries_per_step=4, max_new_tokens=6, save_every=0, progress="false", lr=1e-3, warmup_steps=1,
                  mini_batches=2, micro_batch_tokens=19, cache_dir=cache_dir)
     runs = [("erpo", 3)] + ([("grpo", 1)] if policy_loss in ("bypass_mode", "luspo", "vespo") else [])
+    passes = []  # the trained model's no-grad pi_old passes (bypass_mode: none, the rollout's log-probs are pi_old)
+    row_logp = Trainer._row_logp
+    monkeypatch.setattr(Trainer, "_row_logp", lambda self, model, *a, **k: (
+        passes.append(model is self.model), row_logp(self, model, *a, **k))[1])
     for algorithm, steps in runs:
         run = tmp_path / algorithm
         argv = ["train", f"algorithm={algorithm}", f"policy_loss={policy_loss}", *PEER_LOSSES[policy_loss],
@@ -627,3 +631,4 @@ def test_the_peer_losses_train_with_erpo_and_grpo(tmp_path, cache_dir, policy_lo
             assert all(v == v for v in row.values())
             if policy_loss == "bypass_mode":
                 assert 0 <= row["mismatch/rejected_frac"] < 1 and row["mismatch/is_weight_mean"] > 0
+    assert (sum(passes) == 0) == (policy_loss == "bypass_mode"), passes  # 2 mini-batches: a pass each otherwise
