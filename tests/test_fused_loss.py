@@ -224,3 +224,22 @@ def test_erpo_train_takes_the_fused_path(tmp_path, chunks):
     assert fused_grads.keys() == plain_grads.keys() and "lm_head.weight" in fused_grads
     for name, g in fused_grads.items():
         assert float((g - plain_grads[name]).abs().max()) <= 1e-5 * (1 + float(g.abs().max())), name
+
+
+def test_autocast_gives_the_uncast_dtypes(chunks):
+    """fp32 operands under bf16 autocast: cast as a linear layer's, gradients returned in
+    fp32 (not rounded to bf16), within bf16's rounding of the composition's."""
+    batch = _batch()
+    operands = _operands(batch.num_rows)
+    out = []
+    for budget in (12 * ROW_BYTES, 0):
+        h, w, b = (t.detach().requires_grad_() for t in operands)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = erpo_loss(h, w, batch, CONFIGS["vanilla"], bias=b, backend="triton", tiles=SMALL_TILES,
+                                fused_budget=budget)  # fmt: skip
+        loss.backward()
+        out.append((h.grad, w.grad, b.grad))
+    assert len(chunks) > 1
+    for fused_grad, plain_grad in zip(*out):
+        assert fused_grad.dtype == plain_grad.dtype == torch.float32
+        assert float((fused_grad - plain_grad).abs().max()) <= 2**-7 * float(plain_grad.abs().max())
