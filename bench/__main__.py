@@ -129,7 +129,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     c = sub.add_parser("cost", help="the counted cost model: ours and the peers at the target shapes (CPU, interpreter)")
     c.add_argument("--subjects", default=None, help="comma list of names (default: all; absent peers are listed)")
-    c.add_argument("--ops", default=None, help="comma list: linear_token_logprobs,token_logprobs")
+    c.add_argument("--ops", default=None, help="comma list: linear_token_logprobs,token_logprobs,loss (the fused losses)")
     c.add_argument("--targets", default=None, help=f"comma list of NxDxV (default: {_DEFAULT_TARGETS})")
     c.add_argument("--out-dir", default=None,
                    help="where cost.json goes (default: bench/results/local, untracked; with --record: bench/results)")

@@ -20,6 +20,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from . import cost
+from . import cost_losses as _loss
+from .cost_losses import LOSS
 from .cost_model import Counts, Features, Fit, Shape, fit_exact, flatten, grid, multilinear, residue_values
 
 LINEAR, TOKEN = "linear_token_logprobs", "token_logprobs"
@@ -38,7 +40,8 @@ class Subject:
     name: str
     op: str
     label: str
-    call: Callable  # linear: (hidden, weight, targets) -> logp [N]; token: (logits, targets) -> logp [N]
+    call: Callable  # linear: (hidden, weight, targets) -> logp [N]; token: (logits, targets) -> logp [N];
+    # loss (bench.cost_losses): (hidden, weight, layout) -> a scalar
     fit_plan: Callable[[Shape], "FitPlan"]  # target -> how to fit for it
     module: Optional[str] = None  # must import for the subject to be present
     dist: Optional[str] = None
@@ -48,8 +51,10 @@ class Subject:
     gemm_roles: bool = True  # time a PyTorch GEMM per output pattern (False: per op name, see cost_model.group_key)
 
     def closures(self, shape: Shape) -> Tuple[Callable, Callable]:
-        """(forward, backward) at `shape`: forward() -> logp, backward(logp)."""
-        return (_linear_run if self.op == LINEAR else _token_run)(self.call)(shape)
+        """(forward, backward) at `shape`: forward() -> logp (a loss: the scalar), backward(it)."""
+        from .cost_losses import LOSS, loss_run
+
+        return {LINEAR: _linear_run, TOKEN: _token_run, LOSS: loss_run}[self.op](self.call)(shape)
 
     def absent_reason(self) -> Optional[str]:
         if self.module is None:
@@ -91,7 +96,7 @@ def count(subject: Subject, shape: Shape, plan: FitPlan) -> Counts:
     records = fwd + bwd
     if subject.adjust is not None:
         records = subject.adjust(records)
-    return flatten(records, shape, subject.gemm_roles)
+    return flatten(records, shape[:3], subject.gemm_roles)  # a counting shape may carry a layout index
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -162,6 +167,20 @@ def _erpo_tiles(op: str):
     from erpo_kernels import default_tiles
 
     return default_tiles(op, DTYPE, COUNTED_CAPABILITY)
+
+
+@contextlib.contextmanager
+def counted_tiles() -> Iterator[None]:
+    """Ops called without tiles= (erpo_loss's kernels) launch with COUNTED_CAPABILITY's default
+    tiles, as on that GPU without a tuning file, instead of the interpreter's."""
+    from erpo_kernels import tiles
+
+    saved = tiles._device_tiles
+    tiles._device_tiles = lambda op, device, dtype, d, v: tiles.default_tiles(op, dtype, COUNTED_CAPABILITY)
+    try:
+        yield
+    finally:
+        tiles._device_tiles = saved
 
 
 def _erpo_linear(hidden, weight, targets):
@@ -397,6 +416,25 @@ SUBJECTS: List[Subject] = [
             gpu_path="its Triton kernels as on CUDA (libdevice log1p / tanh given triton.language equivalents "
                      "in the interpreter; bf16 elementwise values are wrong there, counts are value-independent "
                      "without a gradient filter)"),
+    Subject("erpo-loss", LOSS, "erpo_kernels.erpo_loss (algorithm erpo, vanilla, the Query-KL; its default "
+            "path)", _loss._erpo_loss, _loss._erpo_loss_plan,
+            gpu_path="the sm_90 default tiles, the products on our Triton kernels (Tiles.gemm_engine 0)"),
+    Subject("erpo-loss-cublas", LOSS, "erpo_kernels.erpo_loss as erpo-loss, the products on cuBLAS "
+            "(Tiles.gemm_engine 1: torch matmuls, bf16 operands, fp32 accumulation)", _loss._erpo_loss_cublas,
+            _loss._erpo_loss_plan, gpu_path="the sm_90 default tiles with gemm_engine 1"),
+    Subject("liger-grpo", LOSS, "Liger-Kernel LigerFusedLinearGRPOLoss (loss_type dapo, beta 0, one chunk per "
+            "sequence: chunk_size 1)", _loss._liger_grpo, _loss._liger_grpo_plan,
+            module="liger_kernel.chunked_loss", dist="liger-kernel", gemm_roles=False,
+            gpu_path="its torch code, the same on CUDA: the chunks' logits GEMMs in bf16, the recomputed "
+                     "gradient GEMMs in fp32 (weight.float(), hidden.float(); PyTorch's default fp32 matmul, "
+                     "no TF32); compiled=False (its torch.compile of the [B, T] loss math left out); counted "
+                     "with a 16-column vocabulary chunk, extrapolated with its own (4096 columns, 2048 rows)"),
+    Subject("trl-grpo", LOSS, "TRL GRPOTrainer._compute_loss (loss_type dapo, beta 0) on its fused LM head's "
+            "log-probs and entropies (ChunkedLogProbFunction)", _loss._trl_grpo, _loss._trl_grpo_plan,
+            module="trl.kernels", dist="trl", gemm_roles=False,
+            gpu_path="its CUDA branch: the valid positions compacted as add_fused_lm_head does on a Triton device, "
+                     "the Triton fold kernels and addmm(out_dtype=float32) of ChunkedLogProbFunction (as "
+                     "trl-chunked), TRL's own _compute_loss on a stand-in trainer (GRPOConfig defaults, one process)"),
     Subject("erpo", TOKEN, "erpo_kernels.token_logprobs (Triton)", _erpo_token, _erpo_token_plan,
             uses_d=False),
     Subject("erpo-reference", TOKEN, "erpo_kernels.token_logprobs, backend='torch'", _reference_token,
@@ -529,4 +567,5 @@ def run(subjects: List[Subject], targets: List[Shape], log=say, jobs: int = 1) -
                         f"{r['passes']['both']['H200']['ms']:.1f} ms" for r in results))
     return {"hardware": {k: vars(h) for k, h in HARDWARE.items()}, "bytes_rule": BYTES_RULE, "l2_rule": L2_RULE,
             "targets_note": TARGETS_NOTE, "dtype": "bf16", "subjects": entries,
+            **({"layout_note": _loss.LAYOUT_NOTE} if any(s.op == LOSS for s in subjects) else {}),
             "targets": [dict(zip("NDV", t)) for t in targets]}

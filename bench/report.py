@@ -28,7 +28,8 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 COST_FILE = "cost.json"  # bench/results/cost.json: {"command": "cost", "runs": [run, ...]}
 BENCH_DOC = REPO / "docs" / "benchmarks.md"
 COST_START, COST_END = "<!-- cost:start -->", "<!-- cost:end -->"
-COST_ORDER = ("erpo", "erpo-reference", "liger", "cce", "trl-chunked")
+COST_ORDER = ("erpo", "erpo-reference", "liger", "cce", "trl-chunked", "erpo-loss", "erpo-loss-cublas", "liger-grpo", "trl-grpo")
+LOSS_OP = "loss"  # bench.cost_losses.LOSS: the fused losses, forward + backward from hidden states to a scalar
 PEER_ORDER = ("eager", "eager-ce", "compile", "trl", "trl-chunked", "trl-triton", "liger", "cce", "flash-attn", "erpo-inplace")
 PASS_LABEL = {"forward": "fwd", "backward": "bwd", "both": "fwd+bwd"}
 # The CPU target of the benchmark issue (measured, never asserted).
@@ -481,8 +482,7 @@ def regenerate(out_dir: str | os.PathLike = RESULTS_DIR, write_readme_table: boo
     results = all_results(out_dir)
     for machine, data in results.items():
         plot(machine, data, out_dir)
-    runs = cost_runs(out_dir)
-    text = markdown(results, runs[-1] if runs else None)
+    text = markdown(results, current_cost_run(cost_runs(out_dir)))
     if write_readme_table and Path(out_dir).resolve() == Path(RESULTS_DIR).resolve():
         if write_readme(text, README):
             print(f"README.md: section between {START} and {END} regenerated")
@@ -543,6 +543,37 @@ def cost_runs(out_dir: str | os.PathLike = RESULTS_DIR) -> List[Dict[str, Any]]:
     return data["runs"]
 
 
+def _model_of(run: Dict[str, Any]) -> Tuple:
+    """What makes two runs' numbers comparable: the hardware figures, the rules and the targets."""
+    return (json.dumps(run.get("hardware"), sort_keys=True), run.get("bytes_rule"), run.get("l2_rule"),
+            json.dumps(run.get("targets"), sort_keys=True))
+
+
+def current_cost_run(runs: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The newest run, with every subject it did not count taken from the newest older run of
+    the same model (hardware, rules, targets) that did: what the docs show. A `bench cost
+    --record --subjects ...` run restricted to some subjects thus leaves the others' records in
+    place. Each subject carries the commit and timestamp of the run that counted it."""
+    if not runs:
+        return None
+    newest = runs[-1]
+    view = dict(newest)
+    seen = set()
+    subjects = []
+    for run in reversed(runs):
+        if run is not newest and _model_of(run) != _model_of(newest):
+            continue
+        for sub in run["subjects"]:
+            key = (sub["name"], sub["op"])
+            if key in seen:
+                continue
+            seen.add(key)
+            subjects.append(dict(sub, commit=run.get("commit"), timestamp=run.get("timestamp"),
+                                 compile_facts=run.get("compile_facts")))
+    view["subjects"] = subjects
+    return view
+
+
 def append_cost_run(run: Dict[str, Any], out_dir: str | os.PathLike = RESULTS_DIR) -> Path:
     p = Path(out_dir) / COST_FILE
     runs = cost_runs(out_dir) if p.exists() else []
@@ -580,17 +611,18 @@ def model_sentence(run: Dict[str, Any], hw: str = "H200") -> str:
             "peak); `HBM`: the modelled HBM traffic of forward + backward.")
 
 
-def _facts_cell(run: Dict[str, Any], group: str, arch: str) -> str:
+def _facts_cell(facts: Dict[str, Any], group: str, arch: str) -> str:
     from .aot import facts_text
 
-    f = run.get("compile_facts", {}).get(group.split("/")[-1], {}).get(arch)
+    f = (facts or {}).get(group.split("/")[-1], {}).get(arch)
     return facts_text(f) if f else "-"
 
 
 def _launch_table(run: Dict[str, Any], s: Dict[str, Any], r: Dict[str, Any], hw: str) -> List[str]:
     """Per launch group of one subject at one target: counts, the four times' winner, compile facts."""
     groups = [g for g in r["groups"] if g["model"][hw]["ms"] >= 0.005]
-    facts = bool(run.get("compile_facts")) and "error" not in run["compile_facts"]
+    compile_facts = s.get("compile_facts", run.get("compile_facts")) or {}
+    facts = bool(compile_facts) and "error" not in compile_facts
     out = [f"`{s['name']}` {s['op']} at {_shape_label(r['shape'], s['op'])}, per launch group ({hw}):", "",
            "| group | launches | programs | L2 bytes (loaded + stored) | FLOP per L2 byte | HBM bytes (rule) | "
            "shared-memory bytes | FLOPs | ms | bound by |" + (" sm_90 | sm_100 |" if facts else ""),
@@ -604,31 +636,46 @@ def _launch_table(run: Dict[str, Any], s: Dict[str, Any], r: Dict[str, Any], hw:
                  else "-", f"{_gb(m['hbm_bytes'])} ({m['bytes_rule']})", _gb(m.get("smem_bytes", 0)), fl,
                  f"{m['ms']:.2f}", {"bytes": "HBM"}.get(m["dominant"], m["dominant"])]  # fmt: skip
         if facts:
-            cells += [_facts_cell(run, g["group"], "sm_90"), _facts_cell(run, g["group"], "sm_100")]
+            cells += [_facts_cell(compile_facts, g["group"], "sm_90"), _facts_cell(compile_facts, g["group"], "sm_100")]
         out.append("| " + " | ".join(cells) + " |")
     return out + [""]
+
+
+# The ops of a cost run, in table order: (op, first column's title, the floor the ratio is to)
+COST_OPS = (("linear_token_logprobs", "linear_token_logprobs", "4-GEMM"),
+            (LOSS_OP, "fused loss (hidden, weight -> scalar)", "3-GEMM"),
+            ("token_logprobs", "token_logprobs", None))
+OURS = ("erpo", "erpo-loss", "erpo-loss-cublas")  # the subjects whose launch groups are tabled
+
+
+def _subject_name(s: Dict[str, Any], run: Dict[str, Any]) -> str:
+    name = f"`{s['name']}`" + (f" {s['version']}" if s.get("version") else "")
+    if s.get("commit") and s.get("commit") != run.get("commit"):
+        name += f" (commit {str(s['commit'])[:12]})"
+    return name
 
 
 def cost_tables(run: Dict[str, Any], hw: str = "H200") -> List[str]:
     """The modelled times of every subject at the targets (fwd+bwd, and fwd), beside the GEMM
     floors, then the per-kernel breakdown of ours at each target."""
-    subs = sorted(run["subjects"], key=lambda s: (s["op"] != "linear_token_logprobs",
+    order = [op for op, _, _ in COST_OPS]
+    subs = sorted(run["subjects"], key=lambda s: (order.index(s["op"]) if s["op"] in order else 9,
                                                    COST_ORDER.index(s["name"]) if s["name"] in COST_ORDER else 99))
     out = [model_sentence(run, hw), ""]
-    for op in ("linear_token_logprobs", "token_logprobs"):
+    for op, title, floor in COST_OPS:
         rows = [s for s in subs if s["op"] == op]
         if not rows:
             continue
         ok = next((s for s in rows if s["status"] == "ok"), None)
         shapes = [r["shape"] for r in ok["results"]] if ok else []
-        head = "| " + op + " | " + " | ".join(f"{_shape_label(x, op)} fwd+bwd | fwd" for x in shapes) + " |"
+        head = "| " + title + " | " + " | ".join(f"{_shape_label(x, op)} fwd+bwd | fwd" for x in shapes) + " |"
         out += [head, "|---|" + "---|---|" * len(shapes)]
-        if op == "linear_token_logprobs" and ok:
+        if floor and ok:
             for k in (3, 4):
                 out.append(f"| {k}-GEMM floor | " + " | ".join(
                     f"{r['floors_ms'][hw][f'{k}-GEMM']:.1f} ms | -" for r in ok["results"]) + " |")
         for s in rows:
-            name = f"`{s['name']}`" + (f" {s['version']}" if s.get("version") else "")
+            name = _subject_name(s, run)
             if s["status"] != "ok":
                 out.append(f"| {name} | " + " | ".join(f"{s['status']} | -" for _ in shapes) + " |")
                 continue
@@ -636,16 +683,18 @@ def cost_tables(run: Dict[str, Any], hw: str = "H200") -> List[str]:
             for r in s["results"]:
                 both, fwd = r["passes"]["both"][hw]["ms"], r["passes"]["forward"][hw]["ms"]
                 hbm = sum(g["model"][hw]["hbm_bytes"] for g in r.get("groups", []))
-                ratio = f"{both / r['floors_ms'][hw]['4-GEMM']:.2f}x floor, " if op == "linear_token_logprobs" else ""
+                which = f"{floor} " if op == LOSS_OP else ""  # the linear op's ratio has always been to 4 GEMMs
+                ratio = f"{both / r['floors_ms'][hw][floor]:.2f}x {which}floor, " if floor else ""
                 cells.append(f"{both:.1f} ms ({ratio}{_gb(hbm)} HBM) | {fwd:.1f} ms")
             inexact = "" if s.get("exact") else f" (fit off by {s.get('held_out_rel_err', float('nan')):.0e} held out)"
             out.append(f"| {name}{inexact} | " + " | ".join(cells) + " |")
         out.append("")
     notes = [f"`{s['name']}` ({s['op']}): {s['label']}" + (f"; counted on {s['gpu_path']}" if s.get("gpu_path") else "")
              + (f"; {s['status']}: {s['reason']}" if s["status"] != "ok" else "") for s in subs]
-    out += ["Subjects: " + "; ".join(notes) + ". Inputs: " + run.get("targets_note", "") + ".", ""]
+    out += ["Subjects: " + "; ".join(notes) + ". Inputs: " + run.get("targets_note", "")
+            + (f"; {run['layout_note']}" if run.get("layout_note") else "") + ".", ""]
     for s in subs:
-        if s["name"] != "erpo" or s["status"] != "ok":
+        if s["name"] not in OURS or s["status"] != "ok":
             continue
         for r in s["results"]:
             out += _launch_table(run, s, r, hw)
@@ -654,37 +703,51 @@ def cost_tables(run: Dict[str, Any], hw: str = "H200") -> List[str]:
 
 def cost_history(runs: List[Dict[str, Any]], hw: str = "H200") -> List[str]:
     """Our linear op's modelled fwd+bwd per commit (every run), at each target."""
-    lines = []
+    lines, shapes = [], []
     for run in runs:
         s = next((x for x in run["subjects"] if x["name"] == "erpo" and x["op"] == "linear_token_logprobs"
                   and x["status"] == "ok"), None)
         if s:
+            shapes = s["results"]
             lines.append(f"| {str(run.get('commit'))[:12]} | {run.get('timestamp')} | " + " | ".join(
                 f"{r['passes']['both'][hw]['ms']:.1f} ms ({r['passes']['both'][hw]['ms'] / r['floors_ms'][hw]['4-GEMM']:.2f}x)"
                 for r in s["results"]) + " |")
     if len(lines) < 2:
         return []
-    shapes = next(x for x in runs[-1]["subjects"] if x["name"] == "erpo" and x["status"] == "ok")["results"]
     return ([f"`erpo` linear_token_logprobs fwd+bwd by commit ({hw} model, x the 4-GEMM floor):", "",
              "| commit | run | " + " | ".join(_shape_label(r["shape"], "linear") for r in shapes) + " |",
              "|---|---|" + "---|" * len(shapes)] + lines + [""])
 
 
 def cost_summary_line(run: Dict[str, Any], hw: str = "H200") -> str:
-    """One line for the README: fwd+bwd of the linear op at the first target, ours and the peers."""
+    """One line for the README: fwd+bwd at the first target of the linear op and of the fused
+    losses, ours and the peers."""
+    order = lambda s: COST_ORDER.index(s["name"]) if s["name"] in COST_ORDER else 99  # noqa: E731
     subs = [s for s in run["subjects"] if s["op"] == "linear_token_logprobs" and s["status"] == "ok"]
-    if not subs:
+    losses = sorted((s for s in run["subjects"] if s["op"] == LOSS_OP and s["status"] == "ok"), key=order)
+    if not subs and not losses:
         return ""
-    r0 = subs[0]["results"][0]
-    floor = r0["floors_ms"][hw]["4-GEMM"]
-    parts = [f"`{s['name']}` {s['results'][0]['passes']['both'][hw]['ms']:.1f} ms" for s in
-             sorted(subs, key=lambda s: COST_ORDER.index(s["name"]) if s["name"] in COST_ORDER else 99)]
     h = run["hardware"][hw]
     model = (f"FLOPs, HBM, L2 at {h['l2_bytes_per_s'] / 1e12:.0f} TB/s and shared memory charged"
              if h.get("l2_bytes_per_s") and run.get("l2_rule") else "FLOPs and HBM charged, not the L2")
-    return (f"Cost model ({hw}, {model}; not a measurement; linear_token_logprobs fwd+bwd, bf16, "
-            f"{_shape_label(r0['shape'], 'linear')}; 4-GEMM floor {floor:.1f} ms): " + ", ".join(parts)
-            + ". Tables: [docs/benchmarks.md](docs/benchmarks.md#cost-model).")
+    parts = []
+    if subs:
+        r0 = subs[0]["results"][0]
+        floor = r0["floors_ms"][hw]["4-GEMM"]
+        parts.append(f"linear_token_logprobs fwd+bwd, bf16, {_shape_label(r0['shape'], 'linear')}; 4-GEMM floor "
+                     f"{floor:.1f} ms): " + ", ".join(f"`{s['name']}` {s['results'][0]['passes']['both'][hw]['ms']:.1f} ms"
+                                                      for s in sorted(subs, key=order)))
+    if losses:
+        r0 = losses[0]["results"][0]
+        floor3 = r0["floors_ms"][hw]["3-GEMM"]
+        loss_part = (f"fused loss fwd+bwd at {_shape_label(r0['shape'], 'linear')} (3-GEMM floor {floor3:.1f} ms): "
+                     + ", ".join(f"`{s['name']}` {s['results'][0]['passes']['both'][hw]['ms']:.1f} ms "
+                                 f"({s['results'][0]['passes']['both'][hw]['ms'] / floor3:.2f}x)" for s in losses))
+        parts.append(loss_part if subs else loss_part + ")")
+    text = f"Cost model ({hw}, {model}; not a measurement; " + parts[0]
+    if len(parts) > 1:
+        text += "; " + parts[1]
+    return text + ". Tables: [docs/benchmarks.md](docs/benchmarks.md#cost-model)."
 
 
 def cost_markdown(out_dir: str | os.PathLike = RESULTS_DIR) -> str:
@@ -692,7 +755,7 @@ def cost_markdown(out_dir: str | os.PathLike = RESULTS_DIR) -> str:
     if not runs:
         return ""
     text = ["Generated by `python -m bench report` from `bench/results/cost.json` (`python -m bench cost`); "
-            "do not edit by hand.", ""] + cost_tables(runs[-1]) + cost_history(runs)
+            "do not edit by hand.", ""] + cost_tables(current_cost_run(runs)) + cost_history(runs)
     return "\n".join(text) + "\n"
 
 

@@ -6,8 +6,9 @@ The model is transformers' Qwen2ForCausalLM built from a Qwen2Config with random
 responses, each sequence a T-token prompt and an L-token response (N = m G (T + L) rows, laid
 out as erpo_kernels.PackedLossBatch describes). Variants:
 
-  erpo-fused   hidden states -> erpo_kernels.erpo_loss (linear_token_logprobs + entropy,
-               never an [N, V] tensor)
+  erpo-fused   hidden states -> erpo_kernels.erpo_loss, its default path (on a GPU the fused
+               3-GEMM path: the gradient formed in the forward, a chunk of whole sequences
+               at a time; never an [N, V] tensor); each record says which path ran (loss_path)
   erpo-stock   logits [N, V] -> log_softmax(fp32, / tau) + gather (entropy under no_grad,
                chunked) -> erpo_kernels.erpo_loss_from_logp: the same loss math
   grpo-stock   the GRPO objective (beta k3 per response token): a reference-model forward
@@ -241,6 +242,7 @@ def make_step(case: StepCase, variant: str, device: str):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     fused = variant.endswith("fused")
     peaks: List[int] = []
+    path: List[str] = []  # erpo_loss's path (fused variants)
 
     def ref_logp() -> torch.Tensor:
         with torch.no_grad():
@@ -256,6 +258,8 @@ def make_step(case: StepCase, variant: str, device: str):
             batch.ref_logp = ref_logp()
         if fused:
             hidden = model.model(input_ids=ids).last_hidden_state.reshape(n, -1)  # [N, D]
+            if not path:
+                path.append(fused_loss_path(hidden, model.lm_head.weight, batch, config))
             loss, metrics = erpo_loss(hidden, model.lm_head.weight, batch, config)
         else:
             logits = model(input_ids=ids).logits.reshape(n, -1)  # [N, V]
@@ -268,6 +272,7 @@ def make_step(case: StepCase, variant: str, device: str):
         batch.ref_logp = None
         return metrics
 
+    step.loss_path = path  # type: ignore[attr-defined]
     return model, opt, step, n, peaks
 
 
@@ -326,6 +331,22 @@ def _micro_step(model: Any, opt: Any, packed: Any, batch: Any, config: Any, budg
     return step
 
 
+def fused_loss_path(hidden: torch.Tensor, weight: torch.Tensor, batch: Any, config: Any) -> str:
+    """Which path erpo_loss(hidden, weight, batch, config) takes: "fused (3 GEMMs)", or
+    "4-GEMM: " and why not (erpo_kernels.objective.fused's rules; reads span_cu_seqlens)."""
+    try:
+        from erpo_kernels.fused_linear_loss import rows_for_budget
+        from erpo_kernels.objective.fused import check_fused_budget, fused_path_reason
+        from erpo_kernels.objective.micro_batches import row_chunks
+    except ImportError:
+        return "4-GEMM: this erpo_kernels has no fused path"
+    budget = check_fused_budget(None)
+    reason = fused_path_reason(hidden, weight, None, config, None, "auto", budget)
+    if reason is None and row_chunks(batch, rows_for_budget(budget, weight.shape[0])) is None:
+        reason = "a sequence longer than a chunk"
+    return "fused (3 GEMMs)" if reason is None else f"4-GEMM: {reason}"
+
+
 def _current_peak(device: str) -> int:
     return torch.cuda.max_memory_allocated() if device == "cuda" else peak_rss_bytes()
 
@@ -345,6 +366,8 @@ def measure_variant(case: StepCase, variant: str, device: str, warmup: int, repe
     if peaks and m.before_mb is not None:  # peaks[-1] was read during the memory run (the last one)
         m.extra["peak_extra_fwd_bwd_mb"] = round(max(0.0, peaks[-1] / MIB - m.before_mb), 2)
     m.extra["loss"] = last.get("loss")
+    if getattr(step, "loss_path", None):
+        m.extra["loss_path"] = step.loss_path[0]
     m.extra["finite"] = bool(all(math.isfinite(v) for v in last.values())) if last else False
     m.extra["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 1)
     if m.median_ms:

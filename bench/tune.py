@@ -4,7 +4,11 @@ For each (dtype, D, V) asked for, the candidate tiles of the GPU's architecture 
 the default first, then variations of the logit and product tiles) that pass the compile
 check of erpo_kernels.tiles (bench/aot.py: shared memory within the per-block limit, no
 spills, dots on the tensor cores) are timed, forward + backward at a fixed timing batch, and
-the fastest is recorded in the tuning file the op reads (erpo_kernels.tuning). The key is
+the fastest is recorded in the tuning file the op reads (erpo_kernels.tuning). Where the
+tiles have a products engine (Tiles.gemm_engine: 0 our Triton product kernel, 1 cuBLAS via
+torch matmuls), erpo_loss's fused path, whose products it picks, is then timed forward +
+backward with the fastest tiles on each engine, and the faster engine is what is recorded
+(the entry's "engine" and "engine_ms" say which and by how much). The key is
 (GPU, op, dtype, D, V): the batch size N is only how the timing is done, never part of what
 is chosen, so a row's results stay independent of the batch. Without a tuning file (or
 without an entry for a shape) the defaults of erpo_kernels.default_tiles apply.
@@ -96,9 +100,70 @@ def time_tiles(tiles, dtype: torch.dtype, d: int, v: int, n: int = TIMING_ROWS, 
     return sorted(times)[len(times) // 2]
 
 
+ENGINES = {0: "triton", 1: "cublas"}  # Tiles.gemm_engine: who runs erpo_loss's fused-path products
+
+
+def has_engine() -> bool:
+    """This erpo_kernels' Tiles choose the products engine (Tiles.gemm_engine)."""
+    from dataclasses import fields
+
+    from erpo_kernels import Tiles
+
+    return "gemm_engine" in {f.name for f in fields(Tiles)}
+
+
+def time_fused(tiles, dtype: torch.dtype, d: int, v: int, n: int = TIMING_ROWS, repeats: int = 5) -> float:
+    """Median ms of one forward + backward of erpo_loss (vanilla erpo with the Query-KL, the
+    cost model's batch layout: bench.cost_losses.LAYOUT) at these tiles on the GPU: its
+    default fused path, where Tiles.gemm_engine runs the products."""
+    from erpo_kernels import LossConfig, erpo_loss
+
+    from .cost_losses import LAYOUT, loss_batch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    weight = (torch.randn(v, d, device="cuda", dtype=dtype, generator=g) / d ** 0.5).requires_grad_()
+    batch = loss_batch(n, LAYOUT, v).to("cuda")
+    times = []
+    for i in range(repeats + 1):  # the first call compiles
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        erpo_loss(hidden, weight, batch, LossConfig(), tiles=tiles, sync_metrics=False)[0].backward()
+        end.record()
+        torch.cuda.synchronize()
+        if i:
+            times.append(start.elapsed_time(end))
+        hidden.grad = weight.grad = None
+    return sorted(times)[len(times) // 2]
+
+
+def choose_engine(tiles, dtype: torch.dtype, d: int, v: int, timer: Callable = time_fused,
+                  log=print) -> Tuple[object, Dict[str, float]]:
+    """(tiles with the faster products engine, ms per engine that ran) at these tiles;
+    an engine that fails to run is left out (the tiles' own engine if neither ran)."""
+    from dataclasses import replace
+
+    timed: Dict[int, float] = {}
+    for engine in ENGINES:
+        candidate = replace(tiles, gemm_engine=engine)
+        try:
+            timed[engine] = timer(candidate, dtype, d, v)
+        except Exception as exc:  # noqa: BLE001 (OutOfResources, ...): this engine does not run here
+            log(f"  engine {ENGINES[engine]}: failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+            continue
+        log(f"  {timed[engine]:8.2f} ms  erpo_loss fwd+bwd, products on {ENGINES[engine]}")
+    if not timed:
+        return tiles, {}
+    best = min(timed, key=lambda e: timed[e])
+    return replace(tiles, gemm_engine=best), {ENGINES[e]: ms for e, ms in timed.items()}
+
+
 def tune_one(gpu: str, capability: Tuple[int, int], dtype: torch.dtype, d: int, v: int, deadline: float,
-             log=print, timer: Callable = time_tiles, check: Optional[Callable] = None) -> Optional[Dict]:
-    """The tuning entry of the fastest candidate that ran (None if none did before the deadline)."""
+             log=print, timer: Callable = time_tiles, check: Optional[Callable] = None,
+             engine_timer: Optional[Callable] = time_fused) -> Optional[Dict]:
+    """The tuning entry of the fastest candidate that ran (None if none did before the deadline),
+    with the faster products engine for erpo_loss's fused path where the tiles have one
+    (engine_timer None: the candidates' own engine)."""
     from erpo_kernels.tuning import dtype_name
 
     timed: List[Tuple[float, object]] = []
@@ -116,9 +181,15 @@ def tune_one(gpu: str, capability: Tuple[int, int], dtype: torch.dtype, d: int, 
     if not timed:
         return None
     ms, best = min(timed, key=lambda x: x[0])
-    return {"gpu": gpu, "capability": list(capability), "op": "linear_token_logprobs", "dtype": dtype_name(dtype),
-            "D": d, "V": v, "tiles": asdict(best), "ms": ms, "timing_rows": TIMING_ROWS,
-            "timed": [{"ms": m, "tiles": asdict(t)} for m, t in timed], "triton": _triton_version()}
+    entry = {"gpu": gpu, "capability": list(capability), "op": "linear_token_logprobs", "dtype": dtype_name(dtype),
+             "D": d, "V": v, "tiles": asdict(best), "ms": ms, "timing_rows": TIMING_ROWS,
+             "timed": [{"ms": m, "tiles": asdict(t)} for m, t in timed], "triton": _triton_version()}
+    if engine_timer is not None and has_engine():
+        best, engine_ms = choose_engine(best, dtype, d, v, engine_timer, log)
+        if engine_ms:
+            entry.update(tiles=asdict(best), engine=ENGINES[best.gemm_engine], engine_ms=engine_ms,
+                         engine_timed=f"erpo_loss fwd+bwd (its fused path) at N={TIMING_ROWS}")
+    return entry
 
 
 def _triton_version() -> str:
@@ -160,5 +231,6 @@ def run(shapes: Sequence[Tuple[int, int]], dtypes: Sequence[str], budget_s: floa
             if entry is not None:
                 entries.append(entry)
                 path = write_entries([entry], Path(out) if out else None)  # saved as it goes
-                log(f"  fastest {entry['ms']:.2f} ms -> {path}")
+                engine = f", products on {entry['engine']}" if entry.get("engine") else ""
+                log(f"  fastest {entry['ms']:.2f} ms{engine} -> {path}")
     return 0 if entries else 1

@@ -126,6 +126,9 @@ def test_step_tiny(tmp_path):
         assert r["tokens"] == 2 * 2 * (6 + 5) and r["median_ms"] > 0
     # the fused path and the stock path compute the same loss from the same weights and batch
     assert recs["erpo-fused"]["loss"] == pytest.approx(recs["erpo-stock"]["loss"], rel=1e-4, abs=1e-6)
+    # which path erpo_loss took is recorded (on a GPU: its fused 3-GEMM path; here the interpreter's or torch's)
+    assert recs["erpo-fused"]["loss_path"].startswith(("fused (3 GEMMs)", "4-GEMM: ")) and "loss_path" not in \
+        recs["erpo-stock"]
 
 
 def test_step_padded_vs_packed_tiny():

@@ -427,3 +427,107 @@ def test_bench_cost_writes_the_untracked_results_unless_recorded(monkeypatch):
     args = ["cost", "--subjects", "erpo-reference", "--ops", "token_logprobs", "--targets", "64x1x4480"]
     assert main(args) == 0 and main(args + ["--record"]) == 0
     assert saved == [str(LOCAL_RESULTS_DIR), str(RESULTS_DIR)]
+
+
+# ----------------------------------------------------------------------------- the fused losses (bench.cost_losses)
+
+
+def test_loss_layout_and_our_batch():
+    from bench import cost_losses as cl
+
+    layout = cl.LossLayout(seq_rows=8, prompt_rows=3, group=2)
+    batch = cl.loss_batch(32, layout, 50)  # 4 sequences of 8 rows, 2 queries
+    batch.validate()
+    assert (batch.num_rows, batch.num_sequences, batch.num_queries) == (32, 4, 2)
+    assert batch.span_cu_seqlens.tolist() == [0, 2, 8, 10, 16, 18, 24, 26, 32]  # prompt spans of T - 1 rows
+    assert torch.all(batch.targets == 0)  # every row scored, token 0 (cost_subjects.TARGETS_NOTE, cost_losses.LAYOUT)
+    with pytest.raises(ValueError, match="whole queries"):
+        layout.sequences(24)  # 3 sequences: not whole queries of 2
+    assert cl.LAYOUT.sequences(8192) == 16 and cl.LAYOUT.group == 1
+
+
+def test_the_peers_loss_subjects_compute_their_grpo_loss():
+    """liger-grpo and trl-grpo run the peers' own loss code: on-policy (ratio 1) with loss_type
+    dapo and beta 0 the loss is -sum_t A_b(t) / N and its gradient that of -A_b(t) / N logp_t,
+    checked against a float64 log_softmax."""
+    from bench import cost_losses as cl
+
+    layout = cl.LossLayout(seq_rows=3, prompt_rows=1, group=2)
+    n, d, v = 12, 8, 40
+    g = torch.Generator().manual_seed(3)
+    h0, w0 = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g) / 3
+    adv = cl._advantages(n // 3, n).repeat_interleave(3)  # A_b of each row's sequence
+    logp = torch.log_softmax(h0.double() @ w0.double().t(), dim=-1)[:, 0]  # every target is token 0
+    want = -(adv.double() * logp).sum() / n
+    gh, gw = torch.autograd.functional.vjp(
+        lambda h, w: -(adv.double() * torch.log_softmax(h @ w.t(), dim=-1)[:, 0]).sum() / n,
+        (h0.double(), w0.double()))[1]
+    for call in (cl._liger_grpo, cl._trl_grpo):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = call(h, w, layout)
+        loss.backward()
+        assert float(loss.detach()) == pytest.approx(-float(adv.sum()) / n, abs=1e-6) and float(want.detach()) != 0
+        torch.testing.assert_close(h.grad.double(), gh, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(w.grad.double(), gw, rtol=1e-4, atol=1e-6)
+
+
+def test_liger_grpo_fits_exactly_on_held_out_shapes():
+    """Counted with a 16-column vocabulary chunk and a layout per shape (B apart from N), the
+    fit reproduces both held-out shapes exactly; at the target its real 4096-column chunks and
+    B = N / 512 one-sequence chunks are what is evaluated."""
+    from bench import cost_subjects as cs
+
+    sub = next(s for s in cs.SUBJECTS if s.name == "liger-grpo")
+    fit = cs.fit_subject(sub, cs.TARGETS[0], {}, log=lambda *a: None)
+    assert fit.fit_exact and fit.exact and len(fit.checks) == 2, fit.checks
+    r = cs.evaluate(fit, cs.TARGETS[0])
+    flops = {}
+    for grp in r["groups"]:
+        for k, x in grp["flops"].items():
+            flops[k] = flops.get(k, 0) + x
+    n, d, v = cs.TARGETS[0]
+    # its forward runs 4 GEMMs of work: the logits twice in bf16, the two gradient GEMMs in fp32
+    assert flops == {"bf16": 2 * 2 * n * d * v, "fp32": 2 * 2 * n * d * v}
+    assert r["passes"]["backward"]["H200"]["ms"] < 1e-3  # its backward returns what the forward formed
+
+
+def test_cost_view_keeps_the_subjects_a_restricted_run_did_not_count():
+    """`bench cost --record --subjects a,b` appends a run with only those: the docs show them
+    beside the other subjects' newest records of the same model, each with its own commit."""
+    from bench import report
+
+    def run(commit, names, hw=1.0, ms=1.0):
+        return {"commit": commit, "hardware": {"H200": {"x": hw}}, "bytes_rule": "b", "l2_rule": "l",
+                "targets": [{"N": 1, "D": 1, "V": 1}],
+                "subjects": [{"name": n, "op": "loss", "status": "ok", "ms": ms} for n in names]}
+
+    runs = [run("a0", ["erpo", "liger"], ms=1.0), run("b1", ["erpo"], hw=2.0), run("c2", ["erpo", "trl"], ms=3.0)]
+    view = report.current_cost_run(runs)
+    got = {s["name"]: (s["commit"], s["ms"]) for s in view["subjects"]}
+    assert got == {"erpo": ("c2", 3.0), "trl": ("c2", 3.0), "liger": ("a0", 1.0)}  # b1: another model, not used
+    assert view["commit"] == "c2" and report.current_cost_run([]) is None
+
+
+def _loss_run(names_ms):
+    from bench.cost_model import HARDWARE, gemm_floor_s
+
+    n, d, v = 8192, 4096, 151936
+    floors = {hw: {f"{k}-GEMM": gemm_floor_s((n, d, v), k, h) * 1e3 for k in (1, 2, 3, 4)} for hw, h in HARDWARE.items()}
+    subs = [{"name": name, "op": "loss", "label": name, "status": "ok", "exact": True, "version": None,
+             "results": [{"shape": {"N": n, "D": d, "V": v}, "floors_ms": floors, "groups": [],
+                          "passes": {p: {"H200": {"ms": ms}} for p in ("forward", "backward", "both")}}]}
+            for name, ms in names_ms]
+    return {"commit": "c0ffee", "hardware": {k: vars(h) for k, h in HARDWARE.items()}, "bytes_rule": "rule",
+            "l2_rule": "l2", "targets_note": "note", "layout_note": "B = N / 512", "subjects": subs}
+
+
+def test_cost_tables_and_readme_line_show_the_fused_losses_against_the_3_gemm_floor():
+    from bench import report
+
+    run = _loss_run([("trl-grpo", 56.5), ("erpo-loss", 40.0), ("liger-grpo", 433.7)])
+    text = "\n".join(report.cost_tables(run))
+    assert "| fused loss (hidden, weight -> scalar) |" in text and "| 3-GEMM floor | 30.9 ms |" in text
+    assert "| `erpo-loss` | 40.0 ms (1.29x 3-GEMM floor, " in text and "B = N / 512" in text
+    assert text.index("`erpo-loss`") < text.index("`liger-grpo`") < text.index("`trl-grpo`")
+    line = report.cost_summary_line(run)
+    assert "fused loss fwd+bwd at N=8192 D=4096 V=151936 (3-GEMM floor 30.9 ms): `erpo-loss` 40.0 ms (1.29x)" in line
