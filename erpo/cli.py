@@ -245,7 +245,8 @@ eval.md and eval.png in <out>/<name>/; with several models compare.md/png/json i
   temperatures=  sampling temperatures, each > 0; greedy is always run.  [default: %s]
   n=             samples per problem and temperature.  [default: 8]
   k=             k of Pass@k, each <= n.  [default: every k from 1 to n]
-  max_new_tokens= response length (default: the run's; outside any run %d, %d for data=arithmetic)
+  max_new_tokens= response length (default: the run's; outside any run %d (%d for model=tiny), %d for
+                 data=arithmetic)
   batch_size=, limit= (the first N problems only)
   save_samples=true  also write samples.jsonl: every completion, its question and prompt, gold answer, grade
   out=           report directory  [default: <run>/eval for one run, <their parent>/eval
@@ -262,9 +263,10 @@ def _print_help(command: str) -> None:
         print(study_help())
         return
     if command == "eval":
-        from .config import DEMO_MAX_NEW_TOKENS, EVAL_TEMPERATURES, MAX_NEW_TOKENS
+        from .config import DEMO_MAX_NEW_TOKENS, EVAL_TEMPERATURES, MAX_NEW_TOKENS, TINY_MAX_NEW_TOKENS
 
-        print(EVAL_HELP % (",".join(map(str, EVAL_TEMPERATURES)), MAX_NEW_TOKENS, DEMO_MAX_NEW_TOKENS))
+        print(EVAL_HELP % (",".join(map(str, EVAL_TEMPERATURES)), MAX_NEW_TOKENS, TINY_MAX_NEW_TOKENS,
+                           DEMO_MAX_NEW_TOKENS))
         print(help_text())
         return
     print(f"usage: erpo {command} [config.yaml] [key=value ...]\n\nkeys, by section:\n\n{help_text()}")

@@ -545,7 +545,8 @@ class TrainConfig:
     def eval_max_tokens(self) -> int:
         """The response length at evaluation: eval_max_new_tokens, else max_new_tokens, else
         (auto, a model outside any run) the auto value for the evaluation data."""
-        auto = DEMO_MAX_NEW_TOKENS if self.eval_is_demo_task else MAX_NEW_TOKENS
+        auto = (DEMO_MAX_NEW_TOKENS if self.eval_is_demo_task else
+                TINY_MAX_NEW_TOKENS if "tiny" in self.eval.checkpoints else MAX_NEW_TOKENS)  # fits its context
         return self.eval.max_new_tokens or self.max_new_tokens or auto
 
     @property

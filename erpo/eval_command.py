@@ -248,6 +248,14 @@ def eval_command(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
     if cfg.eval.limit:
         examples = examples[: cfg.eval.limit]
     device = resolve_device(cfg)  # and cpu_threads, before a warm start of model=tiny trains
+    if "tiny" in cfg.eval.checkpoints:  # its context, checked before its warm start (minutes on a CPU)
+        from .config import TINY_CONTEXT
+        from .data import encode_prompts
+        from .models import check_context_length
+        from .tiny import build_tokenizer
+
+        prompts = encode_prompts(build_tokenizer(), examples, cfg.eval_template)
+        check_context_length("tiny", max(len(p) for p in prompts), cfg.eval_max_tokens, limit=TINY_CONTEXT)
     targets = _eval_targets(cfg, log)  # model dir -> report name
     out_root = _writable_out_root(cfg)
     max_new_tokens = cfg.eval_max_tokens

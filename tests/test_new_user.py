@@ -415,3 +415,18 @@ def test_a_refused_start_under_torchrun_is_one_line_from_rank_0_and_exit_status_
         err = capsys.readouterr().err
         assert err.count("erpo: error: tp_size=3 does not divide the 2 rank(s)") == lines, err
     assert not (tmp_path / "r").exists()
+
+
+def test_eval_of_tiny_on_own_data_checks_its_context_before_the_warm_start(capsys, tmp_path, monkeypatch):
+    import erpo.tiny as tiny_module
+    from erpo.config import TINY_MAX_NEW_TOKENS
+
+    def trained(*args, **kwargs):
+        raise AssertionError("the warm start was trained before the context check")
+
+    monkeypatch.setattr(tiny_module, "warm_start", trained)
+    data = _own_data(tmp_path)
+    assert resolve_config(["model=tiny", f"data={data}"], "eval").eval_max_tokens == TINY_MAX_NEW_TOKENS
+    one_line_error(capsys, ["eval", "model=tiny", f"data={data}", "max_new_tokens=1000", f"out={tmp_path}/e",
+                            f"cache_dir={tmp_path}/cache", "progress=false"],
+                   "has a context of 1024 positions", "+ max_new_tokens=1000 needs")
