@@ -118,7 +118,7 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
                            dict(HAS_SOFTCAP=on, HAS_ENTROPY_GRAD=on, WANT_DB=on, ZERO_PAD=on, UPCAST=False,
                                 BLOCK_N=tiles.block_n, BLOCK_V=fused.dr_block_v(tiles)),
                            fused.DR_WARPS, tiles.num_stages, False, has_dots=False))  # fmt: skip
-        out.append(Variant(f"{tag}", m._ltl_bwd_dr_kernel, types, dict(base, HAS_ENTROPY_GRAD=on, WANT_DB=on),
+        out.append(Variant(f"{tag}", m._ltl_bwd_dr_kernel, types, dict(base, HAS_ENTROPY_GRAD=on, WANT_DB=on, ZERO_PAD=on),
                            tiles.num_warps, tiles.num_stages, lowp))
     gemm = dict(flags, GEMM_N=tiles.gemm_n, GEMM_V=tiles.gemm_v, GEMM_D=tiles.gemm_d, GEMM_K=tiles.gemm_k)
     out.append(Variant("products", m._ltl_bwd_gemm_kernel, types, gemm, tiles.gemm_warps, tiles.gemm_stages, lowp))

@@ -58,6 +58,7 @@ from .linear_token_logprobs import (
     _softmax_grad,
     _split_vocab,
     _tiles_of,
+    _torch_chunk_products,
 )
 from .logit_transform import LogitTransform
 from .tiles import Tiles
@@ -142,24 +143,6 @@ def _fused_dr_kernel(
         )
         if WANT_DB:  # padded rows hold dr = 0
             tl.store(db_part_ptr + (pid // n_vt).to(tl.int64) * stride_dr + local, tl.sum(dr, axis=0), mask=col_mask)
-
-
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
-    """out (+)= a @ b for the torch products: a, b in the input dtype; out in their dtype
-    (one cuBLAS GEMM, fp32 accumulation inside) or fp32 (on CUDA one GEMM of the input
-    dtype's operands with an fp32 output, addmm(out_dtype=float32); on a CPU the operands
-    are upcast first)."""
-    if out.dtype == a.dtype:
-        if accumulate:
-            out.addmm_(a, b)
-        else:
-            torch.mm(a, b, out=out)
-    elif out.is_cuda:
-        torch.addmm(out, a, b, beta=1 if accumulate else 0, out_dtype=out.dtype, out=out)
-    elif accumulate:
-        out.addmm_(a.to(out.dtype), b.to(out.dtype))
-    else:
-        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
 
 
 class LinearLogprobsChunks:
@@ -266,25 +249,13 @@ class LinearLogprobsChunks:
                     BLOCK_N=cfg.block_n, BLOCK_V=block_v, num_warps=DR_WARPS,
                 )
                 if self.torch_products:
-                    self._torch_products(dr[:, :cols], db_part, h_c, v0, cols, n)
+                    _torch_chunk_products(launch, dr, db_part, h_c, v0, cols, out, self.dh_acc,
+                                          accumulate=self.started)  # fmt: skip
                 else:
                     _chunk_products(launch, dr, db_part, v0, cols, out, dh_acc, accumulate=self.started)
             if self.torch_products and self.need[0]:
                 d_hidden.index_copy_(0, launch.order, self.dh_acc[:n].to(d_hidden.dtype))
         self.started = True
-
-    def _torch_products(self, dr: torch.Tensor, db_part: torch.Tensor, h_c: Optional[torch.Tensor], v0: int,
-                        cols: int, n: int) -> None:
-        """The products of one vocabulary chunk by torch matmuls (dr [n, cols], rows past the
-        valid count 0)."""
-        if self.need[0]:
-            _mm_into(self.dh_acc[:n], dr, self.weight[v0 : v0 + cols], accumulate=v0 > 0)
-        if self.need[1]:
-            _mm_into(self.d_weight[v0 : v0 + cols], dr.t(), h_c, accumulate=self.started)
-        if self.need[2]:
-            part = db_part.sum(0)[:cols]
-            target = self.d_bias[v0 : v0 + cols]
-            target.add_(part) if self.started else target.copy_(part)
 
     def gradients(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(d_hidden [N, D], d_weight [V, D], d_bias [V]) in the uncast operands' dtypes,

@@ -355,6 +355,7 @@ def _ltl_bwd_dr_kernel(
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
     softcap, softcap_pre, logit_scale,  # fp32 runtime values (read with HAS_SOFTCAP)
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, WANT_DB: tl.constexpr,
+    ZERO_PAD: tl.constexpr,  # rows past the valid count get dr = 0 (the torch products read every row)
     IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -363,7 +364,7 @@ def _ltl_bwd_dr_kernel(
     rows = (pid // n_vt) * BLOCK_N + tl.arange(0, BLOCK_N)
     local = (pid % n_vt) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_mask, row_index, n_valid = _rows_of(rows, order_ptr, n_valid_ptr)
-    if tl.min(rows, axis=0) < n_valid:  # a tile of ignored rows: no work
+    if ZERO_PAD or tl.min(rows, axis=0) < n_valid:  # a tile of ignored rows: no work (unless zeroed)
         col_mask = local < chunk_cols
         cols = v0 + local
         tgt, inv_t, shift, log_l, entropy, g_logp, g_entropy = _load_row_stats(
@@ -380,10 +381,11 @@ def _ltl_bwd_dr_kernel(
             HAS_ENTROPY_GRAD, HAS_SOFTCAP,
         )
         # UPCAST (bf16 under the interpreter) is exactly when round_to must round by hand
+        store_rows = (rows < n_rows) if ZERO_PAD else row_mask
         tl.store(
             dr_ptr + rows.to(tl.int64)[:, None] * stride_dr + local[None, :],
             round_to(dr, dr_ptr.dtype.element_ty, UPCAST),
-            mask=row_mask[:, None] & col_mask[None, :],
+            mask=store_rows[:, None] & col_mask[None, :],
         )
         if WANT_DB:  # padded rows hold dr = 0
             tl.store(db_part_ptr + (pid // n_vt).to(tl.int64) * stride_dr + local, tl.sum(dr, axis=0), mask=col_mask)
@@ -673,18 +675,64 @@ def _backward(
     dr = torch.empty(n, width, dtype=hidden.dtype, device=hidden.device)  # the workspace
     db_part = torch.empty(_cdiv(n, launch.tiles.block_n) if need[2] else 0, width, dtype=torch.float32,
                           device=hidden.device)  # fmt: skip
+    engine = launch.tiles.gemm_engine  # 0: _ltl_bwd_gemm_kernel, 1: torch matmuls (_torch_chunk_products)
     acc = out[0]  # the running d_hidden in fp32: d_hidden itself for fp32 inputs, unused for one chunk
-    if acc is not None and hidden.dtype != torch.float32 and vocab > chunk:
-        acc = torch.empty(n, d, dtype=torch.float32, device=hidden.device)
+    if acc is not None and (engine == 1 or (hidden.dtype != torch.float32 and vocab > chunk)):
+        acc = torch.empty(n, d, dtype=torch.float32, device=hidden.device)  # (compact positions for torch's)
+    h_c = hidden.index_select(0, launch.order) if engine == 1 and need[1] else None
     for v0 in range(0, vocab, chunk):
         cols = min(chunk, vocab - v0)
         grid = (_cdiv(n, launch.tiles.block_n) * _cdiv(cols, launch.tiles.block_v),)
         _ltl_bwd_dr_kernel[grid](
             dr_ptr=dr, db_part_ptr=db_part if need[2] else dr, v0=v0, chunk_cols=cols, stride_dr=width,
-            WANT_DB=need[2], **stats,
+            WANT_DB=need[2], ZERO_PAD=engine == 1, **stats,
         )
-        _chunk_products(launch, dr, db_part, v0, cols, out, acc)
+        if engine == 1:
+            _torch_chunk_products(launch, dr, db_part, h_c, v0, cols, out, acc)
+        else:
+            _chunk_products(launch, dr, db_part, v0, cols, out, acc)
+    if engine == 1 and need[0]:
+        out[0].index_copy_(0, launch.order, acc.to(out[0].dtype))
     return tuple(out)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """out (+)= a @ b for the torch products: a, b in the input dtype; out in their dtype
+    (one cuBLAS GEMM, fp32 accumulation inside) or fp32 (on CUDA one GEMM of the input
+    dtype's operands with an fp32 output, addmm(out_dtype=float32); on a CPU the operands
+    are upcast first)."""
+    if out.dtype == a.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif out.is_cuda:
+        torch.addmm(out, a, b, beta=1 if accumulate else 0, out_dtype=out.dtype, out=out)
+    elif accumulate:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+    else:
+        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+def _torch_chunk_products(
+    launch: _Launch, dr: torch.Tensor, db_part: torch.Tensor, h_c: Optional[torch.Tensor], v0: int, cols: int,
+    out: List[Optional[torch.Tensor]], acc: Optional[torch.Tensor], accumulate: bool = False,
+) -> None:
+    """`_chunk_products` by torch matmuls (Tiles.gemm_engine = 1), on dr [n, C] whose rows
+    past the valid count are 0 (ZERO_PAD) and h_c = hidden[order]: the chunk's share of
+    d_hidden into acc [n, D] fp32 at compact positions (the first chunk writes it), its
+    rows of d_weight and d_bias into out[1], out[2] (added to them with `accumulate`)."""
+    d_hidden, d_weight, d_bias = out
+    n = launch.n
+    dr = dr[:n, :cols]
+    if d_hidden is not None:
+        _mm_into(acc[:n], dr, launch.weight[v0 : v0 + cols], accumulate=v0 > 0)
+    if d_weight is not None:
+        _mm_into(d_weight[v0 : v0 + cols], dr.t(), h_c, accumulate)
+    if d_bias is not None:  # every row tile's partial sums (ZERO_PAD writes them all)
+        part = db_part[: _cdiv(n, launch.tiles.block_n), :cols].sum(0)
+        target = d_bias[v0 : v0 + cols]
+        target.add_(part) if accumulate else target.copy_(part)
 
 
 def _chunk_products(

@@ -71,3 +71,21 @@ def test_no_entropy_no_bias_and_deterministic(device):
 def test_rows_for_budget():
     assert rows_for_budget(1 << 30, 151_936) == 1766
     assert rows_for_budget(10, V) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_op_backward_on_torch_products(device, dtype):
+    """linear_token_logprobs' own backward with Tiles.gemm_engine = 1 (torch matmuls for its
+    products): fp32 equal to our products within 1e-5, bf16 as close to float64 as PyTorch."""
+    args = _inputs(dtype, device)
+    ours = _ours(*args, backend="triton", tiles=replace(SMALL_TILES, gemm_engine=1))
+    if dtype == torch.float32:
+        ref = _ours(*args, backend="triton", tiles=SMALL_TILES)
+        for name, o, r in zip(("logp", "entropy", "d_hidden", "d_weight", "d_bias"), ours, ref):
+            assert o.dtype == r.dtype, name
+            torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5, msg=name)
+    else:
+        truth, same = _truth(*args), _torch_same_dtype(*args, dtype=dtype)
+        for name, o, t, s in zip(("logp", "entropy", "d_hidden", "d_weight", "d_bias"), ours, truth, same):
+            assert_close_to_ref(o.cpu(), t.cpu(), s.cpu(), input_dtype=dtype, name=name)
+    assert torch.all(ours[2][args[3] == IGNORE] == 0)
