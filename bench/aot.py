@@ -93,12 +93,18 @@ def _module(name: str):
 def _types(dtype: str) -> Dict[str, str]:
     t = {p: "*" + dtype for p in ("h_ptr", "w_ptr", "b_ptr", "dr_ptr", "dw_ptr", "db_ptr", "dh_ptr", "logits_ptr",
                                   "grad_ptr")}  # fmt: skip
-    t.update(targets_ptr="*i64", order_ptr="*i64", n_valid_ptr="*i64", **_SCALARS)
+    t.update(targets_ptr="*i64", order_ptr="*i64", n_valid_ptr="*i64", support_ptr="*i32", **_SCALARS)
     return t
 
 
+def _support_flag(on: bool) -> int:
+    """The kernels' SUPPORT flag of a variant: the bitmask (its word loads) with the options on, else none."""
+    support = _module("support")
+    return support.BITMASK if on else support.NO_SUPPORT
+
+
 def _linear_variants(dtype: str, tiles) -> List[Variant]:
-    """The forward and recompute kernels with every optional feature (bias, soft cap, entropy)
+    """The forward and recompute kernels with every optional feature (bias, soft cap, entropy, a bitmask support)
     and with none (the union of the code and the plain call), the product kernel (one
     specialization: its chunk position is a runtime value) and the merge."""
     m = _module("linear_token_logprobs")
@@ -109,7 +115,7 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
     out = []
     for on in (True, False):
         base = dict(flags, BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d, HAS_BIAS=on,
-                    HAS_SOFTCAP=on)  # fmt: skip
+                    HAS_SOFTCAP=on, SUPPORT=_support_flag(on))  # fmt: skip
         tag = "bias+softcap+entropy" if on else "plain"
         out.append(Variant(f"{tag}", m._ltl_fwd_kernel, types, dict(base, WANT_ENTROPY=on, KEEP_LOGITS=on),
                            tiles.num_warps, tiles.num_stages, lowp))  # fmt: skip
@@ -129,7 +135,8 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
 
 
 def _token_variants(dtype: str, tiles) -> List[Variant]:
-    """The row kernels with every option (entropy, soft cap; both upstream gradients) and with none."""
+    """The row kernels with every option (entropy, soft cap, a bitmask support; both upstream gradients) and with
+    none."""
     m = _module("token_logprobs")
     types = _types(dtype)
     out = []
@@ -138,11 +145,13 @@ def _token_variants(dtype: str, tiles) -> List[Variant]:
     for on in (True, False):
         tag = "entropy+softcap" if on else "plain"
         out.append(Variant(tag, m._token_logprobs_fwd_kernel, types,
-                           dict(RETURN_ENTROPY=on, HAS_SOFTCAP=on, BLOCK_V=fwd_block), fwd_warps, 3, False,
+                           dict(RETURN_ENTROPY=on, HAS_SOFTCAP=on, SUPPORT=_support_flag(on),
+                                BLOCK_V=fwd_block), fwd_warps, 3, False,
                            has_dots=False))  # fmt: skip
         out.append(Variant(tag, m._token_logprobs_bwd_kernel, types,
                            dict(HAS_LOGP_GRAD=True, HAS_ENTROPY_GRAD=on, HAS_SOFTCAP=on, INTERPRET=False,
-                                BLOCK_V=bwd_block), bwd_warps, 3, False, has_dots=False))  # fmt: skip
+                                SUPPORT=_support_flag(on), BLOCK_V=bwd_block), bwd_warps, 3, False,
+                           has_dots=False))  # fmt: skip
     return out
 
 

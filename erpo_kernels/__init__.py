@@ -33,6 +33,7 @@ from .objective import (
     split_batch,
 )
 from .segment_sum import segment_sum
+from .support import pack_support, support_from_token_ids, support_words, unpack_support
 from .tiles import RowTiles, Tiles, default_tiles
 from .token_logprobs import token_logprobs
 from . import vocab_parallel  # noqa: F401,E402  registers linear_token_logprobs' path for a sharded weight
@@ -64,6 +65,7 @@ __all__ = [
     "interpreting",
     "linear_token_logprobs",
     "metrics_to_floats",
+    "pack_support",
     "plan_micro_batches",
     "prompt_logp_sums",
     "query_kl_value",
@@ -74,6 +76,9 @@ __all__ = [
     "resolve_backend",
     "segment_sum",
     "split_batch",
+    "support_from_token_ids",
+    "support_words",
     "token_logprobs",
+    "unpack_support",
     "weighted_k3",
 ]

@@ -38,6 +38,10 @@ in a fixed order over the vocabulary. So a row's logp, entropy and d_hidden are
 bit-identical whatever else is in the batch (compiled kernels; what holds in the
 interpreter: docs/batch-invariance.md, checked by tests/test_batch_invariance.py).
 
+Support (`support=`, support.py): `_scaled_logits`, where every logit tile is formed,
+sets s_j = -inf for the tokens outside the row's kept set (the target always kept), so
+each kernel's sums run over the kept set and p_j = 0 outside it, forward and backward.
+
 Precision: fp32 operands use `input_precision="ieee"` (no TF32) so fp32 inputs keep
 fp32 accuracy; bf16/fp16 operands use tensor cores with fp32 accumulation, and the
 softmax gradient is rounded to the input dtype before its two matmuls (as PyTorch's
@@ -65,6 +69,8 @@ from ._utils import (
     resolve_kernel_backend,
 )
 from .logit_transform import LogitTransform
+from .support import apply_support, check_support
+from .support import kernel_args as support_kernel_args
 from .tiles import Tiles, launch_tiles
 
 
@@ -104,12 +110,15 @@ def _scaled_logits(
     softcap, softcap_pre,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    tgt, support_ptr, stride_support, support_offset, SUPPORT: tl.constexpr,
 ):
     """(s, cap_slope) for a [BLOCK_N, BLOCK_V] tile, fp32, -inf in padded columns:
     r = hidden[rows] @ weight[cols].T + bias[cols], then with HAS_SOFTCAP
     z = softcap tanh(r * softcap_pre) (softcap_pre = logit_scale / softcap) and
     cap_slope = 1 - tanh^2 (else z = r and cap_slope an unread stand-in), and
-    s = z * inv_t[:, None]."""
+    s = z * inv_t[:, None]; with SUPPORT, s = -inf outside each row's support
+    (support.py: tgt [BLOCK_N] the rows' target columns, always kept; column j is token
+    support_offset + j)."""
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -131,6 +140,9 @@ def _scaled_logits(
     else:
         cap_slope = acc
     s = acc * inv_t[:, None]
+    if SUPPORT != 0:
+        s = apply_support(s, s, rows64[:, None], cols[None, :], col_mask[None, :], tgt[:, None], support_ptr,
+                          stride_support, support_offset, SUPPORT)
     return tl.where(col_mask[None, :], s, float("-inf")), cap_slope
 
 
@@ -176,8 +188,9 @@ def _ltl_fwd_kernel(
     n_rows, V, D, v_per_split,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
     softcap, softcap_pre, logit_scale,  # fp32 runtime values (softcap, softcap_pre read with HAS_SOFTCAP)
+    support_ptr, stride_support, support_offset,  # the rows' support (read with SUPPORT, see support.py)
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WANT_ENTROPY: tl.constexpr, KEEP_LOGITS: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, SUPPORT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One program per (row tile, vocabulary split). Online update per vocabulary tile,
@@ -203,6 +216,7 @@ def _ltl_fwd_kernel(
             h_ptr, w_ptr, b_ptr, row_index, row_mask, cols, col_mask, inv_t, D,
             stride_hn, stride_hd, stride_wv, stride_wd, stride_b, softcap, softcap_pre,
             HAS_BIAS, HAS_SOFTCAP, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
+            tgt, support_ptr, stride_support, support_offset, SUPPORT,
         )
         if KEEP_LOGITS:  # the chunk's logits, kept for the fused loss's gradient (no recompute)
             tl.store(kept_ptr + rows.to(tl.int64)[:, None] * V + cols[None, :], s,
@@ -354,9 +368,10 @@ def _ltl_bwd_dr_kernel(
     n_rows, V, D, v0, chunk_cols, stride_dr,  # the chunk is columns [v0, v0 + chunk_cols)
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
     softcap, softcap_pre, logit_scale,  # fp32 runtime values (read with HAS_SOFTCAP)
+    support_ptr, stride_support, support_offset,  # as in the forward kernel (read with SUPPORT)
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, WANT_DB: tl.constexpr,
     ZERO_PAD: tl.constexpr,  # rows past the valid count get dr = 0 (the torch products read every row)
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, SUPPORT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -375,6 +390,7 @@ def _ltl_bwd_dr_kernel(
             h_ptr, w_ptr, b_ptr, row_index, row_mask, cols, col_mask, inv_t, D,
             stride_hn, stride_hd, stride_wv, stride_wd, stride_b, softcap, softcap_pre,
             HAS_BIAS, HAS_SOFTCAP, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
+            tgt, support_ptr, stride_support, support_offset, SUPPORT,
         )
         dr = _softmax_grad(
             s, cap_slope, row_mask, cols, tgt, shift, log_l, entropy, g_logp, g_entropy, inv_t, logit_scale,
@@ -566,16 +582,19 @@ class _Launch:
     order: torch.Tensor  # [N] int64: rows whose target is not ignore_index first, in order
     n_valid: torch.Tensor  # [1] int64 on the device: how many there are (never read on the host)
     tiles: Tiles
+    support: Optional[torch.Tensor] = None  # [N] fp32 threshold or [N, W] int32 bitmask (support.py)
+    support_offset: int = 0  # the vocabulary index of weight's row 0 (a shard's offset)
 
     @staticmethod
-    def build(hidden, weight, bias, targets, transform, ignore_index, tiles) -> "_Launch":
+    def build(hidden, weight, bias, targets, transform, ignore_index, tiles, support=None,
+              support_offset=0) -> "_Launch":
         ignored = targets == ignore_index
         # a stable sort of a 0/1 key: the valid rows first, without a host sync
         order = torch.sort(ignored.to(torch.uint8), stable=True).indices
         n_valid = (~ignored).sum().reshape(1)
         return _Launch(
             _int32_safe_columns(hidden), _int32_safe_columns(weight), bias, targets.contiguous(), transform, order,
-            n_valid, tiles,
+            n_valid, tiles, support, support_offset,
         )
 
     @property
@@ -599,6 +618,7 @@ class _Launch:
             UPCAST=h.dtype == torch.bfloat16 and interpreting(),  # the interpreter's bf16 dot (see _mm)
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **self.transform.kernel_args(),
+            **support_kernel_args(self.support, self.transform.inv_t, self.support_offset),
         )
 
 
@@ -786,7 +806,7 @@ def _placeholder(like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tor
 @torch.library.custom_op("erpo_kernels::linear_token_logprobs", mutates_args=())
 def _linear_token_logprobs_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    inv_t: torch.Tensor, *, softcap: Optional[float], logit_scale: Optional[float], unit: bool, ignore_index: int,
+    inv_t: torch.Tensor, support: Optional[torch.Tensor], *, softcap: Optional[float], logit_scale: Optional[float], unit: bool, ignore_index: int,
     return_entropy: bool, use_triton: bool, tiles: List[int],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> logp [N], entropy [N] (or [0]), and what the Triton backward needs: lse_parts
@@ -795,12 +815,12 @@ def _linear_token_logprobs_op(
     with no_autocast(hidden.device), device_guard(hidden.device):
         if use_triton:
             launch = _Launch.build(hidden, weight, bias, targets, transform, ignore_index,
-                                   _tiles_of(tiles, hidden, weight))  # fmt: skip
+                                   _tiles_of(tiles, hidden, weight), support)  # fmt: skip
             logp, entropy, lse_parts = _forward(launch, return_entropy)
             order, n_valid = launch.order, launch.n_valid
         else:
             logp, entropy = reference.linear_token_logprobs_forward(
-                hidden, weight, bias, targets, transform, ignore_index, return_entropy
+                hidden, weight, bias, targets, transform, ignore_index, return_entropy, support
             )
             lse_parts = _placeholder(logp)
             order, n_valid = _placeholder(logp, torch.int64), _placeholder(logp, torch.int64)
@@ -808,7 +828,7 @@ def _linear_token_logprobs_op(
 
 
 @_linear_token_logprobs_op.register_fake
-def _linear_token_logprobs_fake(hidden, weight, bias, targets, inv_t, *, use_triton, return_entropy, **options):
+def _linear_token_logprobs_fake(hidden, weight, bias, targets, inv_t, support, *, use_triton, return_entropy, **options):
     n = hidden.shape[0]
     logp = hidden.new_empty(n, dtype=torch.float32 if use_triton else compute_dtype(hidden.dtype))
     rows = n if use_triton else 0
@@ -820,9 +840,11 @@ def _linear_token_logprobs_fake(hidden, weight, bias, targets, inv_t, *, use_tri
 @torch.library.custom_op("erpo_kernels::linear_token_logprobs_backward", mutates_args=())
 def _backward_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    inv_t: torch.Tensor, lse_parts: torch.Tensor, order: torch.Tensor, n_valid: torch.Tensor, entropy: torch.Tensor,
-    g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor], *, softcap: Optional[float],
+    inv_t: torch.Tensor, support: Optional[torch.Tensor], lse_parts: torch.Tensor, order: torch.Tensor,
+    n_valid: torch.Tensor, entropy: torch.Tensor, g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor], *,
+    softcap: Optional[float],
     logit_scale: Optional[float], unit: bool, ignore_index: int, use_triton: bool, tiles: List[int], need: List[bool],
+    support_offset: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> d_hidden [N, D], d_weight [V, D], d_bias [V] in the inputs' dtypes (contiguous;
     [0] where `need` (hidden, weight, bias) says not wanted). g_entropy None: the
@@ -832,14 +854,15 @@ def _backward_op(
     with no_autocast(hidden.device), device_guard(hidden.device):
         if use_triton:
             launch = _Launch(_int32_safe_columns(hidden), _int32_safe_columns(weight), bias, targets.contiguous(),
-                             transform, order, n_valid, _tiles_of(tiles, hidden, weight))  # fmt: skip
+                             transform, order, n_valid, _tiles_of(tiles, hidden, weight), support,
+                             support_offset)  # fmt: skip
             f32 = dict(dtype=torch.float32, device=hidden.device)
             g = g_logp.to(torch.float32).contiguous() if g_logp is not None else torch.zeros(hidden.shape[0], **f32)
             ge = g_entropy.to(torch.float32).contiguous() if g_entropy is not None else None
             grads = _backward(launch, lse_parts, entropy, g, ge, tuple(need))
         else:
             grads = reference.linear_token_logprobs_backward(
-                hidden, weight, bias, targets, transform, ignore_index, entropy, g_logp, g_entropy
+                hidden, weight, bias, targets, transform, ignore_index, entropy, g_logp, g_entropy, support
             )
     return tuple(g.contiguous() if g is not None and want else _placeholder(t)
                  for g, t, want in zip(grads, (hidden, weight, weight), need))  # fmt: skip
@@ -865,9 +888,9 @@ def _backward_autograd(ctx, g_logp, g_entropy, *_unused):
         g_entropy = None
     need = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
     if (g_logp is None and g_entropy is None) or not any(need):
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     grads = _backward_op(*ctx.saved_tensors, g_logp, g_entropy, need=need, **options)
-    return tuple(g if want else None for g, want in zip(grads, need)) + (None, None)
+    return tuple(g if want else None for g, want in zip(grads, need)) + (None, None, None)
 
 
 _linear_token_logprobs_op.register_autograd(_backward_autograd, setup_context=_setup_context)
@@ -924,6 +947,7 @@ def linear_token_logprobs(
     backend: str = "auto",
     validate: bool = True,
     tiles: Optional[Tiles] = None,
+    support: Optional[torch.Tensor] = None,
 ):
     """Log-probability of each row's target under softmax(z * inv_T), where
     z = softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) (each step only when given).
@@ -942,14 +966,22 @@ def linear_token_logprobs(
             applied first. A runtime value.
         backend: "auto" (Triton on CUDA, the reference elsewhere), "triton" or "torch".
         validate: check the values of targets (in range) and of a tensor
-            inv_temperature (positive, finite). These checks read the tensors on the
-            host (a device sync); pass False in a hot loop once the batch has been
-            validated. Shapes, dtypes and devices are always checked. A target outside
-            [0, V) that is not ignore_index then gives that row a NaN log-prob (and no
-            gradient through it), never a finite value (docs/kernels.md).
+            inv_temperature (positive, finite), and that a threshold support has no
+            NaN. These checks read the tensors on the host (a device sync); pass False
+            in a hot loop once the batch has been validated. Shapes, dtypes and devices
+            are always checked. A target outside [0, V) that is not ignore_index then
+            gives that row a NaN log-prob (and no gradient through it), never a finite
+            value (docs/kernels.md).
         tiles: the Triton launch configuration, a Tiles (None: the device's, see
             erpo_kernels.default_tiles and `python -m bench tune`); results depend on it,
             never on N.
+        support: None, or each row's kept set (the sampler's support), the softmax
+            renormalised over it (log-probs, entropies, gradients): a floating [N]
+            threshold (keep token j iff z_j * inv_T >= threshold, z after the bias,
+            logit scale and soft cap; -inf: the whole row) or an int32 bitmask
+            [N, ceil(V / 32)] (bit j of word k keeps token 32 k + j; -1 words: the
+            whole row; the whole vocabulary's V with a sharded weight too). The
+            target is always kept. erpo_kernels.support; docs/kernels.md.
     weight (and bias) may be DTensors sharded Shard(0) on a 1-D mesh (the lm_head
     vocabulary-parallel over a tensor-parallel group, hidden and targets the same on
     every rank): each rank works on its rows only and the ranks combine per-row
@@ -976,7 +1008,7 @@ def linear_token_logprobs(
         return _VOCAB_PARALLEL[0](
             hidden, weight, targets, bias=bias, inv_temperature=inv_temperature, ignore_index=ignore_index,
             return_entropy=return_entropy, softcap=softcap, logit_scale=logit_scale, backend=backend,
-            validate=validate, tiles=tiles,
+            validate=validate, tiles=tiles, support=support,
         )
     hidden, weight, bias = _checked_operands(hidden, weight, bias)
     n = hidden.shape[0]
@@ -984,6 +1016,7 @@ def linear_token_logprobs(
     transform = LogitTransform.build(
         inv_temperature, n, hidden.device, softcap=softcap, logit_scale=logit_scale, validate=validate
     )
+    support = check_support(support, n, weight.shape[0], hidden.device, validate=validate)
     if tiles is not None and not isinstance(tiles, Tiles):
         raise ValueError(f"tiles must be None or a Tiles, got {type(tiles).__name__}")
     use_triton = resolve_kernel_backend(backend, {"hidden": hidden}) == "triton"
@@ -991,7 +1024,7 @@ def linear_token_logprobs(
         hidden, weight = _int32_safe_columns(hidden), _int32_safe_columns(weight)
     inv_t, softcap, logit_scale, unit = transform.op_args()
     logp, entropy, _, _, _ = _linear_token_logprobs_op(
-        hidden, weight, bias, targets.contiguous(), inv_t, softcap=softcap, logit_scale=logit_scale, unit=unit,
+        hidden, weight, bias, targets.contiguous(), inv_t, support, softcap=softcap, logit_scale=logit_scale, unit=unit,
         ignore_index=ignore_index, return_entropy=bool(return_entropy), use_triton=use_triton,
         tiles=tiles.as_list() if tiles is not None else [],
     )

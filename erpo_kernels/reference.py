@@ -14,6 +14,8 @@ Math shared with the kernels, per row with s = inv_T * z (z the logits):
     dlogp/ds_j = onehot_j - p_j
     dH/ds_j    = -p_j (log p_j + H) = -p_j (s_j - lse + H)
     dL/dz_j    = inv_T * (g_logp (onehot_j - p_j) - g_H p_j (s_j - lse + H))
+With a support (support.py) the sums run over the row's kept set K only: z_j = -inf
+for j outside K (`_supported`), so p_j = 0 there and the formulas hold as written.
 Optional logit transform of the raw logits r, before the temperature:
     z = logit_scale r                               (no soft cap: folded into inv_T)
     z = softcap tanh(logit_scale r / softcap)       (soft cap)
@@ -27,6 +29,7 @@ import torch
 
 from ._utils import compute_dtype, no_autocast
 from .logit_transform import LogitTransform
+from .support import reference_mask
 
 # Elements of one chunk's [rows, V] fp32 work buffer (~16 MB). The reference keeps
 # about four such buffers alive at once.
@@ -54,6 +57,15 @@ def _scaled(z: torch.Tensor, inv_t: Optional[torch.Tensor]) -> torch.Tensor:
     row_max = z.max(dim=-1, keepdim=True).values
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # a row of -inf stays nan-free
     return (z - row_max).mul_(inv_t)
+
+
+def _supported(z: torch.Tensor, inv_t: Optional[torch.Tensor], support: Optional[torch.Tensor], rows,
+               tgt: torch.Tensor, col_offset: int = 0) -> torch.Tensor:
+    """The chunk's logits z [c, V] with -inf outside each row's support (support.py),
+    compared at s = z * inv_T (z at temperature 1); z itself without a support."""
+    if support is None:
+        return z
+    return reference_mask(z, z if inv_t is None else z * inv_t, support, rows, tgt, col_offset)
 
 
 def _rows_of(inv_t: Optional[torch.Tensor], rows, dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -133,9 +145,10 @@ def _rows_grad(
 
 def token_logprobs_forward(
     logits: torch.Tensor, targets: torch.Tensor, transform: LogitTransform, ignore_index: int, return_entropy: bool,
+    support: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """logits [N, V] -> logp [N], entropy [N] or None (no autograd: the backward is
-    token_logprobs_backward)."""
+    token_logprobs_backward), over each row's support when given (support.py)."""
     with no_autocast(logits.device):
         n, vocab = logits.shape
         work_dtype = compute_dtype(logits.dtype)
@@ -148,8 +161,9 @@ def token_logprobs_forward(
         for a in range(0, n, step):
             b = min(n, a + step)
             z, _ = transform.cap(logits[a:b].to(work_dtype))  # [c, V]
-            logp[a:b], entropy_rows = _rows_forward(z, _rows_of(inv_t, slice(a, b), work_dtype), tgt[a:b], valid[a:b],
-                                                    return_entropy)
+            inv_t_rows = _rows_of(inv_t, slice(a, b), work_dtype)
+            z = _supported(z, inv_t_rows, support, slice(a, b), tgt[a:b])
+            logp[a:b], entropy_rows = _rows_forward(z, inv_t_rows, tgt[a:b], valid[a:b], return_entropy)
             if return_entropy:
                 entropy[a:b] = entropy_rows
             del z
@@ -159,7 +173,7 @@ def token_logprobs_forward(
 def token_logprobs_backward(
     logits: torch.Tensor, targets: torch.Tensor, transform: LogitTransform, ignore_index: int,
     entropy: Optional[torch.Tensor], g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
-    out: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None, support: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """d(sum g_logp logp + g_entropy entropy) / d logits [N, V] in the logits' dtype,
     written into `out` when given (it may be the logits themselves: each chunk is
@@ -182,6 +196,7 @@ def token_logprobs_backward(
             g_entropy_rows = g_entropy[a:b] if g_entropy is not None else None
             entropy_rows = entropy[a:b] if g_entropy is not None else None
             z, slope = transform.cap(logits[a:b].to(work_dtype))
+            z = _supported(z, inv_t_rows, support, slice(a, b), tgt[a:b])
             g = _rows_grad(z, inv_t_rows, tgt[a:b], valid[a:b], entropy_rows, g_logp[a:b], g_entropy_rows, slope)
             grad[a:b] = g
             del z, g, slope
@@ -190,10 +205,11 @@ def token_logprobs_backward(
 
 def linear_token_logprobs_forward(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    transform: LogitTransform, ignore_index: int, return_entropy: bool,
+    transform: LogitTransform, ignore_index: int, return_entropy: bool, support: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """hidden [N, D], weight [V, D] -> logp [N], entropy [N] or None (no autograd: the
-    backward is linear_token_logprobs_backward). Ignored rows are skipped and return 0."""
+    backward is linear_token_logprobs_backward), over each row's support when given
+    (support.py). Ignored rows are skipped and return 0."""
     with no_autocast(hidden.device):
         n = hidden.shape[0]
         vocab = weight.shape[0]
@@ -214,8 +230,9 @@ def linear_token_logprobs_forward(
                 raw += bias_work
             z, _ = transform.cap(raw)
             ones = torch.ones(r.numel(), dtype=torch.bool, device=hidden.device)
-            logp[r], entropy_rows = _rows_forward(z, _rows_of(inv_t, r, work_dtype), tgt[a : a + step], ones,
-                                                  return_entropy)
+            inv_t_rows = _rows_of(inv_t, r, work_dtype)
+            z = _supported(z, inv_t_rows, support, r, tgt[a : a + step])
+            logp[r], entropy_rows = _rows_forward(z, inv_t_rows, tgt[a : a + step], ones, return_entropy)
             if return_entropy:
                 entropy[r] = entropy_rows
             del z, raw
@@ -225,10 +242,10 @@ def linear_token_logprobs_forward(
 def linear_token_logprobs_backward(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     transform: LogitTransform, ignore_index: int, entropy: Optional[torch.Tensor], g_logp: Optional[torch.Tensor],
-    g_entropy: Optional[torch.Tensor],
+    g_entropy: Optional[torch.Tensor], support: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(d_hidden, d_weight, d_bias or None) of sum g_logp logp + g_entropy entropy, in the
-    inputs' dtypes. entropy and g_entropy: both or neither."""
+    inputs' dtypes, over each row's support when given. entropy and g_entropy: both or neither."""
     with no_autocast(hidden.device):
         vocab = weight.shape[0]
         work_dtype = compute_dtype(hidden.dtype)
@@ -251,6 +268,7 @@ def linear_token_logprobs_backward(
                 raw += bias_work
             z, slope = transform.cap(raw)
             inv_t_rows = _rows_of(inv_t, r, work_dtype)
+            z = _supported(z, inv_t_rows, support, r, tgt[a : a + step])
             g_entropy_rows = g_entropy[r].to(work_dtype) if g_entropy is not None else None
             entropy_rows = entropy[r] if g_entropy is not None else None
             g = _rows_grad(z, inv_t_rows, tgt[a : a + step], None, entropy_rows, g_logp[r].to(work_dtype),

@@ -19,6 +19,10 @@ Logit scale and soft cap, applied to the raw logits r in this order:
                   so the max is still subtracted before any scaling.
     soft cap:     z = softcap tanh(logit_scale r / softcap)   (Gemma-2; |z| < softcap),
                   computed in the kernels (`_triton.soft_cap`); dz/dr = logit_scale (1 - tanh^2).
+
+Support (`support=`, support.py): z_j = -inf for each token j outside the row's kept set
+(`apply_support`, where each block of z is formed, in both kernels), so every sum above
+runs over the kept set and p_j = 0 outside it; the target is always kept.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ from ._triton import interpreting, round_to, soft_cap, tl, triton
 from ._utils import (FLOAT_DTYPES, check_targets, check_tensor, compute_dtype, device_guard, nan_where_out_of_range,
                      no_autocast, resolve_kernel_backend)
 from .logit_transform import LogitTransform
+from .support import apply_support, check_support
+from .support import kernel_args as support_kernel_args
 from .tiles import RowTiles, launch_tiles
 
 DEFAULT_TILES = RowTiles()  # what default_tiles gives on every architecture
@@ -54,8 +60,12 @@ def _token_logprobs_fwd_kernel(
     softcap,  # fp32 cap (read when HAS_SOFTCAP)
     softcap_pre,  # fp32 logit_scale / softcap (read when HAS_SOFTCAP)
     logit_scale,  # fp32 (the backward's; unread here: LogitTransform.kernel_args serves both kernels)
+    support_ptr,  # [N] fp32 threshold or [N, W] int32 bitmask (read when SUPPORT, see support.py)
+    stride_support,
+    support_offset,
     RETURN_ENTROPY: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    SUPPORT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -82,6 +92,9 @@ def _token_logprobs_fwd_kernel(
             if HAS_SOFTCAP:
                 z, _ = soft_cap(z, softcap, softcap_pre)
                 z = tl.where(offs < vocab, z, float("-inf"))  # padding stays out of the sums
+            if SUPPORT != 0:  # tokens outside the row's support stay out of the sums too
+                z = apply_support(z, z * inv_t, row, offs, offs < vocab, target, support_ptr, stride_support,
+                                  support_offset, SUPPORT)
             m_new = tl.maximum(m, tl.max(z, axis=0))
             m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # finite even while all is -inf
             u = (z - m_ref) * inv_t2
@@ -141,9 +154,13 @@ def _token_logprobs_bwd_kernel(
     softcap,  # fp32 (read when HAS_SOFTCAP)
     softcap_pre,  # fp32 logit_scale / softcap (read when HAS_SOFTCAP)
     logit_scale,  # fp32 (read when HAS_SOFTCAP)
+    support_ptr,  # as in the forward (read when SUPPORT)
+    stride_support,
+    support_offset,
     HAS_LOGP_GRAD: tl.constexpr,
     HAS_ENTROPY_GRAD: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    SUPPORT: tl.constexpr,
     INTERPRET: tl.constexpr,  # Triton's CPU interpreter: round bf16 by hand (see round_to)
     BLOCK_V: tl.constexpr,
 ):
@@ -176,6 +193,9 @@ def _token_logprobs_bwd_kernel(
             if HAS_SOFTCAP:
                 z, cap_slope = soft_cap(z, softcap, softcap_pre)
                 z = tl.where(mask, z, float("-inf"))
+            if SUPPORT != 0:  # the forward's mask: p = 0 outside the support
+                z = apply_support(z, z * inv_t, row, offs, mask, target, support_ptr, stride_support, support_offset,
+                                  SUPPORT)
             # -inf logits give log_p = -3e38 (not -inf): p = 0 and p (log_p + H) = 0, no NaN
             # (a where: tl.maximum would drop a NaN logit's NaN).
             log_p = (z - row_max) * inv_t - log_norm
@@ -213,7 +233,7 @@ def _column_major_safe(logits: torch.Tensor) -> torch.Tensor:
 
 def _triton_forward(
     logits: torch.Tensor, targets: torch.Tensor, transform: LogitTransform, ignore_index: int, return_entropy: bool,
-    tiles: RowTiles,
+    tiles: RowTiles, support: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """-> logp [N], entropy [N] or None, M [N] and log_norm [N], all fp32."""
     x = _column_major_safe(logits)
@@ -230,7 +250,7 @@ def _triton_forward(
             entropy_ptr=entropy if return_entropy else logp,  # an unwritten stand-in without entropy
             row_max_ptr=row_max, log_norm_ptr=log_norm,
             vocab=vocab, stride_row=x.stride(0), ignore_index=ignore_index,
-            **transform.kernel_args(),
+            **transform.kernel_args(), **support_kernel_args(support, transform.inv_t),
             RETURN_ENTROPY=return_entropy, BLOCK_V=block, num_warps=num_warps,
         )  # fmt: skip
     return logp, entropy, row_max, log_norm
@@ -239,7 +259,7 @@ def _triton_forward(
 def _triton_backward(
     x: torch.Tensor, grad: torch.Tensor, targets: torch.Tensor, transform: LogitTransform, row_max: torch.Tensor,
     log_norm: torch.Tensor, entropy: Optional[torch.Tensor], g_logp: Optional[torch.Tensor],
-    g_entropy: Optional[torch.Tensor], ignore_index: int, tiles: RowTiles,
+    g_entropy: Optional[torch.Tensor], ignore_index: int, tiles: RowTiles, support: Optional[torch.Tensor] = None,
 ) -> None:
     """Writes d logits into `grad` ([N, V], unit column stride; it may be x itself).
     entropy and g_entropy: both or neither; g_logp may be None."""
@@ -256,7 +276,7 @@ def _triton_backward(
         g_logp_ptr=g_logp if g_logp is not None else log_norm,
         g_entropy_ptr=g_entropy if g_entropy is not None else log_norm,
         vocab=vocab, stride_row=x.stride(0), stride_grad_row=grad.stride(0), ignore_index=ignore_index,
-        **transform.kernel_args(),
+        **transform.kernel_args(), **support_kernel_args(support, transform.inv_t),
         HAS_LOGP_GRAD=g_logp is not None, HAS_ENTROPY_GRAD=g_entropy is not None,
         INTERPRET=interpreting(),
         BLOCK_V=block, num_warps=num_warps,
@@ -274,7 +294,8 @@ def _triton_backward(
 
 @torch.library.custom_op("erpo_kernels::token_logprobs", mutates_args=())
 def _token_logprobs_op(
-    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, *, softcap: Optional[float],
+    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, support: Optional[torch.Tensor], *,
+    softcap: Optional[float],
     logit_scale: Optional[float], unit: bool, ignore_index: int, return_entropy: bool, inplace_backward: bool,
     use_triton: bool, tiles: List[int],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -284,16 +305,18 @@ def _token_logprobs_op(
     with no_autocast(logits.device), device_guard(logits.device):
         if use_triton:
             logp, entropy, row_max, log_norm = _triton_forward(
-                logits, targets, transform, ignore_index, return_entropy, _row_tiles(tiles, logits)
+                logits, targets, transform, ignore_index, return_entropy, _row_tiles(tiles, logits), support
             )
         else:
-            logp, entropy = reference.token_logprobs_forward(logits, targets, transform, ignore_index, return_entropy)
+            logp, entropy = reference.token_logprobs_forward(
+                logits, targets, transform, ignore_index, return_entropy, support
+            )
             row_max, log_norm = logp.new_empty(0), logp.new_empty(0)
     return logp, entropy if entropy is not None else logp.new_empty(0), row_max, log_norm
 
 
 @_token_logprobs_op.register_fake
-def _token_logprobs_fake(logits, targets, inv_t, *, use_triton, return_entropy, **options):
+def _token_logprobs_fake(logits, targets, inv_t, support, *, use_triton, return_entropy, **options):
     n = logits.shape[0]
     logp = logits.new_empty(n, dtype=torch.float32 if use_triton else compute_dtype(logits.dtype))
     stats = n if use_triton else 0
@@ -303,7 +326,7 @@ def _token_logprobs_fake(logits, targets, inv_t, *, use_triton, return_entropy, 
 def _backward_into(
     grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, transform: LogitTransform, row_max: torch.Tensor,
     log_norm: torch.Tensor, entropy: torch.Tensor, g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
-    ignore_index: int, use_triton: bool, tiles: List[int],
+    ignore_index: int, use_triton: bool, tiles: List[int], support: Optional[torch.Tensor],
 ) -> None:
     """Writes d(sum g_logp logp + g_entropy entropy) / d logits into `grad` (it may be the
     logits themselves). g_entropy None: the entropy's gradient is not wanted."""
@@ -312,18 +335,19 @@ def _backward_into(
         if use_triton:
             _triton_backward(
                 logits, grad, targets, transform, row_max, log_norm, entropy, g_logp, g_entropy, ignore_index,
-                _row_tiles(tiles, logits),
+                _row_tiles(tiles, logits), support,
             )
         else:
             reference.token_logprobs_backward(
-                logits, targets, transform, ignore_index, entropy, g_logp, g_entropy, out=grad
+                logits, targets, transform, ignore_index, entropy, g_logp, g_entropy, out=grad, support=support
             )
 
 
 @torch.library.custom_op("erpo_kernels::token_logprobs_backward", mutates_args=())
 def _backward_op(
-    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, row_max: torch.Tensor, log_norm: torch.Tensor,
-    entropy: torch.Tensor, g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor], *,
+    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, support: Optional[torch.Tensor],
+    row_max: torch.Tensor, log_norm: torch.Tensor, entropy: torch.Tensor, g_logp: Optional[torch.Tensor],
+    g_entropy: Optional[torch.Tensor], *,
     softcap: Optional[float], logit_scale: Optional[float], unit: bool, ignore_index: int, use_triton: bool,
     tiles: List[int],
 ) -> torch.Tensor:
@@ -332,7 +356,7 @@ def _backward_op(
     grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     transform = LogitTransform(inv_t, softcap, logit_scale, unit)
     _backward_into(grad, x, targets, transform, row_max, log_norm, entropy, g_logp, g_entropy, ignore_index,
-                   use_triton, tiles)  # fmt: skip
+                   use_triton, tiles, support)  # fmt: skip
     return grad
 
 
@@ -343,8 +367,9 @@ def _backward_fake(logits, *args, **options):
 
 @torch.library.custom_op("erpo_kernels::token_logprobs_backward_", mutates_args=("logits",))
 def _backward_inplace_op(
-    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, row_max: torch.Tensor, log_norm: torch.Tensor,
-    entropy: torch.Tensor, g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor], *,
+    logits: torch.Tensor, targets: torch.Tensor, inv_t: torch.Tensor, support: Optional[torch.Tensor],
+    row_max: torch.Tensor, log_norm: torch.Tensor, entropy: torch.Tensor, g_logp: Optional[torch.Tensor],
+    g_entropy: Optional[torch.Tensor], *,
     softcap: Optional[float], logit_scale: Optional[float], unit: bool, ignore_index: int, use_triton: bool,
     tiles: List[int],
 ) -> None:
@@ -352,7 +377,7 @@ def _backward_inplace_op(
     is written, by the same program (Triton) or chunk (reference)."""
     transform = LogitTransform(inv_t, softcap, logit_scale, unit)
     _backward_into(logits, logits, targets, transform, row_max, log_norm, entropy, g_logp, g_entropy, ignore_index,
-                   use_triton, tiles)  # fmt: skip
+                   use_triton, tiles, support)  # fmt: skip
 
 
 @_backward_inplace_op.register_fake
@@ -361,24 +386,25 @@ def _backward_inplace_fake(logits, *args, **options) -> None:
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
-    logits, targets, inv_t = inputs
+    logits, targets, inv_t, support = inputs
     _, entropy, row_max, log_norm = output
-    ctx.save_for_backward(logits, targets, inv_t, row_max, log_norm, entropy)
+    ctx.save_for_backward(logits, targets, inv_t, support, row_max, log_norm, entropy)
     ctx.options = dict(keyword_only_inputs)
     ctx.set_materialize_grads(False)  # an unused output costs nothing in backward
 
 
 def _backward(ctx, g_logp, g_entropy, _g_row_max, _g_log_norm):
-    logits, targets, inv_t, row_max, log_norm, entropy = ctx.saved_tensors
+    logits, targets, inv_t, support, row_max, log_norm, entropy = ctx.saved_tensors
     options = dict(ctx.options)
     if not options.pop("return_entropy"):
         g_entropy = None
     if g_logp is None and g_entropy is None:
-        return None, None, None
+        return None, None, None, None
     if options.pop("inplace_backward"):
-        _backward_inplace_op(logits, targets, inv_t, row_max, log_norm, entropy, g_logp, g_entropy, **options)
-        return logits, None, None
-    return _backward_op(logits, targets, inv_t, row_max, log_norm, entropy, g_logp, g_entropy, **options), None, None
+        _backward_inplace_op(logits, targets, inv_t, support, row_max, log_norm, entropy, g_logp, g_entropy, **options)
+        return logits, None, None, None
+    grad = _backward_op(logits, targets, inv_t, support, row_max, log_norm, entropy, g_logp, g_entropy, **options)
+    return grad, None, None, None
 
 
 _token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
@@ -429,6 +455,7 @@ def token_logprobs(
     validate: bool = True,
     tiles: Optional[RowTiles] = None,
     blocks: Optional[RowTiles] = None,
+    support: Optional[torch.Tensor] = None,
 ):
     """Log-probability of each row's target under softmax(z * inv_temperature), where
     z = softcap * tanh(logit_scale * logits / softcap) (each step only when given).
@@ -451,14 +478,22 @@ def token_logprobs(
             (z = s * logits). A runtime value.
         backend: "auto" (Triton on CUDA, the reference elsewhere), "triton" or "torch".
         validate: check the values of targets (in range) and of a tensor
-            inv_temperature (positive, finite). These checks read the tensors on the
-            host (a device sync); pass False in a hot loop once the batch has been
-            validated. Shapes, dtypes and devices are always checked. A target outside
-            [0, V) that is not ignore_index then gives that row a NaN log-prob (and no
-            gradient through it), never a read outside the row (docs/kernels.md).
+            inv_temperature (positive, finite), and that a threshold support has no
+            NaN. These checks read the tensors on the host (a device sync); pass False
+            in a hot loop once the batch has been validated. Shapes, dtypes and devices
+            are always checked. A target outside [0, V) that is not ignore_index then
+            gives that row a NaN log-prob (and no gradient through it), never a read
+            outside the row (docs/kernels.md).
         tiles: the Triton launch configuration, a RowTiles (None: the device's,
             erpo_kernels.default_tiles);
             results depend on it. `blocks=` is its older name (deprecated).
+        support: None, or each row's kept set (the sampler's support), the softmax
+            renormalised over it (log-probs, entropies, gradients): a floating [N]
+            threshold (keep token j iff z_j * inv_T >= threshold, z after the
+            logit scale and soft cap; -inf: the whole row) or an int32 bitmask
+            [N, ceil(V / 32)] (bit j of word k keeps token 32 k + j; -1 words: the
+            whole row). The target is always kept. erpo_kernels.support;
+            docs/kernels.md.
     Returns:
         logp [N] fp32 (fp64 for fp64 logits), and entropy [N] when return_entropy.
         Each row's values and its row of the gradient depend on that row, V, the dtype
@@ -474,13 +509,14 @@ def token_logprobs(
     transform = LogitTransform.build(
         inv_temperature, n, logits.device, softcap=softcap, logit_scale=logit_scale, validate=validate
     )
+    support = check_support(support, n, vocab, logits.device, validate=validate)
     tiles = _launch_tiles(tiles, blocks)
     if inplace_backward:
         _check_inplace_logits(logits)
     use_triton = resolve_kernel_backend(backend, {"logits": logits}) == "triton"
     inv_t, softcap, logit_scale, unit = transform.op_args()
     logp, entropy, _, _ = _token_logprobs_op(
-        logits, targets.contiguous(), inv_t, softcap=softcap, logit_scale=logit_scale, unit=unit,
+        logits, targets.contiguous(), inv_t, support, softcap=softcap, logit_scale=logit_scale, unit=unit,
         ignore_index=ignore_index, return_entropy=bool(return_entropy), inplace_backward=bool(inplace_backward),
         use_triton=use_triton, tiles=tiles.as_list() if tiles is not None else [],
     )

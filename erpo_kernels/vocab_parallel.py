@@ -30,6 +30,11 @@ one-device gradient (formula above the backward kernels):
 The kernels' backward takes the global M, log L and H in place of the local ones;
 targets outside the shard become OUTSIDE (no column matches: onehot = 0).
 
+Support (`support=`, support.py): the same [N] threshold or [N, ceil(V / 32)] bitmask on
+every rank, read at global token ids (rank r's column j is token o_r + j; o_r need not
+be a multiple of 32), so every rank drops its own columns outside the kept set and the
+sums above run over the kept set.
+
 Communication per call, per row: forward an all-reduce of 4 bytes (M) and an
 all-gather of 12 bytes (L, A, T; 8 without the entropy) from each rank; backward
 d_hidden's D elements of hidden's dtype summed over the ranks as a reduce-scatter
@@ -55,6 +60,7 @@ from ._utils import (FLOAT_DTYPES, autocast_dtype, check_targets, check_tensor, 
 from .linear_token_logprobs import (Tiles, _backward_op, _forward_splits, _int32_safe_columns, _Launch,
                                     register_vocab_parallel)
 from .logit_transform import LogitTransform
+from .support import check_support, reference_mask
 from .tiles import launch_tiles
 
 # Local targets: ignored rows and targets outside this rank's shard (negative: no column index).
@@ -160,7 +166,9 @@ def _merge_splits(stats: torch.Tensor) -> torch.Tensor:
         l_all = l_all + scale * l_k
         a_all = a_all + scale * (a_k + torch.where(l_k > 0, m_k - m_use, torch.zeros_like(m_k)) * l_k)
         t_all = t_all + t_k
-    return torch.stack([m_use, l_all, a_all, t_all])
+    # m_all, not m_use: a row with no token in this shard (all outside its support) is m = -inf,
+    # l = 0, so that it never sets the group's max (_combine)
+    return torch.stack([m_all, l_all, a_all, t_all])
 
 
 def _kernel_stats(launch: _Launch, want_entropy: bool) -> torch.Tensor:
@@ -182,8 +190,9 @@ def _scaled_rows(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], tr
     return z * inv_t[:, None], slope
 
 
-def _reference_stats(hidden, w, b, tgt, transform, want_entropy: bool) -> torch.Tensor:
-    """This shard's [4, N] (m, l, a, t) per row in plain PyTorch, in row chunks (0 in ignored rows)."""
+def _reference_stats(hidden, w, b, tgt, transform, want_entropy: bool, support, offset: int) -> torch.Tensor:
+    """This shard's [4, N] (m, l, a, t) per row in plain PyTorch, in row chunks (0 in ignored rows),
+    over the support when given (this shard's column j is token offset + j)."""
     work = compute_dtype(hidden.dtype)
     out = torch.zeros(4, hidden.shape[0], dtype=work, device=hidden.device)
     rows = (tgt != LOCAL_IGNORE).nonzero().squeeze(1)
@@ -192,12 +201,15 @@ def _reference_stats(hidden, w, b, tgt, transform, want_entropy: bool) -> torch.
     for a0 in range(0, rows.numel(), step):
         r = rows[a0:a0 + step]
         s, _ = _scaled_rows(hidden[r].to(work), w, b, transform, transform.inv_t[r].to(work))
-        m = s.amax(dim=1)
-        e = torch.exp(s - m[:, None])
+        s = reference_mask(s, s, support, r, tgt[r], offset)
+        m = s.amax(dim=1)  # -inf where no token of the shard is in the row's support
+        m_use = torch.where(m == float("-inf"), torch.zeros_like(m), m)[:, None]
+        e = torch.exp(s - m_use)
         t = tgt[r]
         out[0, r], out[1, r] = m, e.sum(dim=1)
         if want_entropy:
-            out[2, r] = (e * (s - m[:, None])).sum(dim=1)
+            # p log p = 0 where s = -inf (a token outside the support): no 0 * -inf (a NaN logit stays NaN)
+            out[2, r] = (e * (s - m_use).masked_fill_(s == float("-inf"), 0.0)).sum(dim=1)
         at = s.gather(1, t.clamp(min=0).long()[:, None]).squeeze(1)
         out[3, r] = torch.where(t >= 0, at, torch.zeros_like(at))
     return out
@@ -222,7 +234,8 @@ def _combine(local: torch.Tensor, valid: torch.Tensor, group: Any, want_entropy:
 # ---------------------------------------------------------------------- backward
 
 
-def _reference_grads(hidden, w, b, tgt, transform, stats, g_logp, g_entropy, need) -> List[Optional[torch.Tensor]]:
+def _reference_grads(hidden, w, b, tgt, transform, stats, g_logp, g_entropy, need, support,
+                     offset: int) -> List[Optional[torch.Tensor]]:
     """(d_hidden, d_weight, d_bias) of this shard in plain PyTorch, from the global M, log L
     and H (stats [3, N]; formula in the module docstring), in row chunks."""
     work = compute_dtype(hidden.dtype)
@@ -236,6 +249,7 @@ def _reference_grads(hidden, w, b, tgt, transform, stats, g_logp, g_entropy, nee
         r = rows[a0:a0 + step]
         x, inv_t = hidden[r].to(work), transform.inv_t[r].to(work)
         s, slope = _scaled_rows(x, wk, bk, transform, inv_t)
+        s = reference_mask(s, s, support, r, tgt[r], offset)
         shift, log_l, entropy = (v[r].to(work)[:, None] for v in stats.unbind(0))
         log_p = (s - shift) - log_l
         p = torch.exp(log_p)
@@ -271,7 +285,7 @@ class _Call:
     tiles: Tiles
 
 
-def _local_stats(call: _Call, hidden, w, b, tgt, transform) -> Tuple[torch.Tensor, Optional[_Launch]]:
+def _local_stats(call: _Call, hidden, w, b, tgt, transform, support) -> Tuple[torch.Tensor, Optional[_Launch]]:
     """This shard's [4, N] (m, l, a, t), and the kernels' launch (None on the reference)."""
     if w.shape[0] == 0:  # more ranks than vocabulary rows: an empty shard adds nothing
         dtype = torch.float32 if call.use_triton else compute_dtype(hidden.dtype)
@@ -279,32 +293,33 @@ def _local_stats(call: _Call, hidden, w, b, tgt, transform) -> Tuple[torch.Tenso
         stats[0] = float("-inf")
         return stats, None
     if not call.use_triton:
-        return _reference_stats(hidden, w, b, tgt, transform, call.want_entropy), None
-    launch = _Launch.build(hidden, w, b, tgt, transform, LOCAL_IGNORE, call.tiles)
+        return _reference_stats(hidden, w, b, tgt, transform, call.want_entropy, support, call.shard.offset), None
+    launch = _Launch.build(hidden, w, b, tgt, transform, LOCAL_IGNORE, call.tiles, support, call.shard.offset)
     return _kernel_stats(launch, call.want_entropy), launch
 
 
 class _VocabParallel(torch.autograd.Function):
     """hidden [N, D] (the same on every rank), this rank's weight rows [V_r, D] and bias
-    [V_r], local targets [N] -> logp [N], entropy [N] (or [0]) of the whole vocabulary."""
+    [V_r], local targets [N], the support (None, or the whole vocabulary's, support.py) ->
+    logp [N], entropy [N] (or [0]) of the whole vocabulary."""
 
     @staticmethod
-    def forward(ctx, hidden, w, b, tgt, transform: LogitTransform, call: _Call):
+    def forward(ctx, hidden, w, b, tgt, support, transform: LogitTransform, call: _Call):
         valid = tgt != LOCAL_IGNORE
         with torch.no_grad(), no_autocast(hidden.device), device_guard(hidden.device):  # backward: _backward_op's
-            local, launch = _local_stats(call, hidden, w, b, tgt, transform)
+            local, launch = _local_stats(call, hidden, w, b, tgt, transform, support)
             logp, entropy, shift, log_l = _combine(local, valid, call.shard.group, call.want_entropy)
         stats = torch.stack([shift, log_l, entropy if entropy is not None else log_l])  # fp32 on the kernels
         order = launch.order if launch is not None else tgt.new_empty(0, dtype=torch.int64)
         n_valid = launch.n_valid if launch is not None else tgt.new_empty(0, dtype=torch.int64)
-        ctx.save_for_backward(hidden, w, b, tgt, stats, order, n_valid)
+        ctx.save_for_backward(hidden, w, b, tgt, support, stats, order, n_valid)
         ctx.transform, ctx.call = transform, call
         ctx.set_materialize_grads(False)
         return logp, entropy if entropy is not None else logp.new_empty(0)
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        hidden, w, b, tgt, stats, order, n_valid = ctx.saved_tensors
+        hidden, w, b, tgt, support, stats, order, n_valid = ctx.saved_tensors
         call, transform = ctx.call, ctx.transform
         need = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2]]
         g_entropy = g_entropy if call.want_entropy else None
@@ -315,22 +330,24 @@ class _VocabParallel(torch.autograd.Function):
             if g_logp is None:
                 g_logp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
             with no_autocast(hidden.device):
-                grads = _shard_grads(call, transform, hidden, w, b, tgt, stats, order, n_valid, g_logp, g_entropy,
-                                     need)  # fmt: skip
+                grads = _shard_grads(call, transform, hidden, w, b, tgt, support, stats, order, n_valid, g_logp,
+                                     g_entropy, need)  # fmt: skip
         if need[0]:  # every rank's columns add to d_hidden
             grads[0] = _sum_rows_in_rank_order(grads[0], call.shard.group)
-        return grads[0], grads[1], grads[2], None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None
 
 
-def _shard_grads(call, transform, hidden, w, b, tgt, stats, order, n_valid, g_logp, g_entropy, need):
+def _shard_grads(call, transform, hidden, w, b, tgt, support, stats, order, n_valid, g_logp, g_entropy, need):
     """[d_hidden (this shard's part), d_weight rows, d_bias rows], None where not needed."""
     if not call.use_triton:
-        return _reference_grads(hidden, w, b, tgt, transform, stats, g_logp, g_entropy, need)
+        return _reference_grads(hidden, w, b, tgt, transform, stats, g_logp, g_entropy, need, support,
+                                call.shard.offset)
     entropy = stats[2] if g_entropy is not None else stats[2].new_empty(0)
     grads = _backward_op(
-        hidden, w, b, tgt, transform.inv_t, stats[:2].contiguous(), order, n_valid, entropy.contiguous(), g_logp,
-        g_entropy, softcap=call.softcap, logit_scale=call.logit_scale, unit=call.unit, ignore_index=LOCAL_IGNORE,
-        use_triton=True, tiles=call.tiles.as_list(), need=need,
+        hidden, w, b, tgt, transform.inv_t, support, stats[:2].contiguous(), order, n_valid, entropy.contiguous(),
+        g_logp, g_entropy, softcap=call.softcap, logit_scale=call.logit_scale, unit=call.unit,
+        ignore_index=LOCAL_IGNORE, use_triton=True, tiles=call.tiles.as_list(), need=need,
+        support_offset=call.shard.offset,
     )
     return [g if want else None for g, want in zip(grads, need)]
 
@@ -377,10 +394,11 @@ def vocab_parallel_linear_token_logprobs(
     backend: str = "auto",
     validate: bool = True,
     tiles: Optional[Tiles] = None,
+    support: Optional[torch.Tensor] = None,
 ):
     """linear_token_logprobs (same arguments, same results) with weight [V, D] (and bias
     [V]) a DTensor Shard(0) on a 1-D mesh; hidden [N, D] and targets [N] the same on
-    every rank. Returns plain tensors, the same on every rank: logp [N] (and entropy
+    every rank, and so is `support` (the whole vocabulary's). Returns plain tensors, the same on every rank: logp [N] (and entropy
     [N]). Gradients: d_hidden summed over the group (whole on every rank), d_weight and
     d_bias Shard(0) DTensors of this rank's rows. Under autocast the operands are cast
     as on one device. The collectives run eagerly (not inside a torch.compile graph)."""
@@ -389,6 +407,7 @@ def vocab_parallel_linear_token_logprobs(
     check_targets(targets, n, shard.vocab, ignore_index, hidden.device, validate=validate)
     transform = LogitTransform.build(inv_temperature, n, hidden.device, softcap=softcap, logit_scale=logit_scale,
                                      validate=validate)  # fmt: skip
+    support = check_support(support, n, shard.vocab, hidden.device, validate=validate)
     if tiles is not None and not isinstance(tiles, Tiles):
         raise ValueError(f"tiles must be None or a Tiles, got {type(tiles).__name__}")
     use_triton = resolve_kernel_backend(backend, {"hidden": hidden}) == "triton"
@@ -397,7 +416,7 @@ def vocab_parallel_linear_token_logprobs(
     call = _Call(shard, transform.softcap, transform.logit_scale, transform.unit, bool(return_entropy), use_triton,
                  tiles or launch_tiles("linear_token_logprobs", hidden, hidden.shape[1], w.shape[0]))  # fmt: skip
     logp, entropy = _VocabParallel.apply(hidden, w, b, shard.local_targets(targets.contiguous(), ignore_index),
-                                         transform, call)  # fmt: skip
+                                         support, transform, call)  # fmt: skip
     logp = nan_where_out_of_range(logp, targets, shard.vocab, ignore_index, validate)
     return (logp, entropy) if return_entropy else logp
 

@@ -30,7 +30,41 @@ CASES = {
     "torch_softcap_temp": dict(backend="torch", softcap=3.0, temperature=True),
     # an ignore_index that is a vocabulary row (rank 0's row 7, and a local index on every rank)
     "torch_ignore_index_7": dict(backend="torch", ignore_index=7),
+    # support= (issue 34): rank 1's shard starts at token 202, inside a bitmask word
+    "triton_support_bitmask": dict(backend="triton", bias=True, temperature=True, support="bitmask"),
+    "triton_support_threshold": dict(backend="triton", softcap=3.0, logit_scale=0.7, temperature=True,
+                                     support="threshold"),
+    "torch_support_threshold": dict(backend="torch", bias=True, softcap=3.0, temperature=True, support="threshold"),
 }
+
+
+def support_of(case: dict, hidden, weight, bias, targets, inv_t):
+    """The case's support, the same on every rank: None; a bitmask keeping 30% of the tokens
+    (row 0 unrestricted, row 1's target cleared: kept all the same); or a threshold at each
+    row's 90th percentile of the scaled logits (mid-way between two of them; row 0 -inf).
+    Row 2 keeps tokens of rank 0's shard only, its target set to 3 here (the bitmask: tokens
+    0-4; the threshold: above every logit, so the target alone), so rank 1's shard has none."""
+    from erpo_kernels import pack_support
+
+    g = torch.Generator().manual_seed(2)
+    if case.get("support") == "bitmask":
+        kept = torch.rand(N, V, generator=g) < 0.3
+        kept[0] = True
+        kept[1, targets[1]] = False
+        kept[2] = False
+        kept[2, :5] = True
+        targets[2] = 3
+        return pack_support(kept)
+    if case.get("support") == "threshold":
+        z = hidden.double() @ weight.double().T + (bias.double() if bias is not None else 0.0)
+        z = z * case.get("logit_scale", 1.0)
+        z = case["softcap"] * torch.tanh(z / case["softcap"]) if case.get("softcap") else z
+        s = z * (inv_t.double()[:, None] if inv_t is not None else 1.0)
+        threshold = torch.quantile(s, 0.9, dim=1, interpolation="midpoint").float()
+        threshold[0] = float("-inf")
+        threshold[2], targets[2] = float(s[2].max()) + 1.0, 3
+        return threshold
+    return None
 
 
 def inputs(case: dict):
@@ -110,6 +144,7 @@ def run_case(name: str, case: dict, mesh, rank: int) -> dict:
     opts = dict(inv_temperature=inv_t, softcap=case.get("softcap"), logit_scale=case.get("logit_scale"),
                 backend=case["backend"], return_entropy=True, ignore_index=case.get("ignore_index", -100))
     opts["return_entropy"] = want_h
+    support = support_of(case, hidden, weight, bias, targets, inv_t)
 
     def loss_of(out):
         logp, entropy = out if want_h else (out, None)
@@ -117,7 +152,8 @@ def run_case(name: str, case: dict, mesh, rank: int) -> dict:
 
     # the unsharded op
     leaves = [t.clone().requires_grad_() for t in (hidden, weight)] + [bias.clone().requires_grad_() if bias is not None else None]
-    loss, logp, entropy = loss_of(linear_token_logprobs(leaves[0], leaves[1], targets, bias=leaves[2], **opts))
+    loss, logp, entropy = loss_of(linear_token_logprobs(leaves[0], leaves[1], targets, bias=leaves[2], **opts,
+                                                        support=support))
     loss.backward()
     # the sharded op: weight (and bias) Shard(0) parameters, hidden a plain leaf
     h = hidden.clone().requires_grad_()
@@ -125,10 +161,11 @@ def run_case(name: str, case: dict, mesh, rank: int) -> dict:
     b = torch.nn.Parameter(distribute_tensor(bias.clone(), mesh, [Shard(0)])) if bias is not None else None
     comms = Comms()
     with comms.counting():
-        loss_s, logp_s, entropy_s = loss_of(linear_token_logprobs(h, w, targets, bias=b, **opts))
+        loss_s, logp_s, entropy_s = loss_of(linear_token_logprobs(h, w, targets, bias=b, **opts, support=support))
         n_fwd = len(comms.calls)
         loss_s.backward()
-    again = linear_token_logprobs(h.detach(), w.detach(), targets, bias=None if b is None else b.detach(), **opts)
+    again = linear_token_logprobs(h.detach(), w.detach(), targets, bias=None if b is None else b.detach(), **opts,
+                                  support=support)
     again = again[0] if want_h else again
     lo = w.to_local().shape[0]
     offset = sum(-(-V // mesh.size()) for _ in range(rank))  # torch's chunks before this rank's
@@ -146,6 +183,12 @@ def run_case(name: str, case: dict, mesh, rank: int) -> dict:
         res["entropy"] = rel(entropy_s, entropy)
     if b is not None:
         res["d_bias"] = rel(b.grad.to_local(), leaves[2].grad[rows])
+    if support is not None:  # the support is applied: rows 1.. change, row 0 (unrestricted) does not
+        free = linear_token_logprobs(hidden, weight, targets, bias=bias, **opts)
+        free = free[0] if want_h else free
+        res["support_row0_unchanged"] = bool(torch.equal(free[0], logp_s[0]))
+        res["support_raised_rows"] = int((logp_s[1:] > free[1:]).sum())
+        res["target_only_rows"] = int(case["support"] == "threshold")  # row 2: logp = 0, not counted as scored
     return res, logp_s.detach()
 
 
@@ -233,6 +276,9 @@ def errors(mesh) -> dict:
         "row_sharded_hidden": lambda: linear_token_logprobs(DTensor.from_local(hidden, mesh, [Shard(0)]), w, targets),
         "target_out_of_range": lambda: linear_token_logprobs(hidden, w, torch.full((N,), V)),
         "wrong_d": lambda: linear_token_logprobs(hidden[:, :5], w, targets),
+        # a bitmask of this rank's columns instead of the whole vocabulary's
+        "support_local_width": lambda: linear_token_logprobs(
+            hidden, w, targets, support=torch.zeros(N, -(-w.to_local().shape[0] // 32), dtype=torch.int32)),
     }
     found = {}
     for name, call in bad.items():

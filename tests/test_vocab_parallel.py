@@ -1,7 +1,9 @@
 """Tensor parallelism over the vocabulary (issue 28). The op: linear_token_logprobs with
 the lm_head a DTensor Shard(0) over 2 and 3 gloo ranks on CPU, V = 403 split unevenly
 (202 + 201, 135 + 135 + 133), against the unsharded op on the same inputs, forward and
-backward, fp32, on the kernels (Triton's interpreter) and on the reference; one torchrun
+backward, fp32, on the kernels (Triton's interpreter) and on the reference, with and without
+a support= (issue 34: the whole vocabulary's bitmask or threshold, read at each shard's
+global token ids; rank 1's shard starts inside a bitmask word); one torchrun
 launch per group size runs every case (tests/_vocab_parallel_worker.py). The trainer:
 `erpo train tp_size=2` on 2 ranks against one process on the same batches, and its resume,
 in the same 2-rank launch as the op's cases (tests/_dist_worker.py). Pass or fail comes
@@ -27,7 +29,7 @@ D = 24
 # max |sharded - unsharded| / max |unsharded| per tensor, fp32 (the issue's bound)
 REL = 2e-5
 OP_CASES = ["triton", "triton_softcap_temp", "triton_temp_no_entropy", "torch", "torch_softcap_temp",
-            "torch_ignore_index_7"]
+            "torch_ignore_index_7", "triton_support_bitmask", "triton_support_threshold", "torch_support_threshold"]
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
 
@@ -78,9 +80,12 @@ def check_case(ranks, name, world):
             if key in case:
                 assert case[key] < REL, (name, res["rank"], key, case[key])
         assert "entropy" in case or name.endswith("no_entropy")
+        if "support" in name:  # renormalised over fewer tokens: every restricted row's logp rises
+            assert case["support_row0_unchanged"] and case["support_raised_rows"] == N - 1 - 3, (name, case)
         assert case["d_weight_is_shard"] and case["outputs_plain"], name
         assert case["deterministic"] and case["ignored_zero"], name
-        assert case["scored_rows"] == N - 3, name  # every row but the 3 ignored ones (target 509 included)
+        # every row but the 3 ignored ones (target 509 included; a support's row of the target alone has logp 0)
+        assert case["scored_rows"] == N - 3 - case.get("target_only_rows", 0), name
         # nothing gathers the weight (no full_tensor, redistribute, broadcast, ...): forward an
         # all-reduce (MAX, [N] fp32) and an all-gather of [2 or 3, N] fp32 statistics; backward
         # d_hidden [N, D] fp32 summed by rows: an all-to-all of it (rows padded to a multiple
@@ -142,6 +147,7 @@ def test_misuse_is_a_value_error_naming_the_argument(two_ranks):
     assert errors["row_sharded_hidden"].startswith("hidden must be the same on every rank")
     assert errors["target_out_of_range"].startswith("targets[0] = 403 is outside [0, 403)")
     assert errors["wrong_d"] == "weight has D = 24 columns but hidden has D = 5"
+    assert errors["support_local_width"].startswith("support (a bitmask) must have shape [N, ceil(V / 32)] = [37, 13]")
 
 
 # ---------------------------------------------------------------------- erpo train tp_size=2
