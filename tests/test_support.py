@@ -245,3 +245,31 @@ def test_packing_helpers_round_trip():
     assert torch.equal(pack_support(torch.ones(2, 64, dtype=torch.bool)), torch.full((2, 2), -1, dtype=torch.int32))
     with pytest.raises(ValueError, match="token_ids"):
         support_from_token_ids(rows, cols + 70, 5, 70)
+
+
+@pytest.mark.parametrize("op", ["token", "linear"])
+def test_support_compiles_without_graph_break(device, op):
+    """support is a tensor input of each custom op: torch.compile(fullgraph=True) (aot_eager,
+    as tests/test_torch_compile.py) gives eager's values and gradients bit for bit."""
+    tensors, targets, inv_t, g_logp, g_ent = _inputs(op, torch.float32, device)
+    threshold, bitmask, _, _ = _supports(tensors, targets, inv_t)
+    support = bitmask if op == "token" else threshold
+
+    def loss(*leaves):
+        if op == "token":
+            logp, ent = token_logprobs(leaves[0], targets, inv_temperature=inv_t, return_entropy=True,
+                                       support=support, backend="triton")  # fmt: skip
+        else:
+            logp, ent = linear_token_logprobs(leaves[0], leaves[1], targets, bias=leaves[2], inv_temperature=inv_t,
+                                              return_entropy=True, support=support, backend="triton")  # fmt: skip
+        return (logp * g_logp).sum() + (ent * g_ent).sum()
+
+    eager = [t.clone().requires_grad_() for t in tensors]
+    compiled = [t.clone().requires_grad_() for t in tensors]
+    out_e = loss(*eager)
+    out_e.backward()
+    torch._dynamo.reset()
+    out_c = torch.compile(loss, fullgraph=True, backend="aot_eager")(*compiled)
+    out_c.backward()
+    assert torch.equal(out_e, out_c)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager, compiled))
