@@ -521,6 +521,8 @@ class _TorchOps(TorchDispatchMode):
             # an in-place op reads its mutated input too, except those that only overwrite it (copy_,
             # fill_, zero_, out=); the *_like / new_* / empty factories read no input, empty writes nothing
             reads = [] if name in _NO_READ else [t for t in ins if not _overwritten(name, t, args, kwargs)]
+            if name == "addmm" and kwargs.get("beta", 1) == 0 and args:  # beta = 0: the input matrix is not read
+                reads = [t for t in reads if t is not args[0]]
             rec.loaded = sum(_tensor_bytes(t) for t in reads)
             rec.stored = 0 if name in _NO_WRITE else sum(_tensor_bytes(t) for t in outs)
             if name in _GATHER:  # reads the gathered elements and the indices, not the whole source
@@ -587,6 +589,8 @@ def _overwritten(name: str, t: torch.Tensor, args, kwargs) -> bool:
 
 def _addmm_out_dtype(acc, a, b, out_dtype=None, *, beta=1, alpha=1, out=None):
     out = acc.clone() if out is None else out
+    if beta == 0:  # acc is not read (it may hold anything, NaN included), as on CUDA
+        return torch.mm(a.to(out.dtype), b.to(out.dtype), out=out).mul_(alpha)
     if out is not acc:
         out.copy_(acc)
     return out.mul_(beta).addmm_(a.to(out.dtype), b.to(out.dtype), alpha=alpha)

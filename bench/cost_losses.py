@@ -212,6 +212,45 @@ def _erpo_loss_features(layouts: Dict[Tuple, LossLayout]) -> Features:
     return features
 
 
+def _mm_into_as_on_cuda(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """erpo_kernels.fused_linear_loss._mm_into's CUDA branch on any device: an fp32 accumulator
+    from input-dtype operands is one addmm(out_dtype=float32) (bench.cost computes it on a CPU
+    and counts it as called), not the CPU branch's upcast operands and fp32 GEMM."""
+    if out.dtype == a.dtype:
+        _mm_into_saved[0](out, a, b, accumulate)
+    else:
+        torch.addmm(out, a, b, beta=1 if accumulate else 0, out_dtype=out.dtype, out=out)
+
+
+_mm_into_saved: List[Callable] = []
+
+
+@contextlib.contextmanager
+def _cuda_products() -> Iterator[None]:
+    from erpo_kernels import fused_linear_loss
+
+    _mm_into_saved[:] = [fused_linear_loss._mm_into]
+    fused_linear_loss._mm_into = _mm_into_as_on_cuda
+    try:
+        yield
+    finally:
+        fused_linear_loss._mm_into = _mm_into_saved[0]
+
+
+def _erpo_loss_cublas_plan(target: Shape):
+    """erpo-loss's plan, with the products' fp32 accumulation counted as on CUDA (_mm_into_as_on_cuda)."""
+    plan = _erpo_loss_plan(target)
+    inner = plan.patch
+
+    @contextlib.contextmanager
+    def patch(shape) -> Iterator[None]:
+        with inner(shape), _cuda_products():
+            yield
+
+    plan.patch = patch
+    return plan
+
+
 def _erpo_loss_plan(target: Shape):
     """The residue grid of our kernels' tiles (cost_subjects._erpo_linear_plan's moduli) in D
     and V, the _ERPO_POINTS layouts at each (D, V) corner; counted with the sm_90 tiles."""

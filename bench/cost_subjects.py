@@ -210,6 +210,42 @@ def _erpo_token(logits, targets):
     return erpo_kernels.token_logprobs(logits, targets, backend="triton", tiles=_erpo_tiles("token_logprobs"))
 
 
+# ----------------------------------------------------------------------------- support= (issue 34)
+
+
+def support_tensor(form: str, n: int, vocab: int) -> torch.Tensor:
+    """A kept set per row in one of support='s two forms: "threshold" [N] fp32 (0.0: the tokens
+    whose scaled logit is >= 0) or "bitmask" [N, ceil(V / 32)] int32 (random bits)."""
+    if form == "threshold":
+        return torch.zeros(n, dtype=torch.float32)
+    from erpo_kernels.support import pack_support
+
+    g = torch.Generator().manual_seed(n * 7 + vocab)
+    return pack_support(torch.rand(n, vocab, generator=g) < 0.5)
+
+
+def _erpo_linear_support(form: str) -> Callable:
+    def call(hidden, weight, targets):
+        import erpo_kernels
+
+        return erpo_kernels.linear_token_logprobs(hidden, weight, targets, backend="triton",
+                                                  tiles=_erpo_tiles("linear_token_logprobs"),
+                                                  support=support_tensor(form, hidden.shape[0], weight.shape[0]))
+    return call
+
+
+def _erpo_token_support(form: str) -> Callable:
+    def call(logits, targets):
+        import erpo_kernels
+
+        return erpo_kernels.token_logprobs(logits, targets, backend="triton", tiles=_erpo_tiles("token_logprobs"),
+                                           support=support_tensor(form, *logits.shape))
+    return call
+
+
+SUPPORT_FORMS = ("threshold", "bitmask")
+
+
 def _erpo_token_plan(target: Shape) -> FitPlan:
     blocks = _erpo_tiles("token_logprobs")
     mv = math.lcm(getattr(blocks, "fwd_max_block_v", 1), getattr(blocks, "bwd_max_block_v", 1))
@@ -421,7 +457,10 @@ SUBJECTS: List[Subject] = [
             gpu_path="the sm_90 default tiles, the products on our Triton kernels (Tiles.gemm_engine 0)"),
     Subject("erpo-loss-cublas", LOSS, "erpo_kernels.erpo_loss as erpo-loss, the products on cuBLAS "
             "(Tiles.gemm_engine 1: torch matmuls, bf16 operands, fp32 accumulation)", _loss._erpo_loss_cublas,
-            _loss._erpo_loss_plan, gpu_path="the sm_90 default tiles with gemm_engine 1"),
+            _loss._erpo_loss_cublas_plan,
+            gpu_path="the sm_90 default tiles with gemm_engine 1, the fp32-accumulating products as its CUDA "
+                     "branch runs them: addmm(out_dtype=float32) of the bf16 operands (computed on CPU by an "
+                     "equivalent)"),
     Subject("liger-grpo", LOSS, "Liger-Kernel LigerFusedLinearGRPOLoss (loss_type dapo, beta 0, one chunk per "
             "sequence: chunk_size 1)", _loss._liger_grpo, _loss._liger_grpo_plan,
             module="liger_kernel.chunked_loss", dist="liger-kernel", gemm_roles=False,
@@ -437,6 +476,13 @@ SUBJECTS: List[Subject] = [
                      "trl-chunked), TRL's own _compute_loss on a stand-in trainer (GRPOConfig defaults, one process)"),
     Subject("erpo", TOKEN, "erpo_kernels.token_logprobs (Triton)", _erpo_token, _erpo_token_plan,
             uses_d=False),
+    *[Subject(f"erpo-support-{form}", op, f"{label} with support= as a {form} ({what})", call(form), plan,
+              module="erpo_kernels.support", uses_d=op == LINEAR)
+      for form, what in zip(SUPPORT_FORMS, ("[N] fp32", "[N, ceil(V / 32)] int32"))
+      for op, label, call, plan in ((LINEAR, "erpo_kernels.linear_token_logprobs (Triton)", _erpo_linear_support,
+                                     _erpo_linear_plan),
+                                    (TOKEN, "erpo_kernels.token_logprobs (Triton)", _erpo_token_support,
+                                     _erpo_token_plan))],
     Subject("erpo-reference", TOKEN, "erpo_kernels.token_logprobs, backend='torch'", _reference_token,
             _reference_plan("CHUNK_ELEMENTS", "ref-token"), uses_d=False),
 ]

@@ -28,7 +28,8 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 COST_FILE = "cost.json"  # bench/results/cost.json: {"command": "cost", "runs": [run, ...]}
 BENCH_DOC = REPO / "docs" / "benchmarks.md"
 COST_START, COST_END = "<!-- cost:start -->", "<!-- cost:end -->"
-COST_ORDER = ("erpo", "erpo-reference", "liger", "cce", "trl-chunked", "erpo-loss", "erpo-loss-cublas", "liger-grpo", "trl-grpo")
+COST_ORDER = ("erpo", "erpo-support-threshold", "erpo-support-bitmask", "erpo-reference", "liger", "cce",
+              "trl-chunked", "erpo-loss", "erpo-loss-cublas", "liger-grpo", "trl-grpo")
 LOSS_OP = "loss"  # bench.cost_losses.LOSS: the fused losses, forward + backward from hidden states to a scalar
 PEER_ORDER = ("eager", "eager-ce", "compile", "trl", "trl-chunked", "trl-triton", "liger", "cce", "flash-attn", "erpo-inplace")
 PASS_LABEL = {"forward": "fwd", "backward": "bwd", "both": "fwd+bwd"}
@@ -693,12 +694,37 @@ def cost_tables(run: Dict[str, Any], hw: str = "H200") -> List[str]:
              + (f"; {s['status']}: {s['reason']}" if s["status"] != "ok" else "") for s in subs]
     out += ["Subjects: " + "; ".join(notes) + ". Inputs: " + run.get("targets_note", "")
             + (f"; {run['layout_note']}" if run.get("layout_note") else "") + ".", ""]
+    out += support_lines(run, hw)
     for s in subs:
         if s["name"] not in OURS or s["status"] != "ok":
             continue
         for r in s["results"]:
             out += _launch_table(run, s, r, hw)
     return out
+
+
+def support_lines(run: Dict[str, Any], hw: str = "H200") -> List[str]:
+    """What support= adds to our ops (issue 34): each form's counted fwd+bwd over `erpo`'s at
+    every target, in HBM bytes and modelled ms."""
+    by = {(s["name"], s["op"]): s for s in run["subjects"] if s["status"] == "ok"}
+    parts = []
+    for op in ("linear_token_logprobs", "token_logprobs"):
+        base = by.get(("erpo", op))
+        for form, what in (("threshold", "one fp32 per row"), ("bitmask", "ceil(V / 32) int32 words per row")):
+            s = by.get((f"erpo-support-{form}", op))
+            if base is None or s is None:
+                continue
+            cells = []
+            for r, r0 in zip(s["results"], base["results"]):
+                hbm = lambda x: sum(g["model"][hw]["hbm_bytes"] for g in x.get("groups", []))  # noqa: E731
+                ms = r["passes"]["both"][hw]["ms"] - r0["passes"]["both"][hw]["ms"]
+                cells.append(f"{_shape_label(r['shape'], op)}: {'+' if ms >= 0 else ''}{ms:.2f} ms, "
+                             f"{(hbm(r) - hbm(r0)) / 1e6:+.0f} MB HBM")
+            parts.append(f"{op} with a {form} ({what}): " + "; ".join(cells))
+    if not parts:
+        return []
+    return ["support= (issue 34), counted, over the same op without it (fwd+bwd, " + hw + " model): "
+            + ". ".join(parts) + ".", ""]
 
 
 def cost_history(runs: List[Dict[str, Any]], hw: str = "H200") -> List[str]:

@@ -268,6 +268,11 @@ def test_cuda_only_addmm_out_dtype_is_emulated_and_counted():
     (r,) = [r for r in recs if r.flops]
     assert r.name == "aten.addmm" and r.flops == {"bf16": 2 * 4 * 5 * 3}
     assert (r.loaded, r.stored) == (4 * 3 * 4 + (4 * 5 + 5 * 3) * 2, 4 * 3 * 4)  # acc is read and written
+    acc.fill_(float("nan"))  # beta = 0 (erpo_loss's first cuBLAS product of a chunk): acc is not read
+    recs = cost.count_launches(lambda: torch.addmm(acc, a, b, beta=0, out_dtype=torch.float32, out=acc))
+    torch.testing.assert_close(acc, a.float() @ b.float())
+    (r,) = [r for r in recs if r.flops]
+    assert (r.loaded, r.stored) == ((4 * 5 + 5 * 3) * 2, 4 * 3 * 4)
 
 
 def test_liger_weight_grad_rewrite_to_its_cuda_addmm():
@@ -531,3 +536,44 @@ def test_cost_tables_and_readme_line_show_the_fused_losses_against_the_3_gemm_fl
     assert text.index("`erpo-loss`") < text.index("`liger-grpo`") < text.index("`trl-grpo`")
     line = report.cost_summary_line(run)
     assert "fused loss fwd+bwd at N=8192 D=4096 V=151936 (3-GEMM floor 30.9 ms): `erpo-loss` 40.0 ms (1.29x)" in line
+
+
+def test_erpo_loss_plan_determines_every_term_and_counts_the_ops_own_chunks():
+    """erpo-loss is counted at sm_90's residue grid with layouts whose chunks are whole row tiles;
+    the fit's terms (N, K, B, K B times 1, D, V, DV) are all determined by the counted shapes, and
+    K at a target is erpo_loss's own plan: row_chunks of rows_for_budget(1 GiB, V) rows."""
+    import numpy as np
+
+    from bench import cost_losses as cl
+    from bench import cost_subjects as cs
+    from erpo_kernels.fused_linear_loss import DEFAULT_FUSED_BUDGET, rows_for_budget
+
+    plan = cl._erpo_loss_plan(cs.TARGETS[0])
+    terms = list(plan.features(plan.fit[0]))
+    a = np.array([[float(plan.features(s)[t]) for t in terms] for s in plan.fit])
+    assert np.linalg.matrix_rank(a) == len(terms) == len(plan.fit)
+    assert {"B", "K", "KDV", "KB"} <= set(terms)
+    tiles = cl.erpo_loss_tiles(0)
+    assert all(s[0] % tiles.block_n == 0 for s in plan.fit + plan.check)
+    for n, d, v in cs.TARGETS:
+        per_chunk = rows_for_budget(DEFAULT_FUSED_BUDGET, v) // cl.LAYOUT.seq_rows  # whole sequences
+        want = -(-cl.LAYOUT.sequences(n) // per_chunk)
+        assert cl.erpo_chunks(n, v, cl.LAYOUT) == want and plan.target_features((n, d, v))["K"] == want > 1
+    assert cl.budget_for_rows(256, 4480) == 256 * 4 * 4480 and rows_for_budget(cl.budget_for_rows(256, 4480) - 1,
+                                                                                4480) == 255
+
+
+def test_support_costs_line_is_each_forms_counted_difference():
+    from bench import report
+
+    def sub(name, op, ms, hbm):
+        return {"name": name, "op": op, "status": "ok", "results": [
+            {"shape": {"N": 8192, "D": 4096, "V": 151936}, "passes": {"both": {"H200": {"ms": ms}}},
+             "groups": [{"model": {"H200": {"hbm_bytes": hbm}}}]}]}
+
+    run = {"subjects": [sub("erpo", "token_logprobs", 1.5, 7e9), sub("erpo-support-bitmask", "token_logprobs", 1.75,
+                                                                       7.3e9)]}
+    (line, _) = report.support_lines(run)
+    assert "token_logprobs with a bitmask (ceil(V / 32) int32 words per row): N=8192 V=151936: +0.25 ms, +300 MB HBM" \
+        in line and "threshold" not in line
+    assert report.support_lines({"subjects": run["subjects"][:1]}) == []

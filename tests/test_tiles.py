@@ -186,6 +186,49 @@ def test_tune_candidates_check_and_choice():
     assert len(entry["timed"]) == len(ok) and (entry["D"], entry["V"], entry["dtype"]) == (4096, 151936, "bfloat16")
 
 
+def test_tune_records_the_faster_products_engine_and_the_fused_path_reads_it(tmp_path, monkeypatch, fake_gpu):
+    """Issue 33 item 2: bench tune times erpo_loss's fused path with the fastest tiles on both
+    products engines (Tiles.gemm_engine: 0 Triton, 1 cuBLAS) and records the faster in the
+    tuning file; an engine that fails is left out; the op's lookup returns the choice and the
+    fused path runs its products on it."""
+    from dataclasses import asdict, replace
+
+    from bench import tune
+    from bench.cost_losses import LossLayout, loss_batch
+    from erpo_kernels import LossConfig, erpo_loss, fused_linear_loss, tuning
+
+    cap, dtype = (9, 0), torch.float32
+    cands = tune.candidates(cap, dtype)
+    engine_ms = {0: 3.0, 1: 2.0}
+    common = dict(deadline=float("inf"), log=[].append, timer=lambda t, *a: 1.0 + cands.index(t),
+                  check=lambda *a: True)
+    entry = tune.tune_one("NVIDIA H200", cap, dtype, 16, 40, engine_timer=lambda t, *a: engine_ms[t.gemm_engine],
+                          **common)
+    assert (entry["engine"], entry["engine_ms"]) == ("cublas", {"triton": 3.0, "cublas": 2.0})
+    assert entry["tiles"] == asdict(replace(cands[0], gemm_engine=1)) and entry["ms"] == 1.0  # the fastest tiles
+
+    def cublas_fails(t, *a):
+        if t.gemm_engine:
+            raise RuntimeError("out of resources")
+        return 3.0
+
+    kept = tune.tune_one("NVIDIA H200", cap, dtype, 16, 40, engine_timer=cublas_fails, **common)
+    assert (kept["engine"], kept["engine_ms"], kept["tiles"]["gemm_engine"]) == ("triton", {"triton": 3.0}, 0)
+    path = tmp_path / "tiles.json"
+    monkeypatch.setenv(tuning.ENV, str(path))
+    tune.write_entries([entry], path)
+    got = tuning.tuned_tiles("linear_token_logprobs", "NVIDIA H200", dtype, 16, 40, Tiles)
+    assert got == replace(cands[0], gemm_engine=1)
+    engines = []
+    real = fused_linear_loss.LinearLogprobsChunks.backward
+    monkeypatch.setattr(fused_linear_loss.LinearLogprobsChunks, "backward",
+                        lambda self, *a: (engines.append(self.tiles.gemm_engine), real(self, *a))[1])
+    tiles_module._device_tiles.cache_clear()
+    h, w = torch.randn(8, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
+    erpo_loss(h, w, loss_batch(8, LossLayout(4, 1, 1), 40), LossConfig(), backend="triton")[0].backward()
+    assert engines == [1] and h.grad is not None and torch.isfinite(w.grad).all()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a CUDA device")
 def test_bench_tune_stops_without_a_gpu():
     from bench.__main__ import main
