@@ -213,7 +213,7 @@ def _erpo_loss_features(layouts: Dict[Tuple, LossLayout]) -> Features:
 
 
 def _mm_into_as_on_cuda(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
-    """erpo_kernels.fused_linear_loss._mm_into's CUDA branch on any device: an fp32 accumulator
+    """erpo_kernels.linear_token_logprobs._mm_into's CUDA branch on any device: an fp32 accumulator
     from input-dtype operands is one addmm(out_dtype=float32) (bench.cost computes it on a CPU
     and counts it as called), not the CPU branch's upcast operands and fp32 GEMM."""
     if out.dtype == a.dtype:
@@ -227,14 +227,15 @@ _mm_into_saved: List[Callable] = []
 
 @contextlib.contextmanager
 def _cuda_products() -> Iterator[None]:
-    from erpo_kernels import fused_linear_loss
+    import importlib
 
-    _mm_into_saved[:] = [fused_linear_loss._mm_into]
-    fused_linear_loss._mm_into = _mm_into_as_on_cuda
+    ltl = importlib.import_module("erpo_kernels.linear_token_logprobs")  # the module (the package exports the op)
+    _mm_into_saved[:] = [ltl._mm_into]
+    ltl._mm_into = _mm_into_as_on_cuda
     try:
         yield
     finally:
-        fused_linear_loss._mm_into = _mm_into_saved[0]
+        ltl._mm_into = _mm_into_saved[0]
 
 
 def _erpo_loss_cublas_plan(target: Shape):
