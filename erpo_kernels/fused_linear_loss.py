@@ -19,6 +19,11 @@ does 4).
     gradients()            d_hidden [N, D], d_weight [V, D], d_bias [V] in the operands'
                            (uncast) dtypes.
 
+With a support (forward's `support=`, linear_token_logprobs' argument, erpo_kernels/support.py)
+the kept logits are -inf outside each row's kept set (the forward kernel's `_scaled_logits`
+masks them), so dr is 0 there: p = 0, p log p taken as 0, and the soft cap's slope, which
+is recovered from s, is not formed from an -inf.
+
 Work: 2 N D V FLOPs for the logits and 4 N D V for the products: 3 GEMMs of 2 N D V.
 Memory: the kept buffer holds max_rows x V fp32 values (the caller's budget), the dr
 workspace max_rows x C in the input dtype (as linear_token_logprobs' backward), d_bias an
@@ -61,6 +66,7 @@ from .linear_token_logprobs import (
     _torch_chunk_products,
 )
 from .logit_transform import LogitTransform
+from .support import check_support
 from .tiles import Tiles
 
 # The default bound on what one chunk keeps: 1 GiB of fp32 logits (1766 rows at V = 151,936).
@@ -125,8 +131,8 @@ def _fused_dr_kernel(
         )
         in_tile = row_mask[:, None] & col_mask[None, :]
         s = tl.load(kept_ptr + rows.to(tl.int64)[:, None] * V + cols[None, :], mask=in_tile, other=float("-inf"))
-        if HAS_SOFTCAP:
-            t = tl.where(in_tile, s / (inv_t[:, None] * softcap), 0.0)
+        if HAS_SOFTCAP:  # s = -inf only outside a support (|z| < softcap): there p = 0 and the slope is unread
+            t = tl.where(in_tile & (s > float("-inf")), s / (inv_t[:, None] * softcap), 0.0)
             cap_slope = 1.0 - t * t
         else:
             cap_slope = s  # unread
@@ -195,17 +201,20 @@ class LinearLogprobsChunks:
 
     def forward(
         self, r0: int, r1: int, targets: torch.Tensor, inv_temperature: Union[None, float, torch.Tensor],
-        want_entropy: bool,
+        want_entropy: bool, support: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """logp [r1 - r0] fp32 and entropy (or None) of rows [r0, r1); targets and
-        inv_temperature are those rows' (already validated). Keeps the chunk's logits for
-        `backward`."""
+        """logp [r1 - r0] fp32 and entropy (or None) of rows [r0, r1); targets,
+        inv_temperature and support (linear_token_logprobs' support=, None: the whole
+        vocabulary) are those rows' (already validated). Keeps the chunk's logits for
+        `backward` (-inf outside the support)."""
         h = self.hidden[r0:r1]
         n = h.shape[0]
         transform = LogitTransform.build(inv_temperature, n, h.device, softcap=self.softcap,
                                          logit_scale=self.logit_scale, validate=False)  # fmt: skip
+        support = check_support(support, n, self.weight.shape[0], h.device, validate=False)
         with no_autocast(h.device), device_guard(h.device):
-            launch = _Launch.build(h, self.weight, self.bias, targets, transform, self.ignore_index, self.tiles)
+            launch = _Launch.build(h, self.weight, self.bias, targets, transform, self.ignore_index, self.tiles,
+                                   support)  # fmt: skip
             kept = self.kept[: n * self.weight.shape[0]]
             logp, entropy, lse_parts = _forward(launch, want_entropy, kept if n > 0 else None)
         self._state = (r0, launch, lse_parts, entropy, kept)

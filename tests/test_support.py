@@ -273,3 +273,29 @@ def test_support_compiles_without_graph_break(device, op):
     out_c.backward()
     assert torch.equal(out_e, out_c)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager, compiled))
+
+
+@pytest.mark.parametrize("form", ["threshold", "bitmask"])
+def test_fused_path_takes_the_support(device, form):
+    """erpo_loss's fused path (LinearLogprobsChunks: logits kept once per chunk of rows, -inf
+    outside the support, dr formed from them) equals linear_token_logprobs with the same
+    support, fp32 within 1e-5, soft cap on (its slope is recovered from the kept logits)."""
+    from erpo_kernels.fused_linear_loss import LinearLogprobsChunks
+
+    tensors, targets, inv_t, g_logp, g_ent = _inputs("linear", torch.float32, device)
+    options = TRANSFORMS["softcap_scale"]
+    threshold, bitmask, _, _ = _supports(tensors, targets, inv_t, **options)
+    support = threshold if form == "threshold" else bitmask
+    want = _ours("linear", tensors, targets, inv_t, g_logp, g_ent, support=support, backend="triton", **options)
+    op = LinearLogprobsChunks(*tensors, max_rows=5, n_chunks=2, need=(True, True, True), tiles=LINEAR_TILES,
+                              ignore_index=IGNORE, **options)  # fmt: skip
+    logps, ents = [], []
+    for a, b in [(0, 4), (4, N)]:
+        logp, ent = op.forward(a, b, targets[a:b], inv_t[a:b], True, support=support[a:b])
+        op.backward(g_logp[a:b], g_ent[a:b])
+        logps.append(logp)
+        ents.append(ent)
+    got = (torch.cat(logps), torch.cat(ents), *op.gradients())
+    for name, o, w in zip(NAMES, got, want):
+        assert torch.isfinite(o).all(), name
+        torch.testing.assert_close(o, w, atol=1e-5, rtol=1e-5, msg=name)
