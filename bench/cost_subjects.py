@@ -224,13 +224,16 @@ def support_tensor(form: str, n: int, vocab: int) -> torch.Tensor:
     return pack_support(torch.rand(n, vocab, generator=g) < 0.5)
 
 
+_supports: Dict[Tuple[str, int, int], torch.Tensor] = {}  # made by the plan's patch, before counting starts
+
+
 def _erpo_linear_support(form: str) -> Callable:
     def call(hidden, weight, targets):
         import erpo_kernels
 
         return erpo_kernels.linear_token_logprobs(hidden, weight, targets, backend="triton",
                                                   tiles=_erpo_tiles("linear_token_logprobs"),
-                                                  support=support_tensor(form, hidden.shape[0], weight.shape[0]))
+                                                  support=_supports[(form, hidden.shape[0], weight.shape[0])])
     return call
 
 
@@ -239,8 +242,30 @@ def _erpo_token_support(form: str) -> Callable:
         import erpo_kernels
 
         return erpo_kernels.token_logprobs(logits, targets, backend="triton", tiles=_erpo_tiles("token_logprobs"),
-                                           support=support_tensor(form, *logits.shape))
+                                           support=_supports[(form, *logits.shape)])
     return call
+
+
+def _support_plan(plan_of: Callable[[Shape], FitPlan], form: str) -> Callable[[Shape], FitPlan]:
+    """plan_of's plan, with the support tensor of each counted shape made before counting (an
+    input of the op, as the logits are: what making it costs is not the op's)."""
+    def plan(target: Shape) -> FitPlan:
+        p = plan_of(target)
+        inner = p.patch
+
+        @contextlib.contextmanager
+        def patch(shape: Shape) -> Iterator[None]:
+            key = (form, shape[0], shape[2])
+            _supports[key] = support_tensor(form, shape[0], shape[2])
+            try:
+                with inner(shape):
+                    yield
+            finally:
+                _supports.pop(key, None)
+
+        p.patch = patch
+        return p
+    return plan
 
 
 SUPPORT_FORMS = ("threshold", "bitmask")
@@ -476,8 +501,8 @@ SUBJECTS: List[Subject] = [
                      "trl-chunked), TRL's own _compute_loss on a stand-in trainer (GRPOConfig defaults, one process)"),
     Subject("erpo", TOKEN, "erpo_kernels.token_logprobs (Triton)", _erpo_token, _erpo_token_plan,
             uses_d=False),
-    *[Subject(f"erpo-support-{form}", op, f"{label} with support= as a {form} ({what})", call(form), plan,
-              module="erpo_kernels.support", uses_d=op == LINEAR)
+    *[Subject(f"erpo-support-{form}", op, f"{label} with support= as a {form} ({what})", call(form),
+              _support_plan(plan, form), module="erpo_kernels.support", uses_d=op == LINEAR)
       for form, what in zip(SUPPORT_FORMS, ("[N] fp32", "[N, ceil(V / 32)] int32"))
       for op, label, call, plan in ((LINEAR, "erpo_kernels.linear_token_logprobs (Triton)", _erpo_linear_support,
                                      _erpo_linear_plan),
