@@ -153,7 +153,15 @@ def test_misuse_is_a_value_error_naming_the_argument(two_ranks):
 # ---------------------------------------------------------------------- erpo train tp_size=2
 
 # test_distributed's tiny default, 2 steps (checkpoints at steps 1 and 2)
-TP_TRAIN = dict(TINY, steps=2, save_every=1)
+# DAPO's overlong shaping over every length (overlong_buffer = max_new_tokens): a group's shaped
+# rewards are uniform only if its responses are all as long and all as correct. At step 1 the
+# policy is the reference, so a mini-batch of uniform groups has a true gradient of exactly 0
+# (advantages 0, Query-KL 0); the sharded run's Query-KL delta is ~1e-7 there (the cache is
+# scored by the unsharded op, docs/distributed.md) and AdamW turns that rounding into a full lr
+# step one process never takes (loss -0.031063 vs -0.031250 at step 1 on plain 0/1 rewards, whose
+# step-1 mini-batch 1 held two all-wrong groups). The shaped rewards give every step-1
+# mini-batch a learning signal, which the test checks before it compares.
+TP_TRAIN = dict(TINY, steps=2, save_every=1, overlong_buffer=TINY["max_new_tokens"])
 LOSSES = ("loss", "pg/loss", "qkl/loss")
 
 
@@ -169,7 +177,8 @@ def tp_run(two_rank_launch):
 
 def test_erpo_train_tp_size_2_matches_one_process(tp_run, tmp_path, _keep_torch_threads):
     """The same global batches (the tensor-parallel run's rollouts replayed, its reference
-    cache) in one process: every step's rewards equal, losses within 1e-5, weights after 2
+    cache) in one process, every step-1 mini-batch with a learning signal (rewards shaped by
+    length, see TP_TRAIN): every step's rewards equal, losses within 1e-5, weights after 2
     steps within 1e-5 (test_distributed's WEIGHT_TOL); the fused calls got this rank's
     Shard(0) rows of the lm_head and nothing of [V, ...] was made whole in an update."""
     from erpo.config import TrainConfig
@@ -180,9 +189,18 @@ def test_erpo_train_tp_size_2_matches_one_process(tp_run, tmp_path, _keep_torch_
                       ref_cache=str(run_dir / "ref_cache.safetensors"))
     replay = Replay(ranks)
     one = Trainer(cfg, log=lambda _msg: None, engine=replay)
+    advantages, updates = [], one._updates
+
+    def recording_updates(idx, prompts, responses, adv, *rest):
+        advantages.append(adv.reshape(cfg.mini_batches, -1))  # [mini-batches, its queries x G]
+        return updates(idx, prompts, responses, adv, *rest)
+
+    one._updates = recording_updates
     one.train()
     vocab, width = one.model.lm_head.weight.shape
     assert replay.calls == 2 and not replay.groups
+    # the comparison is well posed: no step-1 update whose true gradient is exactly 0 (see TP_TRAIN)
+    assert bool((advantages[0] != 0).any(dim=1).all()), advantages[0]
     a, b = metrics_of(run_dir), metrics_of(cfg.run_dir)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
     for ra, rb in zip(a, b):
