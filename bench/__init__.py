@@ -5,6 +5,7 @@
     python -m bench cost                                   # counted GPU cost model of ours and the peers (CPU)
     python -m bench calibrate --device cuda                # the linear op and lm_head GEMMs timed beside the model
     python -m bench demo-vllm                              # configs/demo-vllm.yaml on the HF and vLLM backends
+    python -m bench replay                                 # configs/demo.yaml at top_p=0.8, support replayed or not
     python -m bench report                                 # README table + plots from bench/results/*.json
     python -m bench merge FILE.json                        # fold a results file (e.g. from a GPU run) in
 
@@ -19,4 +20,4 @@ Definitions used everywhere (and written into every results file):
 """
 
 __all__ = ["kernels", "step", "report", "peers", "measure", "cost", "cost_model", "cost_subjects", "calibrate", "rollout",
-           "demo_vllm"]
+           "demo_vllm", "replay"]

@@ -42,12 +42,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-report", action="store_true", help="do not regenerate the plots (the README table is only written by `bench report`)")
 
 
-def _record_args(p: argparse.ArgumentParser, stem: str) -> None:
-    """--out-dir, --record and --machine of a subcommand writing <stem>-<machine>.json and a docs/vllm.md table."""
+def _record_args(p: argparse.ArgumentParser, stem: str, doc: str = "docs/vllm.md") -> None:
+    """--out-dir, --record and --machine of a subcommand writing <stem>-<machine>.json and a table of `doc`."""
     p.add_argument("--out-dir", default=None, help=f"where {stem}-<machine>.json goes (default: {_LOCAL_SHOWN}; with "
                                                    "--record: bench/results)")
     p.add_argument("--record", action="store_true",
-                   help=f"write bench/results/{stem}-<machine>.json (tracked) and docs/vllm.md's table")
+                   help=f"write bench/results/{stem}-<machine>.json (tracked) and {doc}'s table")
     p.add_argument("--machine", default=None, help="results file name (default: derived from the device)")
 
 
@@ -169,6 +169,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     dv.add_argument("--backends", default="hf,vllm", help="comma list of rollout backends (default: hf,vllm)")
     _record_args(dv, "demo-vllm")
 
+    rp = sub.add_parser("replay", help="configs/demo.yaml at top_p=0.8 trained with the sampler's support replayed "
+                                       "and without (docs/training.md)")
+    rp.add_argument("overrides", nargs="*", help="key=value settings on top of the config and top_p=0.8")
+    _record_args(rp, "replay", "docs/training.md")
+
     r = sub.add_parser("report", help="regenerate the README table and the plots from bench/results/*.json")
     r.add_argument("--out-dir", default=str(RESULTS_DIR if IN_CHECKOUT else LOCAL_RESULTS_DIR))
     r.add_argument("--print", action="store_true", help="also print the generated section")
@@ -198,6 +203,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _tune(args)
     if args.command == "rollout":
         return _rollout(args)
+    if args.command == "replay":
+        from . import replay
+
+        replay.run(_out_dir(args), args.overrides, args.machine, write_doc=args.record)
+        return 0
     if args.command == "demo-vllm":
         from . import demo_vllm
 

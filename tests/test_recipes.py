@@ -146,9 +146,9 @@ def scripted_trainer(tmp_path, cache_dir, name, solved, filler=(), **overrides):
     seen = []
     updates = trainer._updates
 
-    def recording(idx, prompts, responses, advantages, logprobs=None):
+    def recording(idx, prompts, responses, advantages, logprobs=None, support=None):
         seen.append((list(idx), advantages.clone()))
-        return updates(idx, prompts, responses, advantages, logprobs)
+        return updates(idx, prompts, responses, advantages, logprobs, support)
 
     trainer._updates = recording
     return trainer, seen

@@ -16,24 +16,28 @@ from erpo.rollout import (
     VLLM_VERSION,
     HFRolloutEngine,
     Rollout,
+    Truncation,
     VLLMRolloutEngine,
     check_rollout_backend,
     generate_ids_with_logprobs,
+    support_of_ids,
 )
-from erpo_kernels import linear_token_logprobs
+from erpo_kernels import linear_token_logprobs, pack_support, support_words, unpack_support
 from test_packing import tiny_model
 
 PROMPTS = [[2, 5, 6, 7], [2, 8]]
 
 
-def scored_response_logprobs(model, prompts, rollout: Rollout, tau: float) -> torch.Tensor:
+def scored_response_logprobs(model, prompts, rollout: Rollout, tau: float, support=None) -> torch.Tensor:
     """What the trainer computes for the response tokens: packed forward -> linear_token_logprobs
-    at 1/tau, the rows of the response tokens (not the final no-target row), in packing order."""
+    at 1/tau, the rows of the response tokens (not the final no-target row), in packing order;
+    support [sum L, ceil(V / 32)]: renormalised over each token's kept set (the trainer's replay)."""
     p = pack(prompts, rollout.responses, tau)
     w, _ = lm_head_of(model)
     with torch.no_grad():
         lp = linear_token_logprobs(forward_hidden(model, p.input_ids, p.position_ids), w, p.targets,
-                                   inv_temperature=p.inv_temperature)
+                                   inv_temperature=p.inv_temperature,
+                                   support=None if support is None else p.support_rows(support))
     return lp[p.response_token_rows()]
 
 
@@ -68,6 +72,97 @@ def test_hf_rollout_logprobs_are_the_samplers_and_the_trainers():
     assert [len(x) for x in lps] == [len(t) for t in tokens]
     with pytest.raises(ValueError, match="temperature"):
         generate_ids_with_logprobs(model, PROMPTS, temperature=0.0, max_new_tokens=2, pad_token_id=0, eos_token_ids=[1])
+
+
+def truncated_kept(logits: torch.Tensor, tau: float, truncation) -> torch.Tensor:
+    """kept [n, V] bool of a top-k, then top-p, then min-p cut of softmax(logits / tau) (logits
+    [n, V]), from the definitions in float64: top-k keeps the k largest; top-p the tokens whose
+    strictly more likely tokens hold less than top_p of the (top-k renormalised) mass; min-p
+    the tokens at least min_p times as likely as the most likely one."""
+    p = torch.softmax(logits.double() / tau, dim=-1)  # [n, V]
+    kept = torch.ones_like(p, dtype=torch.bool)
+    if truncation.top_k:
+        kept &= p >= p.topk(truncation.top_k, dim=-1).values[:, -1:]
+    if truncation.top_p < 1:
+        q = torch.where(kept, p, 0) / torch.where(kept, p, 0).sum(-1, keepdim=True)
+        above = (q[:, None, :] * (q[:, None, :] > q[:, :, None])).sum(-1)  # [n, V] mass of more likely tokens
+        kept &= above < truncation.top_p
+    if truncation.min_p:
+        q = torch.where(kept, p, 0)
+        kept &= q >= truncation.min_p * q.max(-1, keepdim=True).values
+    return kept
+
+
+def response_position_logits(model, prompts, rollout: Rollout) -> torch.Tensor:
+    """[sum L, V] the model's logits at each response token's position (packed, fp32), in
+    packing order: what the sampler cut before drawing that token."""
+    p = pack(prompts, rollout.responses, 1.0)
+    w, _ = lm_head_of(model)
+    with torch.no_grad():
+        hidden = forward_hidden(model, p.input_ids, p.position_ids)
+    return (hidden @ w.T)[p.response_token_rows()]
+
+
+@pytest.mark.parametrize("truncation", [Truncation(top_p=0.8), Truncation(top_k=4, top_p=0.9),
+                                        Truncation(min_p=0.9), Truncation(top_k=3)])
+def test_hf_recorder_keeps_what_the_sampler_kept(truncation):
+    """With a truncating sampler the HF engine records each response token's kept set: the
+    top-k / top-p / min-p cut of the model's logits at that position (float64 definitions), the
+    sampled token in it; its log-probs are those of the renormalised cut distribution."""
+    model = tiny_model(layers=2, seed=3)
+    tau = 0.8
+    engine = HFRolloutEngine(model, 0, [1], truncation=truncation, record_support=True)
+    torch.manual_seed(0)
+    rollout = engine.generate(PROMPTS, 4, tau, 6)
+    flat = rollout.flat_support()
+    V = model.config.vocab_size
+    assert flat.dtype == torch.int32 and flat.shape == (rollout.flat_logprobs().shape[0], support_words(V))
+    kept = unpack_support(flat, V)  # [sum L, V]
+    logits = response_position_logits(model, PROMPTS, rollout)
+    expected = truncated_kept(logits, tau, truncation)
+    assert torch.equal(kept, expected)
+    assert bool(kept.sum(-1).lt(V).any())  # it truncates
+    tokens = torch.tensor([t for g in rollout.responses for r in g for t in r])
+    assert bool(kept[torch.arange(tokens.shape[0]), tokens].all())
+    cut = torch.log_softmax(torch.where(kept, logits.double() / tau, -torch.inf), dim=-1)
+    torch.testing.assert_close(rollout.flat_logprobs().double(), cut[torch.arange(tokens.shape[0]), tokens],
+                               rtol=1e-5, atol=1e-5)
+    # without record_support the same draws, and no kept sets
+    torch.manual_seed(0)
+    plain = HFRolloutEngine(model, 0, [1], truncation=truncation).generate(PROMPTS, 4, tau, 6)
+    assert plain.responses == rollout.responses and plain.support is None
+
+
+def test_support_bitmasks_pack_and_land_on_their_rows():
+    """pack_support's bit layout (bit j of word k = token 32k + j), its inverse, and the packed
+    rows: each response token's row gets its bitmask, every other row all ones (unrestricted)."""
+    V = 70
+    kept = torch.zeros(3, V, dtype=torch.bool)
+    kept[0, [0, 31, 32, 69]] = True
+    kept[2] = True
+    bits = pack_support(kept)
+    assert bits.dtype == torch.int32 and bits.shape == (3, 3)
+    assert bits[0].tolist() == [1 - 2**31, 1, 1 << 5] and bits[1].tolist() == [0, 0, 0]
+    assert bits[2].tolist() == [-1, -1, (1 << 6) - 1]  # padding bits past V are 0
+    assert torch.equal(unpack_support(bits, V), kept)
+    assert torch.equal(support_of_ids([[0, 31, 32, 69], [], list(range(V))], V), bits)
+    responses = [[[11, 12], [13]]]
+    p = pack([[2, 5]], responses, 1.0)
+    rows = p.support_rows(bits)
+    assert rows.shape == (p.num_rows, 3)
+    resp = p.response_token_rows()
+    assert torch.equal(rows[resp], bits)
+    others = torch.ones(p.num_rows, dtype=torch.bool)
+    others[resp] = False
+    assert bool((rows[others] == -1).all())
+    with pytest.raises(ValueError, match="one row per response token"):
+        p.support_rows(bits[:2])
+    r = Rollout(responses, None, [[bits[:2], bits[2:]]])
+    assert torch.equal(r.flat_support(), bits)
+    with pytest.raises(ValueError, match="no support"):
+        Rollout(responses).flat_support()
+    with pytest.raises(ValueError, match="response 1"):
+        Rollout(responses, None, [[bits[:2], bits]]).flat_support()
 
 
 def test_rollout_flat_logprobs_order_and_checks():
@@ -121,6 +216,29 @@ def test_vllm_engine_construction(served):
     assert re.fullmatch(r"erpo: vLLM 0\.33\.0 engine on cuda started in \d+\.\ds \(float32, max_model_len 16, "
                         r"gpu_memory_utilization 0\.25, seed 3\); it sleeps between rollouts \(weights and KV cache "
                         r"dropped\)", line), line
+
+
+def test_vllm_engine_with_a_truncating_sampler(served):
+    """top_k / top_p / min_p reach vLLM's SamplingParams; with record_support on a vLLM that cannot
+    return sampling masks (the fake, like the CPU build) the engine asks for the top_k most likely
+    tokens' processed log-probs (max_logprobs = logprobs = K) and keeps those with a finite one
+    (the fake returns the sampled token's alone), one bitmask row per response token."""
+    said = []
+    engine = make_vllm_engine(truncation=Truncation(top_k=5, top_p=0.9, min_p=0.05), record_support=True,
+                              vocab_size=23, log=said.append)
+    assert engine.support_source == "logprobs" and engine.llm.init_kwargs["max_logprobs"] == 5
+    assert "return_sampling_mask" not in engine.llm.init_kwargs
+    assert "kept sets from the 5 most likely tokens' processed log-probs (no return_sampling_mask here)" in said[0]
+    params = engine.sampling_params(2, 0.8, 4, seed=1)
+    assert (params.top_k, params.top_p, params.min_p, params.logprobs) == (5, 0.9, 0.05, 5)
+    engine.sync_weights(served)
+    rollout = engine.generate(PROMPTS, 2, 0.8, 4)
+    kept = unpack_support(rollout.flat_support(), 23)
+    tokens = torch.tensor([t for g in rollout.responses for r in g for t in r])
+    assert torch.equal(kept, torch.nn.functional.one_hot(tokens, 23).bool())
+    assert make_vllm_engine().sampling_params(1, 1.0, 4, seed=1).logprobs == 0  # without: the sampled token's only
+    with pytest.raises(ValueError, match="vocab_size"):
+        make_vllm_engine(record_support=True)
 
 
 def test_quiet_vllm_start_hides_the_start_up_report_and_keeps_later_warnings(monkeypatch):
@@ -338,6 +456,24 @@ def test_step_measures_and_corrects_a_known_mismatch(tmp_path, mode, weight):
         assert r["mismatch/logp_diff_max"] == pytest.approx(0.5, abs=1e-3)
         assert r["mismatch/ratio_out_frac"] == 1.0
         assert r["mismatch/is_weight_mean"] == pytest.approx(weight, rel=1e-4)
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_step_replays_the_samplers_support(tmp_path, replay):
+    """top_p = 0.8 on the tiny demo, two updates per step over micro-batches (old_logp from a
+    no-grad pass, split_batch carrying the kept sets): with replay_support the trainer's
+    log-probs are the sampler's to rounding and the kept mass is logged below 1; without it
+    pi_old / pi_rollout is the kept mass, below 1, and the tokens with a small kept mass fall
+    out of [0.9, 1.1]."""
+    rows = run_two_steps(tmp_path, top_p=0.8, replay_support=replay, mini_batches=2, micro_batch_tokens=24)
+    for r in rows:
+        if replay:
+            assert r["mismatch/logp_diff_max"] < 1e-5 and r["mismatch/ratio_out_frac"] == 0.0, r
+            assert 0 < r["support/kept_mass"] < 1
+            assert r["mismatch/ratio_mean"] == pytest.approx(1, abs=1e-5)
+        else:
+            assert "support/kept_mass" not in r
+            assert r["mismatch/ratio_mean"] < 1 - 1e-3 and r["mismatch/ratio_out_frac"] > 0
 
 
 def test_rollout_is_config():

@@ -37,7 +37,7 @@ def is_pg_formula(logp, desc, batch, cfg):
     n_total = sum(len(rr) for _, _, rr in desc)
     g_count = [sum(1 for q, _, _ in desc if q == qq) for qq in range(m)]
     pg = torch.zeros((), dtype=torch.float64)
-    diffs, outside, weights = [], 0, []
+    diffs, outside, weights, ratios = [], 0, [], []
     for i, (q, _, rr) in enumerate(desc):
         seq_log = sum(float(old[r] - roll[r]) for r in rr)
         for r in rr:
@@ -52,6 +52,7 @@ def is_pg_formula(logp, desc, batch, cfg):
             diffs.append(abs(float(roll[r] - old[r])))
             ratio = math.exp(min(log_w, 700.0))
             outside += not (0.9 <= ratio <= 1.1)
+            ratios.append(ratio)
             loss, _, _ = token_loss_formula(logp[r], old[r], adv[i], cfg)
             if cfg.loss_agg == "token-mean":
                 pg = pg + w[q] * iw * loss / n_total
@@ -61,6 +62,8 @@ def is_pg_formula(logp, desc, batch, cfg):
         "mismatch/logp_diff_mean": sum(diffs) / n_total,
         "mismatch/logp_diff_max": max(diffs),
         "mismatch/ratio_out_frac": outside / n_total,
+        "mismatch/ratio_mean": sum(ratios) / n_total,
+        "mismatch/ratio_sq_mean": sum(r * r for r in ratios) / n_total,
         "mismatch/is_weight_mean": sum(weights) / n_total,
     }
     return pg, metrics

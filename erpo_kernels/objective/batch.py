@@ -47,6 +47,13 @@ class PackedLossBatch:
             token at the sampling temperature (read on scored response rows only):
             the mismatch metrics, and the truncated importance weights of
             LossConfig.rollout_is.
+        support: None, or each row's kept set as linear_token_logprobs' `support=`
+            (erpo_kernels.support): a threshold [N] float (-inf = unrestricted) or a
+            packed bitmask [N, ceil(V / 32)] int32 (a row of -1 = unrestricted). The
+            sampler's support of each response row (top-k / top-p / min-p replayed);
+            prompt rows unrestricted. Every log-prob of the loss (logp, and the
+            old_logp / ref_logp / rollout_logp it is compared with) is then the one
+            renormalised over it.
         ignore_index: the target value of rows that score nothing.
     """
 
@@ -61,6 +68,7 @@ class PackedLossBatch:
     ref_logp: Optional[torch.Tensor] = None
     ignore_index: int = -100
     rollout_logp: Optional[torch.Tensor] = None
+    support: Optional[torch.Tensor] = None
 
     @property
     def num_rows(self) -> int:
@@ -123,6 +131,12 @@ class PackedLossBatch:
             if t is not None:
                 check_tensor(name, t, ndim=1, dtypes=FLOAT_DTYPES, device=device)
                 check_rows(name, t, n_rows)
+        if self.support is not None:
+            if self.support.dtype == torch.int32:
+                check_tensor("support", self.support, ndim=2, dtypes=(torch.int32,), device=device)
+            else:
+                check_tensor("support", self.support, ndim=1, dtypes=FLOAT_DTYPES, device=device)
+            check_rows("support", self.support, n_rows)
 
     def validate(
         self, vocab_size: Optional[int] = None, normalizers: Optional["LossNormalizers"] = None
@@ -178,6 +192,9 @@ class PackedLossBatch:
                            "(n_sequences >= 1, n_queries >= 1, weight_mass > 0, group_sizes >= 0)",
                            (normalizers.n_sequences >= 1) & (normalizers.n_queries >= 1)
                            & (normalizers.weight_mass > 0) & (normalizers.group_sizes >= 0).all()))
+        if self.support is not None and self.support.dtype != torch.int32:  # a bitmask's width: the op checks it
+            checks.append(("support's thresholds must not be NaN (-inf = unrestricted)",
+                           ~torch.isnan(self.support).any()))
         if self.rollout_logp is not None:
             # response rows: odd spans (searchsorted is safe even when cu is not)
             span = torch.searchsorted(cu, torch.arange(n, device=cu.device), right=True) - 1

@@ -60,7 +60,7 @@ import torch
 from .._utils import FLOAT_DTYPES, check_rows, check_tensor, checking_values
 from ..linear_token_logprobs import linear_token_logprobs
 from ..tiles import Tiles
-from .batch import LossNormalizers, PackedLossBatch
+from .batch import LossNormalizers, PackedLossBatch, RowLayout
 from .config import LossConfig
 from .fused import check_fused_budget, fused_erpo_loss, fused_path_reason
 from .metrics import batch_metrics, metrics_out
@@ -185,7 +185,8 @@ def erpo_loss_from_logp(
         rollout_logp is given: "mismatch/logp_diff_mean", "mismatch/logp_diff_max"
         (|rollout_logp - old_logp| over response tokens), "mismatch/ratio_out_frac"
         (tokens with pi_old / pi_rollout outside [0.9, 1.1]), "mismatch/is_weight_mean"
-        (the truncated importance weight, 1 with rollout_is="none").
+        (the truncated importance weight, 1 with rollout_is="none"). erpo_loss adds
+        "support/kept_mass" (kept_mass) when the batch carries a support.
     """
     check_tensor("logp", logp, ndim=1, dtypes=FLOAT_DTYPES)
     batch, checks = _check_inputs(batch, config, ("logp", logp), normalizers, validate, sync_metrics)
@@ -307,7 +308,8 @@ def erpo_loss(
                                   vocab_size=weight.shape[0])  # fmt: skip
     _check_entropy(config, with_entropy)
     budget = check_fused_budget(fused_budget)
-    if fused_path_reason(hidden, weight, bias, config, normalizers, backend, budget) is None:
+    # a batch with a support takes the 4-GEMM path: the fused chunks do not apply it yet
+    if batch.support is None and fused_path_reason(hidden, weight, bias, config, normalizers, backend, budget) is None:
         fused = fused_erpo_loss(
             _loss_from_logp, hidden, weight, bias, batch, config, backend=backend, with_entropy=with_entropy,
             normalizers=normalizers, softcap=softcap, logit_scale=logit_scale, fused_budget=budget, tiles=tiles,
@@ -320,7 +322,47 @@ def erpo_loss(
         validate=False,  # targets (< V) and inv_temperature: checked once by _check_inputs / batch.validate
         logit_scale=logit_scale, softcap=softcap,  # the model's own logit transform, if any
         tiles=tiles,
+        support=batch.support,  # the sampler's kept sets: log-probs and entropies renormalised over them
     )
     logp, entropy = out if with_entropy else (out, None)
     loss, metrics = _loss_from_logp(logp, batch, config, entropy, backend, normalizers)
+    if batch.support is not None:
+        metrics["support/kept_mass"] = kept_mass(
+            hidden, weight, batch, logp, normalizers, bias=bias, backend=backend, logit_scale=logit_scale,
+            softcap=softcap).to(metrics["loss"].dtype)
     return loss, metrics_out(metrics, checks, sync_metrics)
+
+
+def kept_mass(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    batch: PackedLossBatch,
+    supported_logp: Optional[torch.Tensor] = None,
+    normalizers: Optional[LossNormalizers] = None,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+    logit_scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """The "support/kept_mass" metric (0-d, no gradient): the probability the full softmax
+    at 1 / tau gives the kept set, pi(K) = pi(y) / pi_K(y) = exp(logp_full - logp_K), meaned
+    over the scored response rows (this batch's share of the mini-batch's T with
+    `normalizers`). supported_logp [N]: the rows' log-probs under batch.support, or None
+    (computed here). Costs one more forward of linear_token_logprobs without a graph (two
+    without supported_logp)."""
+    with torch.no_grad():
+        def logp_of(support: Optional[torch.Tensor]) -> torch.Tensor:
+            return linear_token_logprobs(
+                hidden.detach(), weight.detach(), batch.targets, bias=None if bias is None else bias.detach(),
+                inv_temperature=batch.inv_temperature, ignore_index=batch.ignore_index, backend=backend,
+                validate=False, logit_scale=logit_scale, softcap=softcap, support=support,
+            )  # [N]
+
+        full = logp_of(None)
+        if supported_logp is None:
+            supported_logp = logp_of(batch.support)
+        response = RowLayout(batch).response
+        n_tokens = (normalizers if normalizers is not None else LossNormalizers.of(batch)).n_tokens.clamp(min=1)
+        mass = torch.exp(full.double() - supported_logp.detach().double())  # [N]
+        return torch.where(response, mass, torch.zeros_like(mass)).sum() / n_tokens

@@ -97,7 +97,7 @@ def split_batch(batch: PackedLossBatch, plan: Sequence[Sequence[int]]) -> List[M
     (group_index values, ref_query_logp and query_weights [m] unchanged), so a group may
     span micro-batches and a query's prompt stays scored once: by the micro-batch that
     holds its scoring copy. Row fields (targets, inv_temperature, old_logp, ref_logp,
-    rollout_logp) are gathered, sequence fields (group_index, advantages) selected,
+    rollout_logp, support) are gathered, sequence fields (group_index, advantages) selected,
     span_cu_seqlens rebuilt. Use with normalizers=LossNormalizers.of(batch). Host-side
     work: call it where the batch is built.
     """
@@ -132,6 +132,7 @@ def split_batch(batch: PackedLossBatch, plan: Sequence[Sequence[int]]) -> List[M
             old_logp=take(batch.old_logp),
             ref_logp=take(batch.ref_logp),
             rollout_logp=take(batch.rollout_logp),
+            support=take(batch.support),
         )
         out.append(MicroBatch(batch=micro, rows=rows, sequences=seqs))
     return out

