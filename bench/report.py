@@ -718,8 +718,9 @@ def support_lines(run: Dict[str, Any], hw: str = "H200") -> List[str]:
             for r, r0 in zip(s["results"], base["results"]):
                 hbm = lambda x: sum(g["model"][hw]["hbm_bytes"] for g in x.get("groups", []))  # noqa: E731
                 ms = r["passes"]["both"][hw]["ms"] - r0["passes"]["both"][hw]["ms"]
-                cells.append(f"{_shape_label(r['shape'], op)}: {'+' if ms >= 0 else ''}{ms:.2f} ms, "
-                             f"{(hbm(r) - hbm(r0)) / 1e6:+.0f} MB HBM")
+                extra = hbm(r) - hbm(r0)
+                size = f"{extra / 1e3:+.0f} kB" if abs(extra) < 1e6 else f"{extra / 1e6:+.0f} MB"
+                cells.append(f"{_shape_label(r['shape'], op)}: {ms:+.3f} ms, {size} HBM")
             parts.append(f"{op} with a {form} ({what}): " + "; ".join(cells))
     if not parts:
         return []

@@ -574,6 +574,6 @@ def test_support_costs_line_is_each_forms_counted_difference():
     run = {"subjects": [sub("erpo", "token_logprobs", 1.5, 7e9), sub("erpo-support-bitmask", "token_logprobs", 1.75,
                                                                        7.3e9)]}
     (line, _) = report.support_lines(run)
-    assert "token_logprobs with a bitmask (ceil(V / 32) int32 words per row): N=8192 V=151936: +0.25 ms, +300 MB HBM" \
+    assert "token_logprobs with a bitmask (ceil(V / 32) int32 words per row): N=8192 V=151936: +0.250 ms, +300 MB HBM" \
         in line and "threshold" not in line
     assert report.support_lines({"subjects": run["subjects"][:1]}) == []
