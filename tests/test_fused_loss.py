@@ -244,3 +244,28 @@ def test_autocast_gives_the_uncast_dtypes(chunks):
     for fused_grad, plain_grad in zip(*out):
         assert fused_grad.dtype == plain_grad.dtype == torch.float32
         assert float((fused_grad - plain_grad).abs().max()) <= 2**-7 * float(plain_grad.abs().max())
+
+
+@pytest.mark.parametrize("form", ["bitmask", "threshold"])
+def test_a_support_takes_the_fused_path_and_equals_the_composition(form, chunks):
+    """A batch with each response row's kept set (PackedLossBatch.support): the chunks score
+    over it as linear_token_logprobs(support=) does, within 1e-5 of the composition, and both
+    log support/kept_mass."""
+    from erpo_kernels import pack_support
+
+    batch = _batch()
+    g = torch.Generator().manual_seed(3)
+    if form == "bitmask":
+        kept = torch.rand(batch.num_rows, V, generator=g) < 0.6
+        support = pack_support(kept)
+    else:
+        support = torch.where(torch.rand(batch.num_rows, generator=g) < 0.3, -torch.inf,
+                              torch.randn(batch.num_rows, generator=g))
+    batch = replace(batch, support=support)
+    operands = _operands(batch.num_rows)
+    cfg = CONFIGS["vanilla"]
+    ours = _run(cfg, batch, operands, fused_budget=12 * ROW_BYTES)
+    assert len(chunks) == 7
+    ref = _run(cfg, batch, operands, fused_budget=0)
+    _assert_same(ours, ref)
+    assert 0 < ref[1]["support/kept_mass"] < 1

@@ -113,7 +113,7 @@ def fused_erpo_loss(
     parts: List[Dict[str, torch.Tensor]] = []
     for r0, r1, chunk in chunks:
         with torch.no_grad():
-            logp, entropy = op.forward(r0, r1, chunk.targets, chunk.inv_temperature, with_entropy)
+            logp, entropy = op.forward(r0, r1, chunk.targets, chunk.inv_temperature, with_entropy, chunk.support)
         with torch.enable_grad():
             logp = logp.requires_grad_()
             if entropy is not None:

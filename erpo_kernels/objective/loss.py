@@ -308,13 +308,16 @@ def erpo_loss(
                                   vocab_size=weight.shape[0])  # fmt: skip
     _check_entropy(config, with_entropy)
     budget = check_fused_budget(fused_budget)
-    # a batch with a support takes the 4-GEMM path: the fused chunks do not apply it yet
-    if batch.support is None and fused_path_reason(hidden, weight, bias, config, normalizers, backend, budget) is None:
+    if fused_path_reason(hidden, weight, bias, config, normalizers, backend, budget) is None:
         fused = fused_erpo_loss(
             _loss_from_logp, hidden, weight, bias, batch, config, backend=backend, with_entropy=with_entropy,
             normalizers=normalizers, softcap=softcap, logit_scale=logit_scale, fused_budget=budget, tiles=tiles,
         )
         if fused is not None:
+            if batch.support is not None:  # the chunks' log-probs stay in the fused path: kept_mass scores both
+                fused[1]["support/kept_mass"] = kept_mass(
+                    hidden, weight, batch, None, normalizers, bias=bias, backend=backend, logit_scale=logit_scale,
+                    softcap=softcap).to(fused[1]["loss"].dtype)
             return fused[0], metrics_out(fused[1], checks, sync_metrics)
     out = linear_token_logprobs(
         hidden, weight, batch.targets, bias=bias, inv_temperature=batch.inv_temperature,

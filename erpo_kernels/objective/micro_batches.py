@@ -84,7 +84,7 @@ def row_chunks(batch: PackedLossBatch, max_rows: int) -> Optional[List[Tuple[int
             batch, targets=batch.targets[r0:r1], inv_temperature=batch.inv_temperature[r0:r1],
             span_cu_seqlens=spans.to(batch.span_cu_seqlens.device), group_index=batch.group_index[b0:b1],
             advantages=batch.advantages[b0:b1], old_logp=rows(batch.old_logp), ref_logp=rows(batch.ref_logp),
-            rollout_logp=rows(batch.rollout_logp),
+            rollout_logp=rows(batch.rollout_logp), support=rows(batch.support),
         )))  # fmt: skip
     return out
 
