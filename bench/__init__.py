@@ -3,6 +3,7 @@
     python -m bench kernels --device cpu|cuda [--quick]   # ops vs PyTorch and the peers
     python -m bench step    --device cpu|cuda [--quick]   # one GRPO/ERPO training step
     python -m bench cost                                   # counted GPU cost model of ours and the peers (CPU)
+    python -m bench aot                                    # every kernel compiled for six GPUs: smem, registers, spills
     python -m bench calibrate --device cuda                # the linear op and lm_head GEMMs timed beside the model
     python -m bench demo-vllm                              # configs/demo-vllm.yaml on the HF and vLLM backends
     python -m bench replay                                 # configs/demo.yaml at top_p=0.8, support replayed or not

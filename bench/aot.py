@@ -3,13 +3,15 @@
 Triton compiles for any NVIDIA architecture on a CPU machine. `compile_kernel` builds a
 kernel as the JIT specializes a contiguous launch at a real shape (16-byte aligned
 pointers and multiples of 16 marked divisible, unit strides constant); `facts` reads
-what the compiler made: the block's dynamic shared memory (`metadata.shared`), registers
-and local memory (spills) from `cuobjdump -res-usage` of the cubin Triton built with its
-own ptxas flags, the tensor-core and TMA instructions in the SASS, and the CTAs that fit
-on one SM. `kernel_variants(op, dtype, tiles)` lists every kernel of an op at some tiles
-in the constexpr variants that change its code, and `check(...)` says what breaks the
-rules of erpo_kernels.tiles (shared memory over the architecture's per-block limit, local
-memory, dots off the tensor cores, TF32 in an fp32 kernel).
+what the compiler made: the block's dynamic shared memory (`metadata.shared`), registers,
+the stack frame and local memory from `cuobjdump -res-usage` of the cubin Triton built
+with its own ptxas flags (register spills land in the stack frame: STACK > 0 is a spill,
+what `ptxas -v` reports as spill stores; LOCAL counts other local memory), the
+tensor-core and TMA instructions in the SASS, and the CTAs that fit on one SM.
+`kernel_variants(op, dtype, tiles)` lists every kernel of an op at some tiles in the
+constexpr variants that change its code, and `problems(...)` says what breaks the rules
+of erpo_kernels.tiles (shared memory over the architecture's per-block limit, any stack
+frame or local memory, dots off the tensor cores, TF32 in an fp32 kernel).
 
     python -m bench aot                                  # every kernel of both ops, default tiles, six GPUs
     python -m bench aot --archs 90,100 --json out.json   # the facts as JSON
@@ -39,6 +41,7 @@ SM_LIMITS = {80: (167_936, 65_536, 2048, 32), 86: (102_400, 65_536, 1536, 16), 8
              90: (233_472, 65_536, 2048, 32), 100: (233_472, 65_536, 2048, 32), 120: (102_400, 65_536, 1536, 32)}
 TENSOR_CORE = ("HMMA", "HGMMA", "UTCHMMA", "UTCQMMA", "IMMA")
 DTYPES = ("bf16", "fp16", "fp32")
+OPS = ("linear_token_logprobs", "token_logprobs")
 
 # Arguments the JIT marks divisible by 16 at N x 4096 x 151,936 on contiguous operands.
 _DIVISIBLE = [a + "_ptr" for a in ("h", "w", "b", "dr", "dw", "db", "dh", "acc", "db_part", "targets", "inv_t",
@@ -73,6 +76,7 @@ class Facts:
     arch: int
     shared: int
     registers: int
+    stack: int  # the stack frame: register spills (Triton's kernels keep no arrays there)
     local: int
     threads: int
     ctas_per_sm: int
@@ -115,17 +119,25 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
     out = []
     for on in (True, False):
         base = dict(flags, BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d, HAS_BIAS=on,
-                    HAS_SOFTCAP=on, SUPPORT=_support_flag(on))  # fmt: skip
+                    HAS_SOFTCAP=on, SUPPORT=_support_flag(False))  # fmt: skip
         tag = "bias+softcap+entropy" if on else "plain"
-        out.append(Variant(f"{tag}", m._ltl_fwd_kernel, types, dict(base, WANT_ENTROPY=on, KEEP_LOGITS=on),
+        out.append(Variant(f"{tag}", m._ltl_fwd_kernel, types, dict(base, WANT_ENTROPY=on, KEEP_LOGITS=False),
+                           tiles.num_warps, tiles.num_stages, lowp))  # fmt: skip
+        # erpo_loss's fused path: the forward that also stores the logits it kept (with the options on,
+        # a bitmask support too)
+        out.append(Variant(f"kept+support+{tag}" if on else f"kept+{tag}", m._ltl_fwd_kernel, types,
+                           dict(base, WANT_ENTROPY=on, KEEP_LOGITS=True, SUPPORT=_support_flag(on)),
                            tiles.num_warps, tiles.num_stages, lowp))  # fmt: skip
         # erpo_loss's fused path: the softmax gradient from the kept logits (no dot)
         out.append(Variant(f"{tag}", fused._fused_dr_kernel, types,
                            dict(HAS_SOFTCAP=on, HAS_ENTROPY_GRAD=on, WANT_DB=on, ZERO_PAD=on, UPCAST=False,
                                 BLOCK_N=tiles.block_n, BLOCK_V=fused.dr_block_v(tiles)),
                            fused.DR_WARPS, tiles.num_stages, False, has_dots=False))  # fmt: skip
-        out.append(Variant(f"{tag}", m._ltl_bwd_dr_kernel, types, dict(base, HAS_ENTROPY_GRAD=on, WANT_DB=on, ZERO_PAD=on),
-                           tiles.num_warps, tiles.num_stages, lowp))
+        dr = dict(base, HAS_ENTROPY_GRAD=on, WANT_DB=on, ZERO_PAD=on)
+        out.append(Variant(f"{tag}", m._ltl_bwd_dr_kernel, types, dr, tiles.num_warps, tiles.num_stages, lowp))
+        if on:  # the recompute under a bitmask support
+            out.append(Variant(f"support+{tag}", m._ltl_bwd_dr_kernel, types, dict(dr, SUPPORT=_support_flag(True)),
+                               tiles.num_warps, tiles.num_stages, lowp))  # fmt: skip
     gemm = dict(flags, GEMM_N=tiles.gemm_n, GEMM_V=tiles.gemm_v, GEMM_D=tiles.gemm_d, GEMM_K=tiles.gemm_k)
     out.append(Variant("products", m._ltl_bwd_gemm_kernel, types, gemm, tiles.gemm_warps, tiles.gemm_stages, lowp))
     if dtype == "bf16":  # the merge reads fp32 statistics only: one specialization serves every dtype
@@ -201,11 +213,11 @@ def facts(op: str, dtype: str, v: Variant, arch: int, limit: int, want: str) -> 
         path.write_bytes(k.asm["cubin"])
         res = subprocess.run([_cuobjdump(), "-res-usage", str(path)], capture_output=True, text=True, check=True)
         sass = subprocess.run([_cuobjdump(), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
-    usage = dict(re.findall(r"(REG|LOCAL):(\d+)", res.stdout))
+    usage = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", res.stdout))
     ops = set(re.findall(r"\b([A-Z][A-Z0-9_]{2,})\b", sass))
     threads = 32 * v.num_warps
     f = Facts(op, v.fn.__name__, v.name, dtype, arch, int(k.metadata.shared), int(usage.get("REG", 0)),
-              int(usage.get("LOCAL", 0)), threads, 0, sorted(ops & set(TENSOR_CORE)), "UTMALDG" in ops,
+              int(usage["STACK"]), int(usage.get("LOCAL", 0)), threads, 0, sorted(ops & set(TENSOR_CORE)), "UTMALDG" in ops,
               ".tf32" in k.asm["ptx"], "FFMA" in ops, v.tensor_dots, v.has_dots)  # fmt: skip
     f.ctas_per_sm = ctas_per_sm(arch, f.shared, f.registers, threads)
     f.seconds = round(time.time() - start, 2)
@@ -218,8 +230,10 @@ def problems(f: Facts, limit: int, want: str) -> List[str]:
     out = []
     if f.shared > limit:
         out.append(f"shared memory {f.shared} B > {limit} B per block")
+    if f.stack:
+        out.append(f"{f.stack} B of stack frame (register spills)")
     if f.local:
-        out.append(f"{f.local} B of local memory (spills)")
+        out.append(f"{f.local} B of local memory")
     if f.has_dots and f.tensor_dots and want not in f.tensor_core:
         out.append(f"dots not on {want} (found {f.tensor_core or 'none'})")
     if f.has_dots and not f.tensor_dots and f.tf32:
@@ -265,58 +279,95 @@ def run_jobs(todo: Sequence[Tuple[str, str, int, int]], tiles: Optional[Dict] = 
     return out
 
 
+_RESULT = "bench.aot facts: "  # the prefix of a worker's answer line (anything else on its stdout is ignored)
+
+
 def compile_all(todo: Sequence[Tuple[str, str, int, int]], workers: Optional[int] = None,
-                tiles_json: Optional[str] = None, timeout: float = 900) -> List[Dict]:
-    """Run the compiles in `workers` parallel subprocesses (default: the CPU count), each
-    with a fresh Triton cache and no TRITON_INTERPRET; the facts as dicts, in `todo` order."""
-    workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
+                tiles_json: Optional[str] = None, timeout: float = 3600) -> List[Dict]:
+    """Run the compiles in one pool of `workers` subprocesses (default: the CPU count) for
+    every architecture, each with a fresh Triton cache and no TRITON_INTERPRET, handing out
+    one job at a time to whichever worker is free (the compiles differ 20-fold in cost);
+    the facts as dicts, in `todo` order. A job listed twice is compiled once."""
+    import selectors
+
+    order = list(dict.fromkeys(tuple(j) for j in todo))  # distinct jobs, first-seen order
+    workers = max(1, min(workers or os.cpu_count() or 1, len(order)))
     env = {k: x for k, x in os.environ.items() if k != "TRITON_INTERPRET"}
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns unless told; 3.6 (the GPU's) fuses
+    done: Dict[Tuple, Dict] = {}
+    deadline = time.time() + timeout
     with tempfile.TemporaryDirectory() as tmp:
-        procs = []
-        for w in range(workers):
-            share = [list(j) for j in todo[w::workers]]
-            spec = Path(tmp) / f"jobs{w}.json"
-            spec.write_text(json.dumps({"jobs": share, "tiles": tiles_json}))
-            penv = dict(env, TRITON_CACHE_DIR=str(Path(tmp) / f"cache{w}"))
-            procs.append(subprocess.Popen([sys.executable, "-m", f"{__package__}.aot", "--worker", str(spec)], env=penv,
-                                          cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        results: List[List[Dict]] = []
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            if p.returncode:
-                raise RuntimeError(f"bench.aot worker failed:\n{err[-3000:]}")
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    merged: List[Dict] = [None] * len(todo)  # type: ignore[list-item]
-    for w, res in enumerate(results):
-        for j, f in enumerate(res):
-            merged[w + j * workers] = f
-    return merged
+        spec = Path(tmp) / "tiles.json"
+        spec.write_text(json.dumps({"tiles": tiles_json}))
+        sel = selectors.DefaultSelector()
+        procs, pending = [], list(reversed(order))
+        try:
+            for w in range(workers):
+                penv = dict(env, TRITON_CACHE_DIR=str(Path(tmp) / f"cache{w}"))
+                err = open(Path(tmp) / f"stderr{w}", "w+")
+                p = subprocess.Popen([sys.executable, "-m", f"{__package__}.aot", "--worker", str(spec)], env=penv,
+                                     cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                     bufsize=1)  # fmt: skip
+                procs.append((p, err))
+                sel.register(p.stdout, selectors.EVENT_READ, (p, err, [pending.pop()]))
+                p.stdin.write(json.dumps(sel.get_key(p.stdout).data[2][0]) + "\n")
+            while len(done) < len(order):
+                events = sel.select(timeout=max(1.0, deadline - time.time()))
+                if not events or time.time() > deadline:
+                    raise RuntimeError(f"bench.aot: {len(order) - len(done)} compiles still running after {timeout} s")
+                for key, _ in events:
+                    p, err, job = key.data
+                    line = ""
+                    while not line.startswith(_RESULT):  # its answer follows whatever else it printed
+                        line = key.fileobj.readline()
+                        if not line:  # the worker ended before answering
+                            err.seek(0)
+                            raise RuntimeError(f"bench.aot worker failed on {job[0]}:\n{err.read()[-3000:]}")
+                    done[job[0]] = json.loads(line[len(_RESULT):])
+                    if pending:
+                        job[0] = pending.pop()
+                        p.stdin.write(json.dumps(job[0]) + "\n")
+                    else:
+                        sel.unregister(key.fileobj)
+                        p.stdin.close()
+        finally:
+            for p, err in procs:
+                if p.stdin and not p.stdin.closed:
+                    p.stdin.close()
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                err.close()
+    return [done[tuple(j)] for j in todo]
 
 
 # The variant of each kernel `bench cost` counts (bf16, no bias, no soft cap, no entropy).
 COUNTED_VARIANTS = ("plain", "products", "entropy")
 
 
-def counted_facts(archs: Sequence[int] = (90, 100), workers: Optional[int] = None) -> Dict[str, Dict[str, Dict]]:
+def counted_facts(archs: Sequence[int] = (90, 100), workers: Optional[int] = None,
+                  ops: Sequence[str] = OPS) -> Dict[str, Dict[str, Dict]]:
     """kernel name -> "sm_<arch>" -> its compile facts at the default bf16 tiles, for the kernels
-    of both ops in the variant bench cost counts: what the per-launch table shows beside the counts."""
-    ops = ("linear_token_logprobs", "token_logprobs")
+    of `ops` in the variant bench cost counts: what the per-launch table shows beside the counts."""
     todo = [j for j in jobs(archs, ops, ["bf16"]) if kernel_variants(j[0], j[1], _tiles(j[0], j[2], j[1]))[j[3]].name
             in COUNTED_VARIANTS]  # fmt: skip
     out: Dict[str, Dict[str, Dict]] = {}
     for f in compile_all(todo, workers):
-        keep = ("tensor_core", "tma", "registers", "local", "shared", "ctas_per_sm", "threads", "problems")
+        keep = ("tensor_core", "tma", "registers", "stack", "local", "shared", "ctas_per_sm", "threads", "problems")
         out.setdefault(f["kernel"], {})[f"sm_{f['arch']}"] = {k: f[k] for k in keep}
     return out
 
 
 def facts_text(f: Dict) -> str:
-    """One cell: 'HGMMA, no TMA, 128 regs, 0 B spilled, 144 KB smem, 1 CTA/SM'."""
+    """One cell: 'HGMMA, no TMA, 128 regs, 0 B spilled, 144 KB smem, 1 CTA/SM', where
+    spilled is the stack frame (register spills) plus local memory; facts recorded before
+    the stack frame was read say 'spills not read' (they read local memory only)."""
     tc = ",".join(f["tensor_core"]) or "no tensor core"
-    return (f"{tc}, {'TMA' if f['tma'] else 'no TMA'}, {f['registers']} regs, {f['local']} B spilled, "
+    spilled = f"{f['stack'] + f['local']} B spilled" if "stack" in f else "spills not read"
+    return (f"{tc}, {'TMA' if f['tma'] else 'no TMA'}, {f['registers']} regs, {spilled}, "
             f"{f['shared'] / 1024:.0f} KB smem, {f['ctas_per_sm']} CTA/SM")
 
 
@@ -334,45 +385,93 @@ def _tiles_from_json(text: Optional[str]) -> Optional[Dict]:
 
 
 def _worker(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    tiles = _tiles_from_json(spec.get("tiles"))
-    print(json.dumps([asdict(f) for f in run_jobs([tuple(j) for j in spec["jobs"]], tiles)]))
+    """A pool worker: one job [op, dtype, arch, variant] per stdin line, one answer line each."""
+    tiles = _tiles_from_json(json.loads(Path(spec_path).read_text()).get("tiles"))
+    for line in sys.stdin:
+        (f,) = run_jobs([tuple(json.loads(line))], tiles)
+        print(_RESULT + json.dumps(asdict(f)), flush=True)
 
 
 def format_table(rows: List[Dict]) -> str:
-    lines = ["| op | kernel | variant | dtype | sm | shared B | regs | local B | CTAs/SM | tensor core | TMA | problems |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| op | kernel | variant | dtype | sm | shared B | regs | stack B | local B | CTAs/SM | tensor core | TMA | "
+             "problems |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in rows:
         lines.append(f"| {f['op']} | {f['kernel']} | {f['variant']} | {f['dtype']} | {f['arch']} | {f['shared']} | "
-                     f"{f['registers']} | {f['local']} | {f['ctas_per_sm']} | {','.join(f['tensor_core']) or '-'} | "
+                     f"{f['registers']} | {f['stack']} | {f['local']} | {f['ctas_per_sm']} | {','.join(f['tensor_core']) or '-'} | "
                      f"{'yes' if f['tma'] else 'no'} | {'; '.join(f['problems']) or '-'} |")
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _list_of(what: str, choices: Sequence, convert=str):
+    """An argparse type: a comma list of `choices` (after `convert`), else a one-line usage error."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m bench aot", description=__doc__.split("\n\n")[0])
-    p.add_argument("--archs", default="80,86,89,90,100,120")
-    p.add_argument("--ops", default="linear_token_logprobs,token_logprobs")
-    p.add_argument("--dtypes", default=",".join(DTYPES))
-    p.add_argument("--workers", type=int, default=None)
+    def parse(text: str) -> list:
+        out = []
+        for item in (t.strip() for t in text.split(",")):
+            try:
+                value = convert(item)
+            except ValueError:
+                value = None
+            if value not in choices:
+                raise argparse.ArgumentTypeError(f"{item!r} is not {what}; choose from "
+                                                 f"{', '.join(str(c) for c in choices)} (comma separated)")
+            out.append(value)
+        return out
+
+    return parse
+
+
+def add_arguments(p) -> None:
+    """The options of `python -m bench aot` (also `python -m bench.aot`)."""
+    import argparse
+
+    archs = ", ".join(f"{a} ({n})" for a, n in ARCH_NAMES.items())
+    arch = _list_of("an architecture", tuple(ARCH_NAMES), lambda t: int(t.removeprefix("sm_")))
+    p.add_argument("--archs", type=arch, default=list(ARCH_NAMES), help=f"comma list of compute capabilities: {archs} (default: all)")
+    p.add_argument("--ops", type=_list_of("an op", OPS), default=list(OPS),
+                   help=f"comma list: {', '.join(OPS)} (default: both)")
+    p.add_argument("--dtypes", type=_list_of("a dtype", DTYPES), default=list(DTYPES),
+                   help=f"comma list: {', '.join(DTYPES)} (default: all)")
+    p.add_argument("--workers", type=int, default=None, help="compiling processes (default: the CPU count)")
     p.add_argument("--json", default=None, help="also write the facts here")
     p.add_argument("--tiles", default=None,
                    help='JSON fields replacing the default tiles of every (op, arch, dtype) compiled, e.g. '
-                        '\'{"block_n": 128}\' (linear_token_logprobs fields)')
+                        '\'{"block_n": 128}\' (fields of erpo_kernels.Tiles apply to linear_token_logprobs, of '
+                        'RowTiles to token_logprobs)')
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+
+
+def run(args, parser) -> int:
+    """Compile what `args` names, print the table; 1 if any kernel breaks a rule. Bad
+    --tiles or --workers: parser.error (one usage line, exit status 2)."""
     if args.worker:
         _worker(args.worker)
         return 0
-    archs, ops, dtypes = [int(a) for a in args.archs.split(",")], args.ops.split(","), args.dtypes.split(",")
+    if args.workers is not None and args.workers < 1:
+        parser.error(f"argument --workers: must be >= 1, got {args.workers}")
+    archs, ops, dtypes = args.archs, args.ops, args.dtypes
     tiles_json = None
     if args.tiles:
         from dataclasses import asdict as fields_of, replace
 
-        over = {f"{op}|{a}|{dt}": fields_of(replace(_tiles(op, a, dt), **json.loads(args.tiles)))
-                for op in ops for a in archs for dt in dtypes}  # fmt: skip
+        from dataclasses import fields as fields_of_class
+
+        from erpo_kernels.tiles import RowTiles, Tiles
+
+        try:
+            fields_ = json.loads(args.tiles)
+            if not isinstance(fields_, dict):
+                raise ValueError("not a JSON object")
+            # each op takes the fields that are its own (Tiles: the linear op, RowTiles: the row op)
+            mine = [op for op in ops if set(fields_) <= {f.name for f in fields_of_class(
+                Tiles if op == "linear_token_logprobs" else RowTiles)}]  # fmt: skip
+            if not mine:
+                raise ValueError(f"{sorted(fields_)} are not all fields of the tiles of {' or '.join(ops)}")
+            over = {f"{op}|{a}|{dt}": fields_of(replace(_tiles(op, a, dt), **fields_))
+                    for op in mine for a in archs for dt in dtypes}  # fmt: skip
+        except (ValueError, TypeError) as exc:
+            parser.error(f"argument --tiles: {str(exc).splitlines()[0]}")
         tiles_json = json.dumps(over)
     todo = jobs(archs, ops, dtypes, _tiles_from_json(tiles_json))
     rows = compile_all(todo, args.workers, tiles_json)
@@ -382,6 +481,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bad = [r for r in rows if r["problems"]]
     print(f"{len(rows)} kernels compiled, {len(bad)} with problems")
     return 1 if bad else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog=f"python -m {__package__} aot", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv), p)
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ def _residue_plan(key: str, target: Shape, moduli: Tuple[int, int, int], base=(1
 
 
 # The architecture whose default tiles ours are counted with: the modelled GPUs (H100, H200)
-# are sm_90 (B200's sm_100 tiles have the same sizes, so the same counts).
+# are sm_90 (B200's sm_100 tiles have the same logit tiles but 128 x 256 product tiles).
 COUNTED_CAPABILITY = (9, 0)
 
 

@@ -477,14 +477,23 @@ def _dhidden_tile(
     """d_hidden[order[p], d] += sum_i dr[p, i] weight[v0 + i, d] for one [GEMM_N, GEMM_D]
     tile: the chunk's sum (K = its columns, GEMM_K at a time, in order) is added to the
     running sum read from acc (fp32) unless `first`, and written back to acc, or with
-    `last` to dh in its dtype (first, last: runtime 0 / 1, one compiled kernel for all chunks)."""
+    `last` to dh in its dtype (first, last: runtime 0 / 1, one compiled kernel for all chunks).
+
+    A tile of GEMM_D >= 32 columns is summed in two column halves, one accumulator each,
+    from the same dr loads (the same L2 traffic as one [GEMM_N, GEMM_D] accumulator): the
+    read-add-write of the running sum then holds half a tile of addends at a time, which
+    keeps a 128 x 256 tile within sm_100's registers (a whole tile of sums and of addends
+    spilled; bench/aot.py reads the stack frame)."""
     tm, tn = _grouped_tile(t, tl.cdiv(n_rows, GEMM_N), tl.cdiv(D, GEMM_D), 1)
     p = tm * GEMM_N + tl.arange(0, GEMM_N)
     if tm * GEMM_N < n_valid:  # a tile of ignored rows: no work
         p_mask = p < n_valid
-        offs_d = tn * GEMM_D + tl.arange(0, GEMM_D)
-        d_mask = offs_d < D
-        part = tl.zeros((GEMM_N, GEMM_D), dtype=tl.float32)
+        TWO: tl.constexpr = GEMM_D >= 32  # tl.dot takes blocks of >= 16
+        PART: tl.constexpr = GEMM_D // 2 if GEMM_D >= 32 else GEMM_D
+        offs_a = tn * GEMM_D + tl.arange(0, PART)
+        offs_b = offs_a + PART
+        part_a = tl.zeros((GEMM_N, PART), dtype=tl.float32)
+        part_b = tl.zeros((GEMM_N, PART), dtype=tl.float32)
         for k0 in range(0, chunk_cols, GEMM_K):
             k = k0 + tl.arange(0, GEMM_K)
             k_mask = k < chunk_cols
@@ -492,18 +501,31 @@ def _dhidden_tile(
                 dr_ptr + p.to(tl.int64)[:, None] * stride_dr + k[None, :], mask=p_mask[:, None] & k_mask[None, :],
                 other=0.0,
             )  # [GEMM_N, GEMM_K]
-            w = _load_rows(w_ptr, (v0 + k).to(tl.int64), k_mask, stride_wv, offs_d, d_mask, stride_wd)
-            part = _mm(dr, w, part, IEEE, UPCAST)
+            rows_w = (v0 + k).to(tl.int64)
+            w = _load_rows(w_ptr, rows_w, k_mask, stride_wv, offs_a, offs_a < D, stride_wd)  # [GEMM_K, PART]
+            part_a = _mm(dr, w, part_a, IEEE, UPCAST)
+            if TWO:
+                w = _load_rows(w_ptr, rows_w, k_mask, stride_wv, offs_b, offs_b < D, stride_wd)
+                part_b = _mm(dr, w, part_b, IEEE, UPCAST)
         # the output offsets only now: kept out of the loop's live registers
         row_index = tl.load(order_ptr + p, mask=p_mask, other=0).to(tl.int64)
-        out = row_index[:, None] * D + offs_d[None, :]
-        out_mask = p_mask[:, None] & d_mask[None, :]
-        if first == 0:
-            part += tl.load(acc_ptr + out, mask=out_mask, other=0.0)
-        if last != 0:
-            tl.store(dh_ptr + out, round_to(part, dh_ptr.dtype.element_ty, UPCAST), mask=out_mask)
-        else:
-            tl.store(acc_ptr + out, part, mask=out_mask)
+        _dhidden_out(part_a, row_index, p_mask, offs_a, acc_ptr, dh_ptr, D, first, last, UPCAST)
+        if TWO:
+            _dhidden_out(part_b, row_index, p_mask, offs_b, acc_ptr, dh_ptr, D, first, last, UPCAST)
+
+
+@triton.jit
+def _dhidden_out(part, row_index, p_mask, offs_d, acc_ptr, dh_ptr, D, first, last, UPCAST: tl.constexpr):
+    """d_hidden's running sum for `part`, columns offs_d of a tile: part + acc (unless
+    `first`) written to acc, or with `last` to dh in its dtype."""
+    out = row_index[:, None] * D + offs_d[None, :]
+    out_mask = p_mask[:, None] & (offs_d < D)[None, :]
+    if first == 0:
+        part += tl.load(acc_ptr + out, mask=out_mask, other=0.0)
+    if last != 0:
+        tl.store(dh_ptr + out, round_to(part, dh_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+    else:
+        tl.store(acc_ptr + out, part, mask=out_mask)
 
 
 # Step 2 of the backward (see `_ltl_bwd_dr_kernel`): one launch per chunk holds every

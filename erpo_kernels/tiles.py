@@ -2,11 +2,11 @@
 
 `default_tiles(op, dtype, capability)` is what each op launches with on a device of that
 compute capability (`tiles=` overrides it): tiles that fit the architecture's shared memory
-per block, spill no register and put the dots on its tensor cores (mma.sync on sm_80 / 86 /
-89 / 120, wgmma on sm_90, tcgen05 on sm_100), checked for every kernel by compiling it ahead
-of time (`python -m bench aot`, tests/test_tiles.py). An architecture not in the table gets
-the most conservative tiles (those of the 99 KB parts), never an error; so do CPU tensors
-(the interpreter).
+per block, spill no register (two open exceptions: see above _SMALL) and put the dots on its
+tensor cores (mma.sync on sm_80 / 86 / 89 / 120, wgmma on sm_90, tcgen05 on sm_100),
+checked for every kernel by compiling it ahead of time (`python -m bench aot`,
+tests/test_tiles.py). An architecture not in the table gets the most conservative tiles
+(those of the 99 KB parts), never an error; so do CPU tensors (the interpreter).
 
 A tile choice changes the order of a row's sums, so results depend on it; it never depends
 on the batch (N): a row's results stay batch invariant. A tuning file written by
@@ -93,19 +93,22 @@ class RowTiles:
     next_power_of_2(V). A row's results depend on this choice (the order of its sums),
     never on the other rows.
 
-    Defaults, for sm_90: forward 8192 columns with 8 warps (32 values per thread: the
-    three block reductions per step cost less per value than at 16: ~13 sm_90 SASS
-    instructions per bf16 logit with the entropy and ~10 without, against ~15.5 and ~12
-    at 16 per thread); backward 4096 columns with 8 warps (16 per thread: it has no
-    reductions, and fewer registers keep more rows in flight). V = 151,936 takes 19
-    forward and 38 backward steps. They use a few hundred bytes of shared memory (the
-    block reductions) and spill nothing on any architecture of default_tiles. Tests pass
-    tiny blocks to run several per row.
+    Defaults: forward 8192 columns with 4 warps (64 values per thread; sm_90: 8 warps,
+    32 per thread, see default_tiles); backward 4096
+    columns with 8 warps (16 per thread: it has no reductions, and fewer registers keep
+    more rows in flight). At 32 and at 16 values per thread the forward spilled 8 B (a
+    64-bit value ptxas saves around the row loop) on sm_80, 86, 89 and 100, and at 64 on
+    sm_90 in fp16; these defaults spill nothing (95 registers on sm_80 with the entropy
+    and a soft cap). The three block reductions per step also cost less per
+    value the more values a thread holds (sm_90 SASS at 32 per thread: ~13 instructions
+    per bf16 logit with the entropy, ~10 without; ~15.5 and ~12 at 16). V = 151,936 takes
+    19 forward and 38 backward steps. They use a few hundred bytes of shared memory (the
+    block reductions). Tests pass tiny blocks to run several per row.
     """
 
     fwd_max_block_v: int = 8192
     bwd_max_block_v: int = 4096
-    fwd_values_per_thread: int = 32
+    fwd_values_per_thread: int = 64
     bwd_values_per_thread: int = 16
 
     def __post_init__(self) -> None:
@@ -131,33 +134,48 @@ TENSOR_CORE_INSTRUCTION: Dict[Capability, str] = {
     (8, 0): "HMMA", (8, 6): "HMMA", (8, 9): "HMMA", (9, 0): "HGMMA", (10, 0): "UTCHMMA", (12, 0): "HMMA",
 }
 
+# Every default below compiles with no register spill (STACK 0 in `cuobjdump -res-usage`)
+# for every kernel of both ops in every variant (python -m bench aot, tests/test_tiles.py),
+# but two open defects the test names: the forward storing erpo_loss's kept logits
+# (KEEP_LOGITS) and the linear op's forward and recompute under a bitmask support spill.
+#
 # The 99 KB parts (sm_86 / 89 / 120: A10, A40, L4, L40S, RTX 30xx-50xx), also what an
 # unknown architecture and the interpreter get: 64 x 128 logit tiles, 128 x 128 product
 # tiles, 32 deep, 3 stages (48 KB in the products, 24 KB in the logit kernels).
 _SMALL = Tiles()
-# fp32 runs FMA dots (input_precision="ieee", no tensor cores): small tiles, no spills.
-_FP32 = Tiles(block_v=64, block_d=16, gemm_n=64, gemm_v=64, gemm_d=64, gemm_k=16)
-# A100 (163 KB): 128 x 128 tiles for both, 32 deep.
-_SM80 = replace(_SMALL, block_n=128, split_tiles=32)
-# Hopper and Blackwell (227 KB, 9 TB/s of L2 against ~1 PFLOP/s): 128 x 256 tiles,
-# 64 deep, 16 warps (4 warpgroups of 64 x 128 wgmma), 3 stages: 144 KB of shared memory,
-# 85 FLOP per byte through the L2 (64 at 128 x 128, 43 at 64 x 128). The chunk stays
-# 4096 columns (16 tiles of 256).
-_SM90 = Tiles(block_n=128, block_v=256, block_d=64, num_warps=16, split_tiles=16,
-              gemm_n=128, gemm_v=128, gemm_d=256, gemm_k=64, gemm_warps=16)  # fmt: skip
+# fp32 runs FMA dots (input_precision="ieee", no tensor cores): small tiles on 4 warps
+# (on 8 the logit kernels ran at 128 registers and spilled 8-24 B on sm_100 / sm_120).
+_FP32 = Tiles(block_v=64, block_d=16, num_warps=4, gemm_n=64, gemm_v=64, gemm_d=64, gemm_k=16)
+# sm_90 the other way round: 8 warps spill nothing there, 4 spilled 16 B in the forward.
+_FP32_SM90 = replace(_FP32, num_warps=8)
+# A100 (163 KB): 128 x 128 product tiles, 32 deep. The logit kernels keep the 99 KB parts'
+# 64 x 128 tiles (43 FLOP per L2 byte): at 128 x 128 the backward's recompute with a soft
+# cap and the entropy spilled 456 B on 8 warps and 80-152 B on 16, the forward 48 B.
+_SM80 = _SMALL
+# Hopper (227 KB, 9 TB/s of L2 against ~1 PFLOP/s): 128 x 128 tiles for the logits and the
+# products, 64 deep, 8 warps (2 warpgroups of 64 x 128 wgmma), 3 stages: 96 KB of shared
+# memory, 64 FLOP per byte through the L2. 128 x 256 tiles (85 FLOP per byte) spill on
+# Hopper whatever the depth, stages or warps: 16 warps cap a thread at 128 registers, and
+# the logit epilogue (scaled logits, their exponentials, the entropy terms) and the products'
+# read-add-write of d_hidden need more (280 B forward, 120 B recompute, 280 B products);
+# 8 warps hold 128 accumulators a thread and spill more. The chunk is 4096 columns (32 tiles of 128).
+_SM90 = Tiles(block_n=128, block_v=128, block_d=64, num_warps=8, split_tiles=32,
+              gemm_n=128, gemm_v=128, gemm_d=128, gemm_k=64, gemm_warps=8)  # fmt: skip
 # Blackwell's tcgen05 (accumulators in tensor memory) takes 4 or 8 warps in Triton: with 16
-# the dots fall back to mma.sync. The same tile sizes, so the same counts and results as sm_90.
-_SM100 = replace(_SM90, num_warps=8, gemm_warps=8)
-
+# the dots fall back to mma.sync. The logit tiles are Hopper's 128 x 128 (at 128 x 256 the
+# forward spilled 576-912 B at 255 registers); the products keep 128 x 256 tiles (85 FLOP
+# per L2 byte), their d_hidden summed in two column halves (_dhidden_tile): 144 KB of shared memory.
+_SM100 = replace(_SM90, gemm_d=256)
 _LINEAR: Dict[Capability, Dict[str, Tiles]] = {
     (8, 0): {"lowp": _SM80, "fp32": _FP32},
     (8, 6): {"lowp": _SMALL, "fp32": _FP32},
     (8, 9): {"lowp": _SMALL, "fp32": _FP32},
-    (9, 0): {"lowp": _SM90, "fp32": _FP32},
+    (9, 0): {"lowp": _SM90, "fp32": _FP32_SM90},
     (10, 0): {"lowp": _SM100, "fp32": _FP32},
     (12, 0): {"lowp": _SMALL, "fp32": _FP32},
 }
 CONSERVATIVE: Dict[str, Tiles] = {"lowp": _SMALL, "fp32": _FP32}
+_ROW_SM90 = RowTiles(fwd_values_per_thread=32)
 ARCHITECTURES: Tuple[Capability, ...] = tuple(_LINEAR)
 
 
@@ -172,7 +190,8 @@ def default_tiles(op: str, dtype: torch.dtype, capability: Optional[Capability])
     None or an architecture not in the table: the most conservative tiles."""
     _check_op(op)
     if op == "token_logprobs":
-        return RowTiles()
+        # sm_90 spilled 8 B at 64 values per thread in fp16 (none at 32); the others at 32 (none at 64)
+        return _ROW_SM90 if capability is not None and tuple(capability) == (9, 0) else RowTiles()
     table = _LINEAR.get(tuple(capability) if capability is not None else None, CONSERVATIVE)  # type: ignore[arg-type]
     return table["fp32" if dtype in (torch.float32, torch.float64) else "lowp"]
 

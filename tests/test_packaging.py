@@ -56,6 +56,11 @@ def test_the_wheel_installs_the_benchmark_suite_as_erpo_bench_and_no_top_level_b
     assert run.stdout.startswith("usage: python -m erpo_bench"), run.stdout
     assert "python -m erpo_bench kernels" in run.stdout and "python -m bench" not in run.stdout
     assert "bench/__init__.py" not in run.stdout
+    # the ahead-of-time compile check is one of its subcommands (issue 35.1), its errors one line
+    run = subprocess.run([sys.executable, "-m", "erpo_bench", "aot", "--archs", "91"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("python -m erpo_bench aot: error: argument --archs:")
     probe = "import erpo_bench.measure as m, erpo_kernels; print(m.__file__, erpo_kernels.__file__)"
     where = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=300)
