@@ -33,8 +33,9 @@ setup(
         # the peers the benchmark compares against (each optional at run time), at the versions whose
         # code paths bench/cost_subjects.py counts (e.g. Liger's chunk rule)
         "bench": ["liger-kernel==0.8.5", "cut-cross-entropy==25.1.1", "matplotlib"],
-        # setuptools >= 70.1 builds wheels itself (tests/test_packaging.py builds one, offline)
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "setuptools>=70.1"],
+        # setuptools >= 70.1 builds wheels itself (tests/test_packaging.py builds one, offline);
+        # liger-kernel: tests/test_cost.py runs Liger's own GRPO loss (bench cost's liger-grpo subject)
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "setuptools>=70.1", "liger-kernel==0.8.5"],
         # erpo.integrations.trl: our kernel inside TRL's GRPOTrainer, and ERPOTrainer (tested with this TRL)
         "trl": ["trl==1.16.0"],
         # rollout_backend=vllm (CUDA only): the version erpo.rollout's vLLM engine is written and tested against
