@@ -604,13 +604,8 @@ class VLLMRolloutEngine:
     ):
         self.vllm = vllm_module if vllm_module is not None else import_vllm()
         self.truncation = truncation
-        self.record_support = bool(record_support)
-        self.vocab_size = int(vocab_size)
-        if self.record_support and self.vocab_size < 1:
-            raise ValueError("record_support needs vocab_size, the lm_head's V (the bitmasks' width)")
-        self.support_source = None
-        if self.record_support:
-            self.support_source = "sampling_mask" if sampling_mask_available(self.vllm) else "logprobs"
+        self.record_support, self.vocab_size = bool(record_support), int(vocab_size)
+        self.support_source = self._support_source()
         self.eos_token_ids = sorted({int(e) for e in eos_token_ids})
         if not self.eos_token_ids:
             raise ValueError("eos_token_ids must name at least one end-of-sequence token")
@@ -648,6 +643,15 @@ class VLLMRolloutEngine:
         log(self.started_line(platform.device_name, kwargs, max_sequences, time.perf_counter() - start))
         self.weights_awake = True  # a new engine holds the weights of model_dir
         self.cache_awake = True
+
+    def _support_source(self) -> Optional[str]:
+        """Where the kept sets come from: None (not recorded), "sampling_mask" (vLLM's
+        return_sampling_mask) or "logprobs" (the finite processed log-probs of the top tokens)."""
+        if not self.record_support:
+            return None
+        if self.vocab_size < 1:
+            raise ValueError("record_support needs vocab_size, the lm_head's V (the bitmasks' width)")
+        return "sampling_mask" if sampling_mask_available(self.vllm) else "logprobs"
 
     def started_line(self, device: str, kwargs: Dict[str, Any], max_sequences: int, seconds: float) -> str:
         """The one line erpo says when the engine has started: where, how fast, its settings."""

@@ -24,6 +24,7 @@ def test_pytest_tests_leaves_the_live_suites_out_and_naming_one_collects_it(tmp_
     tests = tmp_path / "tests"
     tests.mkdir()
     shutil.copy(TESTS / "conftest.py", tests / "conftest.py")
+    shutil.copy(TESTS / "_interpreter_speed.py", tests / "_interpreter_speed.py")  # conftest imports it
     (tests / "test_main.py").write_text("def test_main():\n    pass\n")
     for name in conftest.collect_ignore:
         (tests / name).mkdir()
