@@ -13,18 +13,10 @@ import yaml
 from erpo.cli import main, resolve_config
 from erpo.config import save_config
 
+from test_cli import one_line_error
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_STUDY = os.path.join(ROOT, "configs", "study-tiny.yaml")
-
-
-def one_line_error(capsys, argv, *needles):
-    code = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert err.startswith("erpo: error: ") and "\n" not in err and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 # ---------------------------------------------------------------------- item 4: one-line errors
