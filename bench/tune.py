@@ -79,6 +79,23 @@ def _compile_ok(capability: Tuple[int, int], dtype: torch.dtype, tiles) -> bool:
     return not any(r["problems"] for r in rows)
 
 
+def _median_ms(step: Callable[[], None], leaves, repeats: int) -> float:
+    """Median ms of `step()` on the GPU over `repeats` calls after one untimed call (the
+    compile); the gradients of `leaves` are cleared after each call."""
+    times = []
+    for i in range(repeats + 1):  # the first call compiles
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        if i:
+            times.append(start.elapsed_time(end))
+        for t in leaves:
+            t.grad = None
+    return sorted(times)[len(times) // 2]
+
+
 def time_tiles(tiles, dtype: torch.dtype, d: int, v: int, n: int = TIMING_ROWS, repeats: int = 5) -> float:
     """Median ms of one forward + backward of linear_token_logprobs at these tiles on the GPU."""
     from erpo_kernels import linear_token_logprobs
@@ -87,17 +104,11 @@ def time_tiles(tiles, dtype: torch.dtype, d: int, v: int, n: int = TIMING_ROWS, 
     hidden = torch.randn(n, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
     weight = (torch.randn(v, d, device="cuda", dtype=dtype, generator=g) / d ** 0.5).requires_grad_()
     targets = torch.randint(0, v, (n,), device="cuda", generator=g)
-    times = []
-    for i in range(repeats + 1):  # the first call compiles
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def step() -> None:
         linear_token_logprobs(hidden, weight, targets, tiles=tiles, validate=False).sum().backward()
-        end.record()
-        torch.cuda.synchronize()
-        if i:
-            times.append(start.elapsed_time(end))
-        hidden.grad = weight.grad = None
-    return sorted(times)[len(times) // 2]
+
+    return _median_ms(step, (hidden, weight), repeats)
 
 
 ENGINES = {0: "triton", 1: "cublas"}  # Tiles.gemm_engine: who runs erpo_loss's fused-path products
@@ -124,17 +135,11 @@ def time_fused(tiles, dtype: torch.dtype, d: int, v: int, n: int = TIMING_ROWS, 
     hidden = torch.randn(n, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
     weight = (torch.randn(v, d, device="cuda", dtype=dtype, generator=g) / d ** 0.5).requires_grad_()
     batch = loss_batch(n, LAYOUT, v).to("cuda")
-    times = []
-    for i in range(repeats + 1):  # the first call compiles
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def step() -> None:
         erpo_loss(hidden, weight, batch, LossConfig(), tiles=tiles, sync_metrics=False)[0].backward()
-        end.record()
-        torch.cuda.synchronize()
-        if i:
-            times.append(start.elapsed_time(end))
-        hidden.grad = weight.grad = None
-    return sorted(times)[len(times) // 2]
+
+    return _median_ms(step, (hidden, weight), repeats)
 
 
 def choose_engine(tiles, dtype: torch.dtype, d: int, v: int, timer: Callable = time_fused,
