@@ -26,10 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from erpo.atomic import atomic_write
-
 from .measure import REPO, commit_hash, device_name, machine_name, package_version, versions
-from .rollout import regenerate_doc
+from .rollout import publish_record
 
 CONFIG = REPO / "configs" / "demo-vllm.yaml"
 DOC = REPO / "docs" / "vllm.md"
@@ -102,13 +100,7 @@ def run(out_dir: str, label: str, backends: Sequence[str], overrides: Sequence[s
             print(f"[bench]   {runs[-1]['summary']}", flush=True)
     path = Path(out_dir) / f"demo-vllm-{machine_name('cpu', machine)}.json"
     record = merge(json.loads(path.read_text()) if path.is_file() else {"command": "demo-vllm", "trainings": []}, runs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(str(path), (json.dumps(record, indent=1) + "\n").encode())
-    table = markdown_table(record)
-    print(table)
-    print(f"-> {path}")
-    if write_doc:
-        regenerate_doc(DOC, table, BEGIN, END)
+    publish_record(path, record, markdown_table(record), DOC if write_doc else None, BEGIN, END)
     return runs
 
 

@@ -26,10 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
-from erpo.atomic import atomic_write
-
 from .measure import REPO, commit_hash, device_name, machine_name, versions
-from .rollout import regenerate_doc
+from .rollout import publish_record
 
 CONFIG = REPO / "configs" / "demo.yaml"
 DOC = REPO / "docs" / "training.md"
@@ -90,13 +88,7 @@ def run(out_dir: str, overrides: Sequence[str], machine: Any = None, write_doc: 
             print(f"[bench] replay: erpo train {config.name} {' '.join(SETTINGS)} replay_support={replay}", flush=True)
             record["trainings"].append(train(replay, os.path.join(tmp, f"replay-{replay}"), cache, overrides, config))
     path = Path(out_dir) / f"replay-{machine_name('cpu', machine)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(str(path), (json.dumps(record, indent=1) + "\n").encode())
-    table = markdown_table(record)
-    print(table)
-    print(f"-> {path}")
-    if write_doc:
-        regenerate_doc(DOC, table, BEGIN, END)
+    publish_record(path, record, markdown_table(record), DOC if write_doc else None, BEGIN, END)
     return record
 
 

@@ -22,7 +22,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -125,6 +125,20 @@ def markdown_table(record: Dict[str, Any]) -> str:
         lines.append(f"| {label} | {r['tokens_per_s']:.0f} | {statistics.median(r['tokens']):.0f} | {r['start_s']:.1f} |")
     lines += ["", f"vLLM / HF: **{record['vllm_over_hf']:.2f}x** rollout tokens/s."]
     return "\n".join(lines)
+
+
+def publish_record(path: Path, record: Dict[str, Any], table: str, doc: Optional[Path], begin: str = BEGIN,
+                   end: str = END) -> None:
+    """Write `record` to `path` as JSON (atomic), print `table` and the path, and with `doc`
+    regenerate its section between begin and end from `table`."""
+    from erpo.atomic import atomic_write
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(str(path), (json.dumps(record, indent=1) + "\n").encode())
+    print(table)
+    print(f"-> {path}")
+    if doc is not None:
+        regenerate_doc(doc, table, begin, end)
 
 
 def regenerate_doc(path: Path, table: str, begin: str = BEGIN, end: str = END) -> None:
