@@ -49,7 +49,8 @@ class Tiles:
     tiles over the rows, d_hidden in [gemm_n, gemm_d] tiles over the chunk's columns,
     both gemm_k at a time. Block sizes are powers of two >= 16 (tl.dot); num_stages
     (software pipelining of the loads) changes no result. gemm_engine: who runs the two
-    products of erpo_loss's fused path (fused_linear_loss.py): 0 our Triton product kernel
+    products of erpo_loss's fused path (fused_linear_loss.py) and of the op's own
+    backward: 0 our Triton product kernel
     (gemm_* tiles), 1 torch matmuls (cuBLAS on a GPU: the input dtype's operands, fp32
     accumulation); `python -m bench tune` may record either per GPU.
     """
@@ -159,13 +160,19 @@ _SM80 = _SMALL
 # the logit epilogue (scaled logits, their exponentials, the entropy terms) and the products'
 # read-add-write of d_hidden need more (280 B forward, 120 B recompute, 280 B products);
 # 8 warps hold 128 accumulators a thread and spill more. The chunk is 4096 columns (32 tiles of 128).
+# erpo_loss's fused-path products run on cuBLAS (gemm_engine 1): the L2-charged model
+# (bench/cost_model.py) counts a cuBLAS GEMM at 85.3 FLOP per L2 byte against 64 for our
+# spill-free 128 x 128 Triton product tiles, and Hopper's products are L2-bound at either
+# (compute-bound needs ~110); `python -m bench tune` on a GPU records the faster engine.
+# The fp32 tiles keep our products: torch's fp32 matmuls turn to TF32 under
+# torch.backends.cuda.matmul.allow_tf32, ours never do.
 _SM90 = Tiles(block_n=128, block_v=128, block_d=64, num_warps=8, split_tiles=32,
-              gemm_n=128, gemm_v=128, gemm_d=128, gemm_k=64, gemm_warps=8)  # fmt: skip
+              gemm_n=128, gemm_v=128, gemm_d=128, gemm_k=64, gemm_warps=8, gemm_engine=1)  # fmt: skip
 # Blackwell's tcgen05 (accumulators in tensor memory) takes 4 or 8 warps in Triton: with 16
 # the dots fall back to mma.sync. The logit tiles are Hopper's 128 x 128 (at 128 x 256 the
 # forward spilled 576-912 B at 255 registers); the products keep 128 x 256 tiles (85 FLOP
 # per L2 byte), their d_hidden summed in two column halves (_dhidden_tile): 144 KB of shared memory.
-_SM100 = replace(_SM90, gemm_d=256)
+_SM100 = replace(_SM90, gemm_d=256, gemm_engine=0)
 _LINEAR: Dict[Capability, Dict[str, Tiles]] = {
     (8, 0): {"lowp": _SM80, "fp32": _FP32},
     (8, 6): {"lowp": _SMALL, "fp32": _FP32},

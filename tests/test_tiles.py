@@ -45,6 +45,30 @@ def test_default_tiles_for_every_op_and_architecture():
     assert SHARED_MEMORY_PER_BLOCK[(8, 9)] == 101_376 and TENSOR_CORE_INSTRUCTION[(10, 0)] == "UTCHMMA"
 
 
+def test_sm90_products_on_cublas_in_the_op_backward_and_the_fused_path(device):
+    """Issue 33 plan item 1: sm_90's low-precision default runs the products on torch matmuls
+    (gemm_engine 1; fp32 and sm_100 keep ours). At those tiles (three stages cut to two, to
+    launch on any GPU; stages change no result), bf16 through the op's own backward and
+    through erpo_loss's fused path over three row chunks: as close to float64 as PyTorch."""
+    from dataclasses import replace
+
+    from _compare import assert_close_to_ref
+    from test_fused_linear_loss import CHUNKS, _fused
+    from test_linear_token_logprobs import _inputs, _ours, _torch_same_dtype, _truth
+
+    tiles = default_tiles("linear_token_logprobs", torch.bfloat16, (9, 0))
+    assert tiles.gemm_engine == 1 and default_tiles("linear_token_logprobs", torch.float16, (9, 0)).gemm_engine == 1
+    assert default_tiles("linear_token_logprobs", torch.float32, (9, 0)).gemm_engine == 0
+    assert default_tiles("linear_token_logprobs", torch.bfloat16, (10, 0)).gemm_engine == 0
+    tiles = replace(tiles, num_stages=2, gemm_stages=2)
+    args = _inputs(torch.bfloat16, device)
+    truth, same = _truth(*args), _torch_same_dtype(*args, dtype=torch.bfloat16)
+    for path, ours in (("op", _ours(*args, backend="triton", tiles=tiles)),
+                       ("fused", _fused(*args, chunks=CHUNKS["three"], tiles=tiles))):  # fmt: skip
+        for name, o, t, s in zip(("logp", "entropy", "d_hidden", "d_weight", "d_bias"), ours, truth, same):
+            assert_close_to_ref(o.cpu(), t.cpu(), s.cpu(), input_dtype=torch.bfloat16, name=f"{path} {name}")
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """CPU tensors looked up as if on a GPU of the capability set in the returned dict."""
