@@ -362,6 +362,78 @@ def test_erpo_query_kl_adds_up_over_micro_batches(tmp_path, model_dir, tokenizer
     assert sum(qkl_added(part, 2) for part in parts) == pytest.approx(whole, rel=1e-5)
 
 
+def _policy_loss_step(trainer, inputs, fused_budget_mb):
+    """trainer._compute_loss + backward on one micro-batch (2 accumulated per generation
+    batch) with ERPOConfig.fused_budget_mb: (loss, {parameter: grad}, {metric: values},
+    the head's loss_path)."""
+    model = trainer.model
+    trainer.args.fused_budget_mb = fused_budget_mb
+    trainer.current_gradient_accumulation_steps = 2
+    trainer._metrics["train"].clear()
+    model.zero_grad(set_to_none=True)
+    loss = trainer._compute_loss(model, inputs)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), grads, dict(trainer._metrics["train"]), trainer.erpo_head.loss_path
+
+
+@pytest.mark.parametrize("rows", ["every-position", "labelled-only"])
+def test_erpo_policy_loss_fused_equals_the_composition(tmp_path, model_dir, tokenizer, dataset, monkeypatch, rows):
+    """ERPOConfig(policy_loss=vanilla, alpha > 0, prevalence weights) on the Triton backend:
+    the policy forward forms erpo_loss on TRL's hidden rows and lm_head weight (its fused
+    path, 3 GEMMs); loss, every parameter's gradient and the logged metrics equal the 4-GEMM
+    path's (fused_budget_mb=0: linear_token_logprobs + erpo_loss_from_logp + the Query-KL)
+    in fp32 within 1e-5, on both micro-batches of a generation batch whose scoring copies
+    they split; with TRL handing over every position (CPU) or only the labelled rows (Triton
+    devices). Counted in the interpreter, the fused step's lm_head work is the
+    composition's less one GEMM (the logits' recompute): 3 GEMMs, not 4."""
+    from bench.cost import count_launches
+    from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+    from erpo.integrations.trl import COMPOSED_PATH, FUSED_PATH
+
+    if rows == "labelled-only":  # TRL's layout on a Triton device: hidden_states[mask]
+        monkeypatch.setattr(trl.trainer.utils, "_use_triton", lambda device: True)
+    args = train_args(ERPOConfig, tmp_path, alpha=0.5, query_weighting="prevalence", bins=3, policy_loss="vanilla",
+                      loss_agg="seq-mean-token-mean", erpo_backend="triton", per_device_train_batch_size=4,
+                      gradient_accumulation_steps=2)
+    trainer = ERPOTrainer(model=model_dir, reward_funcs=reward_digits, args=args, train_dataset=dataset,
+                          processing_class=tokenizer)
+    trainer.model.train()
+    inputs = trainer._generate_and_score_completions([dict(dataset[i]) for i in (0, 0, 1, 1, 2, 2, 3, 3)])
+    assert inputs.get("old_per_token_logps") is not None  # num_iterations = 2
+    with torch.no_grad():  # a policy away from the rollout's (ratios != 1) and from l_0
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    torch.manual_seed(3)
+    parts = split_tensor_dict(shuffle_sequence_dict(inputs), 2)
+    assert all(0 < int(part["query_scored"].sum()) < 4 for part in parts)
+    for part in parts:
+        fused, composed = (_policy_loss_step(trainer, part, budget) for budget in (1024, 0))
+        assert fused[3] == FUSED_PATH and composed[3] == f"{COMPOSED_PATH} (fused_budget=0)"
+        assert fused[0] == pytest.approx(composed[0], rel=1e-5, abs=1e-7) and abs(composed[0]) > 1e-3
+        assert fused[1].keys() == composed[1].keys() and "lm_head.weight" in fused[1]
+        for name, g in composed[1].items():
+            assert float((fused[1][name] - g).abs().max()) <= 1e-5 * (1 + float(g.abs().max())), name
+        assert fused[2].keys() == composed[2].keys() >= {"pg/loss", "pg/clipfrac", "query_kl", "qkl/value"}
+        for key, values in composed[2].items():
+            assert fused[2][key] == pytest.approx(values, rel=1e-5, abs=1e-7), key
+
+    if rows == "labelled-only":
+        return  # the count once (every-position): the same kernels on fewer rows
+
+    def dot_flops(step):  # the erpo kernels' tl.dot work (the backbone's matmuls are torch ops, not counted)
+        return sum(r.total_flops for r in count_launches(step, torch_ops=False))
+
+    def forward_only():
+        with torch.no_grad():
+            trainer._compute_loss(trainer.model, parts[0])
+
+    one_gemm = dot_flops(forward_only)  # the log-probs' forward alone on the same rows
+    fused, composed = (dot_flops(lambda b=budget: _policy_loss_step(trainer, parts[0], b)) for budget in (1024, 0))
+    # the composition's 4th GEMM is its backward's recompute of the logits, which the fused path does not do
+    assert one_gemm > 0 and composed - fused == one_gemm, (one_gemm, fused, composed)
+
+
 def test_erpo_trains_logs_and_caches(tmp_path, model_dir, tokenizer, dataset):
     """3 steps with alpha > 0 and prevalence weights: TRL's log carries query_kl and the
     weights' ESS, min and max; the reference cache is written and then loaded."""

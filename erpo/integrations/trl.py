@@ -24,6 +24,16 @@ ERPOTrainer reuses the same switch: around its policy forward it also labels the
 prompt tokens of one copy per query (scored at temperature 1, the completion rows at
 1 / tau, in the same kernel call), then adds the Query-KL from those log-probs and
 puts the per-query weights into TRL's policy loss through the advantages.
+
+With ERPOConfig.policy_loss, the switch forms the whole loss in that call instead:
+erpo_kernels.erpo_loss on TRL's hidden rows and (gathered) lm_head weight, with a
+PackedLossBatch of the same rows (the scoring copies' prompt rows, the completion rows),
+L_PG(w_B) + alpha * R_query in one fused call (3 GEMMs of lm_head work: the gradient
+formed in the forward, docs/objective.md). Where erpo_loss's fused path does not apply
+(`fused_path_reason`: the torch backend, no gradient, a batch-wide policy loss,
+fused_budget_mb=0, or a sequence longer than a chunk) the call returns the log-probs
+and the trainer runs linear_token_logprobs + erpo_loss_from_logp + the Query-KL
+(4 GEMMs); `trainer.erpo_head.loss_path` says which ran.
 """
 from __future__ import annotations
 
@@ -32,6 +42,7 @@ import hashlib
 import os
 import sys
 from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 try:
@@ -43,8 +54,10 @@ except ImportError:
 
 import torch
 
-from erpo_kernels import (LossConfig, LossNormalizers, PackedLossBatch, check_backend, erpo_loss_from_logp,
+from erpo_kernels import (LossConfig, LossNormalizers, PackedLossBatch, check_backend, erpo_loss, erpo_loss_from_logp,
                           linear_token_logprobs, prompt_logp_sums, query_kl_value, weighted_k3)
+from erpo_kernels.fused_linear_loss import rows_for_budget
+from erpo_kernels.objective.fused import fused_path_reason
 
 from ..erpo_settings import ERPOSettings
 from ..query_weights import QueryWeighter, effective_sample_size
@@ -67,6 +80,9 @@ TESTED_TRL = "1.16.0"
 IGNORE_INDEX = -100
 # The per-token outputs TRL's fused head can ask for that linear_token_logprobs computes.
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
+# ERPOTrainer's policy loss (ERPOConfig.policy_loss), by the path that forms it (ErpoKernelsHead.loss_path).
+FUSED_PATH = "erpo_loss's fused path (3 GEMMs)"
+COMPOSED_PATH = "linear_token_logprobs + erpo_loss_from_logp (4 GEMMs)"
 
 # ----------------------------------------------------------------------------- the kernel switch
 
@@ -125,7 +141,22 @@ class _PromptPlan:
     scored: torch.Tensor  # [B] bool, the copy that scores its query's prompt
     is_prompt_row: Optional[torch.Tensor] = None  # [B, P + C - 1] bool, set by the pre-hook
     label_mask: Optional[torch.Tensor] = None  # [B, P + C - 1] bool, set by the pre-hook
+    targets: Optional[torch.Tensor] = None  # [B, P + C - 1] the token row j scores (IGNORE_INDEX: none), pre-hook
     log_probs: Optional[torch.Tensor] = None  # [B, P + C - 1] fp32, the forward's log-probs
+    loss: Optional["_FusedLoss"] = None  # ERPOConfig.policy_loss: the loss the head forms in its call
+
+
+@dataclass
+class _FusedLoss:
+    """ERPOTrainer's request (policy_loss=): form erpo_loss on the rows of the fused head's
+    call, when erpo_loss's fused path applies to them."""
+
+    inputs: Dict[str, Any]  # the micro-batch (TRL's inputs with ERPOTrainer's query fields)
+    group_size: int  # G = num_generations
+    config: LossConfig  # L_PG(w_B) + alpha * R_query
+    fused_budget: int  # bytes of kept fp32 logits per chunk (0: the 4-GEMM path)
+    result: Optional[Tuple[torch.Tensor, Dict[str, Any]]] = None  # (loss, metrics) when the fused path ran
+    reason: Optional[str] = None  # why it did not (fused_path_reason's, or a sequence longer than a chunk)
 
 
 class ErpoKernelsHead:
@@ -137,13 +168,22 @@ class ErpoKernelsHead:
     reference elsewhere).
     """
 
-    def __init__(self, model_name: str, backend: str) -> None:
+    def __init__(self, model_name: str, backend: str, verbose: bool = False) -> None:
         self.model_name = model_name
         self.backend = backend
+        self.verbose = verbose
         self.calls = 0
         self.rows = 0
+        self.loss_path: Optional[str] = None  # ERPOConfig.policy_loss: which path formed the last loss
         self.plan: Optional[_PromptPlan] = None
         self._tokens: List[contextvars.Token] = []
+
+    def note_loss_path(self, reason: Optional[str]) -> None:
+        """Record (and, when verbose, print once per change) which path formed the policy loss."""
+        path = FUSED_PATH if reason is None else f"{COMPOSED_PATH} ({reason})"
+        if path != self.loss_path and self.verbose:
+            print(f"erpo: ERPOTrainer's policy loss runs {path}", file=sys.stderr)
+        self.loss_path = path
 
     def __repr__(self) -> str:
         return (f"ErpoKernelsHead({self.model_name}: erpo_kernels.linear_token_logprobs, backend={self.backend!r}, "
@@ -189,7 +229,8 @@ class ErpoKernelsHead:
         score = has_pred & plan.scored.to(real.device)[:, None]  # [B, P]
         labels = labels.clone()
         labels[:, :p] = torch.where(score, input_ids[:, :p], labels[:, :p])
-        plan.label_mask = labels[:, 1:] != IGNORE_INDEX  # [B, L - 1] rows the kernel scores
+        plan.targets = labels[:, 1:]  # [B, L - 1]
+        plan.label_mask = plan.targets != IGNORE_INDEX  # [B, L - 1] rows the kernel scores
         is_prompt = torch.zeros_like(plan.label_mask)
         is_prompt[:, : p - 1] = True
         plan.is_prompt_row = is_prompt  # [B, L - 1] rows at temperature 1
@@ -221,6 +262,14 @@ class ErpoKernelsHead:
         bias = None if bias is None else bias.to(dtype)
         inv_t: Any = 1.0 / float(temperature)
         plan = self.plan
+        softcap = None if softcap is None else float(softcap)
+        logit_scale = None if float(logit_scale) == 1.0 else float(logit_scale)
+        if plan is not None and plan.loss is not None and plan.is_prompt_row is not None:
+            fused = self._fused_loss(plan, plan.loss, hidden, weight, bias, 1.0 / float(temperature), softcap,
+                                     logit_scale)  # fmt: skip
+            if fused is not None:
+                zeros = fused.new_zeros(hidden.shape[0], dtype=torch.float32)  # TRL scatters them; nothing reads them
+                return zeros, zeros if "entropy" in outputs else None, None, None, None
         if plan is not None and plan.is_prompt_row is not None:
             inv_t = self._row_inv_temperature(plan, hidden.shape[0], 1.0 / float(temperature))
         want_entropy = "entropy" in outputs
@@ -228,14 +277,56 @@ class ErpoKernelsHead:
             out = linear_token_logprobs(
                 hidden, weight, targets, bias=bias, inv_temperature=inv_t, ignore_index=IGNORE_INDEX,
                 return_entropy=want_entropy, backend=self.backend,
-                # TRL's order: the logit scale, then softcap * tanh(z / softcap), then 1 / T
-                softcap=None if softcap is None else float(softcap),
-                logit_scale=None if float(logit_scale) == 1.0 else float(logit_scale),
+                softcap=softcap, logit_scale=logit_scale,  # TRL's order: the scale, softcap * tanh(z / softcap), 1 / T
             )
         logp, entropy = out if want_entropy else (out, None)
         self.calls += 1
         self.rows += int(hidden.shape[0])
         return logp, entropy, None, None, None
+
+    def _fused_loss(self, plan: _PromptPlan, request: _FusedLoss, hidden: torch.Tensor, weight: torch.Tensor,
+                    bias: Optional[torch.Tensor], inv_tau: float, softcap: Optional[float],
+                    logit_scale: Optional[float]) -> Optional[torch.Tensor]:
+        """erpo_loss on the rows of this call (hidden [n, D], weight [V, D]: TRL's, gathered and
+        cast) into request.result, when its fused path applies (3 GEMMs); else None with
+        request.reason set (the caller then scores log-probs for the 4-GEMM path). Returns the loss."""
+        kept = self._rows_kept(plan, hidden.shape[0])  # [B, L - 1] bool, None: every position
+        reason = fused_path_reason(hidden, weight, bias, request.config, None, self.backend, request.fused_budget)
+        max_rows = rows_for_budget(request.fused_budget, weight.shape[0]) if request.fused_budget else 0
+        if reason is None and hidden.shape[0] > max_rows:  # erpo_loss chunks whole sequences
+            longest = plan.targets.shape[1] if kept is None else int(kept.sum(1).max())
+            if longest > max_rows:
+                reason = (f"a sequence of {longest} rows is longer than a chunk ({max_rows} rows: raise "
+                          f"ERPOConfig.fused_budget_mb)")
+        request.reason = reason
+        if reason is not None:
+            return None
+        prompt_width = plan.prompt_len - 1
+        inv_t = torch.where(plan.is_prompt_row, 1.0, inv_tau).to(torch.float32)  # [B, L - 1]
+        old = request.inputs.get("old_per_token_logps")  # [B, C] or None (the detached current log-probs)
+        if old is not None:
+            old = torch.cat([old.new_zeros(old.shape[0], prompt_width), old], dim=1)  # [B, L - 1]
+        batch, norm = _sequence_batch(request.inputs, request.group_size, plan.targets, inv_t, old, prompt_width, kept)
+        dev = hidden.device
+        with torch.autocast(dev.type, enabled=False):
+            loss, metrics = erpo_loss(hidden, weight, batch, request.config, bias=bias, backend=self.backend,
+                                      with_entropy=False, normalizers=norm, softcap=softcap, logit_scale=logit_scale,
+                                      fused_budget=request.fused_budget)  # fmt: skip
+        request.result = (loss, metrics)
+        self.calls += 1
+        self.rows += int(hidden.shape[0])
+        return loss
+
+    @staticmethod
+    def _rows_kept(plan: _PromptPlan, n_rows: int) -> Optional[torch.Tensor]:
+        """Which positions [B, L - 1] TRL handed over as rows: None for every position
+        (n = B (L - 1)), the labelled ones (on Triton devices, n = label_mask.sum())."""
+        if n_rows == plan.label_mask.numel():
+            return None
+        if n_rows == int(plan.label_mask.sum()):
+            return plan.label_mask
+        raise ValueError(f"erpo: the fused head got {n_rows} rows, which fits neither every position "
+                         f"({plan.label_mask.numel()}) nor the labelled ones ({int(plan.label_mask.sum())})")
 
     @staticmethod
     def _row_inv_temperature(plan: _PromptPlan, n_rows: int, inv_tau: float) -> torch.Tensor:
@@ -243,12 +334,8 @@ class ErpoKernelsHead:
         completion rows. TRL passes every position (n = B (L - 1)) or, on Triton devices,
         only the labelled ones (n = label_mask.sum())."""
         full = torch.where(plan.is_prompt_row, 1.0, inv_tau).to(torch.float32)  # [B, L - 1]
-        if n_rows == full.numel():
-            return full.reshape(-1)
-        if n_rows == int(plan.label_mask.sum()):
-            return full[plan.label_mask]
-        raise ValueError(f"erpo: the fused head got {n_rows} rows, which fits neither every position "
-                         f"({full.numel()}) nor the labelled ones ({int(plan.label_mask.sum())})")
+        kept = ErpoKernelsHead._rows_kept(plan, n_rows)
+        return full.reshape(-1) if kept is None else full[kept]
 
 
 def _hook(model: torch.nn.Module, backend: str, verbose: bool) -> ErpoKernelsHead:
@@ -256,7 +343,7 @@ def _hook(model: torch.nn.Module, backend: str, verbose: bool) -> ErpoKernelsHea
     if isinstance(head, ErpoKernelsHead):
         head.backend = backend
         return head
-    head = ErpoKernelsHead(type(model).__name__, backend)
+    head = ErpoKernelsHead(type(model).__name__, backend, verbose)
     model.register_forward_pre_hook(head._pre_hook, with_kwargs=True)
     model.register_forward_hook(head._post_hook, with_kwargs=True, always_call=True)
     model.erpo_kernels = head
@@ -333,6 +420,10 @@ class ERPOConfig(GRPOConfig):
     loss_agg: str = field(default="token-mean", metadata={"help": "With policy_loss: its aggregation over the "
                           "generation batch (token-mean, seq-mean-token-mean, seq-mean-token-sum, "
                           "seq-mean-token-sum-norm with max_completion_length as the constant)."})
+    fused_budget_mb: int = field(default=1024, metadata={"help": "With policy_loss: MiB of fp32 logits erpo_loss "
+                                 "keeps per chunk of whole sequences on its fused path (3 GEMMs of lm_head work "
+                                 "instead of 4; a sequence longer than a chunk takes the 4-GEMM path); 0 = always "
+                                 "the 4-GEMM path."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -347,6 +438,9 @@ class ERPOConfig(GRPOConfig):
                 raise ValueError("policy_loss= does not apply TRL's vLLM importance sampling or off-policy mask: "
                                  "use TRL's loss_type (policy_loss=None) with use_vllm or off_policy_mask_threshold")
         check_backend(self.erpo_backend, "erpo_backend")
+        budget = self.fused_budget_mb
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ValueError(f"fused_budget_mb must be an int >= 0 (MiB; 0 = the 4-GEMM path), got {budget!r}")
         if self.ref_cache is not None and os.path.isdir(self.ref_cache):
             raise ValueError(f"ref_cache={self.ref_cache} is a directory; give a file path (e.g. DIR/ref_cache.safetensors)")
 
@@ -496,9 +590,11 @@ class ERPOTrainer(GRPOTrainer):
             if self.args.policy_loss is None:
                 loss = super()._compute_loss(model, weighted)
             else:
-                loss = self._erpo_policy_loss(model, inputs)
+                loss = self._erpo_policy_loss(model, inputs, plan)
         finally:
             self.erpo_head.plan = None
+        if plan.loss is not None and plan.loss.result is not None:
+            return loss  # the fused path: alpha * R_query is in erpo_loss's loss, its metrics logged
         if plan.log_probs is None:
             raise RuntimeError("erpo: the policy forward did not go through TRL's fused LM head")
         query_kl, share, metrics = self.query_kl_term(plan.log_probs, plan.prompt_len, inputs)
@@ -511,24 +607,41 @@ class ERPOTrainer(GRPOTrainer):
                 self._metrics[mode][key].append(value)
         return loss
 
-    def _erpo_policy_loss(self, model, inputs) -> torch.Tensor:
-        """L_PG(w_B) of this micro-batch with ERPOConfig.policy_loss, normalised by its
+    def _erpo_policy_loss(self, model, inputs, plan: _PromptPlan) -> torch.Tensor:
+        """The loss of this micro-batch with ERPOConfig.policy_loss, normalised by its
         generation batch (on this process): the micro-batches of one generation batch add up
-        to its loss, scaled to the optimizer step as the Query-KL's share is."""
+        to its loss, scaled to the optimizer step.
+
+        The fused head forms L_PG(w_B) + alpha * R_query with erpo_loss in the policy forward
+        (3 GEMMs) when its fused path applies; else it returns the log-probs and this is
+        L_PG(w_B) by erpo_loss_from_logp, the Query-KL added by _compute_loss (4 GEMMs).
+        The metrics logged are the same either way."""
+        args = self.args
+        request = _FusedLoss(inputs=inputs, group_size=self.num_generations, fused_budget=args.fused_budget_mb << 20,
+                             config=replace(args.erpo_loss_config(), alpha=float(args.alpha), kl_guard=args.kl_guard))
+        plan.loss = request
         prompt_ids, completion_mask = inputs["prompt_ids"], inputs["completion_mask"]
         input_ids = torch.cat([prompt_ids, inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
         logp, _, _ = self._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
                                                              completion_mask.shape[1])  # [B, T]
-        old = inputs.get("old_per_token_logps")
-        batch, norm = _completion_batch(inputs, logp.detach() if old is None else old, self.num_generations)
-        loss, metrics = erpo_loss_from_logp(logp.reshape(-1), batch, self.args.erpo_loss_config(),
-                                            normalizers=norm, backend="torch")
+        self.erpo_head.note_loss_path(request.reason)
         mode = "train" if self.model.training else "eval"
+        if request.result is not None:
+            loss, metrics = request.result
+            for key, value in _trainer_query_kl_metrics(metrics, inputs).items():
+                self._metrics[mode][key].append(value)
+        else:
+            old = inputs.get("old_per_token_logps")
+            mask = completion_mask.bool()
+            batch, norm = _sequence_batch(inputs, self.num_generations, torch.where(mask, 0, IGNORE_INDEX),
+                                          torch.ones_like(logp), logp.detach() if old is None else old, 0)
+            loss, metrics = erpo_loss_from_logp(logp.reshape(-1), batch, args.erpo_loss_config(),
+                                                normalizers=norm, backend="torch")
         for key in ("pg/loss", "pg/clipfrac", "pg/ratio_mean"):
             self._metrics[mode][key].append(metrics[key])
         if mode == "train":
-            loss = loss * self.args.steps_per_generation / self.current_gradient_accumulation_steps
+            loss = loss * args.steps_per_generation / self.current_gradient_accumulation_steps
         return loss
 
     def query_kl_term(
@@ -569,31 +682,60 @@ class ERPOTrainer(GRPOTrainer):
         return r_query, share, metrics
 
 
-def _completion_batch(inputs: Dict[str, Any], old_logp: torch.Tensor, group_size: int):
-    """(PackedLossBatch, LossNormalizers) of a micro-batch's completions, for erpo's policy
-    loss: row b * T + t is completion token t of sequence b (an empty prompt span, ignored
-    rows where completion_mask is 0); queries and their weights are the generation batch's
-    (query_index, query_count, query_weights), normalisers its own (one process: TRL's
-    num_items_in_batch tokens, G = num_generations sequences per query)."""
-    mask = inputs["completion_mask"].bool()  # [B, T]
-    b, t = mask.shape
+def _trainer_query_kl_metrics(metrics: Dict[str, Any], inputs: Dict[str, Any]) -> Dict[str, float]:
+    """The Query-KL metrics query_kl_term logs (the values over this
+    micro-batch's k scored queries) from erpo_loss's (this micro-batch's share of the
+    generation batch's: sums over its scored queries / m, R_query's part / sum_q w(q));
+    none when it scores no query, as query_kl_term."""
+    scored = inputs["query_scored"]  # [B]
+    k = int(scored.sum())
+    if k == 0:
+        return {}
+    m = float(inputs["query_count"])
+    w_local = float(inputs["query_weights"][scored].sum())
+    w_total = float(inputs["query_weight_total"])
+    means = {key: float(metrics[key]) * m / k for key in ("qkl/value", "qkl/delta_mean", "query_logp/mean")}
+    return {"query_kl": float(metrics["qkl/loss"]) * w_total / max(w_local, 1e-12), **means}
+
+
+def _sequence_batch(inputs: Dict[str, Any], group_size: int, targets: torch.Tensor, inv_temperature: torch.Tensor,
+                    old_logp: Optional[torch.Tensor], prompt_width: int, kept: Optional[torch.Tensor] = None):
+    """(PackedLossBatch, LossNormalizers) of a micro-batch's sequences, for erpo's loss.
+
+    targets, inv_temperature, old_logp (or None: the detached current log-probs) are
+    [B, W] grids: column j < prompt_width is a prompt row (the Query-KL's span), the rest
+    the completion rows (completion token j - prompt_width). The batch's rows are the
+    grid's positions where kept [B, W] bool (None: all), row-major. Queries and their
+    weights are the generation batch's (query_index, query_count, query_weights,
+    ref_query_logp), normalisers its own (one process: TRL's num_items_in_batch tokens,
+    G = num_generations sequences per query, each query's prompt scored by one copy, the
+    Query-KL's sum_q w(q) = query_weight_total)."""
+    mask = inputs["completion_mask"].bool()  # [B, C]
+    b = mask.shape[0]
     dev = mask.device
+    grid = torch.ones_like(targets, dtype=torch.bool) if kept is None else kept  # [B, W]
+    counts = torch.stack([grid[:, :prompt_width].sum(1), grid[:, prompt_width:].sum(1)], dim=1).reshape(-1)  # [2B]
+    spans = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # [2B + 1] prompt_0, completion_0, ...
+
+    def rows(values: torch.Tensor) -> torch.Tensor:  # [B, W] -> [N]
+        return values.reshape(-1) if kept is None else values[kept]
+
     q_index = inputs["query_index"].long()  # [B]
     m = int(inputs["query_count"])
     w = torch.zeros(m, dtype=torch.float32, device=dev).index_put((q_index,), inputs["query_weights"].float())
-    starts = torch.arange(b, device=dev) * t
-    spans = torch.cat([torch.stack([starts, starts], dim=1).reshape(-1), starts.new_tensor([b * t])])  # [2B + 1]
+    ref = torch.zeros(m, dtype=torch.float32, device=dev).index_put((q_index,), inputs["ref_query_logp"].float())
     adv = inputs["advantages"]
     batch = PackedLossBatch(
-        targets=torch.where(mask, 0, -100).reshape(-1), inv_temperature=torch.ones(b * t, device=dev),
-        span_cu_seqlens=spans, group_index=q_index, advantages=adv if adv.dim() == 1 else adv[:, 0],
-        ref_query_logp=torch.zeros(m, device=dev), query_weights=w, old_logp=old_logp.reshape(-1),
+        targets=rows(targets), inv_temperature=rows(inv_temperature).float(), span_cu_seqlens=spans,
+        group_index=q_index, advantages=adv if adv.dim() == 1 else adv[:, 0], ref_query_logp=ref, query_weights=w,
+        old_logp=None if old_logp is None else rows(old_logp),
     )
     tokens = inputs["num_items_in_batch"] if "num_items_in_batch" in inputs else mask.sum()
     norm = LossNormalizers(
         n_tokens=torch.as_tensor(tokens, device=dev).reshape(()), n_sequences=torch.tensor(m * group_size, device=dev),
         n_queries=torch.tensor(m, device=dev), group_sizes=torch.full((m,), group_size, device=dev),
-        prompt_copies=torch.ones(m, dtype=torch.long, device=dev), weight_mass=w.sum().double().clamp(min=1e-12),
-        weight_sq_mass=(w.double() ** 2).sum(),
+        prompt_copies=torch.ones(m, dtype=torch.long, device=dev),
+        weight_mass=torch.as_tensor(inputs["query_weight_total"], device=dev).double().reshape(()).clamp(min=1e-12),
+        weight_sq_mass=(w.double() ** 2).sum(),  # this micro-batch's queries' (the weights/ess metric, not logged)
     )
     return batch, norm
