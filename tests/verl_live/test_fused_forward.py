@@ -59,6 +59,8 @@ def test_erpo_backend_matches_verls_logits_path(reference, tied, remove_padding)
         assert type(ours.engine.module).forward.__name__ == "forward_with_erpo_backend"
         lp, ent = _run(ours, TAU)
         grads = _grads(ours, 1.0)
+        # the training forward says which lm_head path ran: this venv has no triton, so the recompute
+        assert ours.engine.module._erpo_training_path == "linear_token_logprobs (4 GEMMs) (the torch backend)"
     worst = {"logp": 0.0, "entropy": 0.0}
     for b, p in enumerate(PROMPTS):
         k = len(p) - 1  # rows [0, k) score prompt tokens: temperature 1; the rest 1 / TAU
@@ -92,8 +94,9 @@ def test_untied_fsdp2_lm_head_is_a_dtensor_that_verls_torch_backend_trips_on(ref
 
 
 def test_the_forward_takes_its_kernel_backend_from_fused_kernel_options(reference):
-    """+actor_rollout_ref.model.fused_kernel_options.kernel_backend reaches the kernel of every
-    forward (read by the engine wrap at each micro-batch); a bad value is refused naming the key."""
+    """+actor_rollout_ref.model.fused_kernel_options.kernel_backend (and fused_budget_mb) reach
+    the kernel of every forward (read by the engine wrap at each micro-batch); a bad value is
+    refused naming the key."""
     model_dir = reference[False][0]
     with original_forward():
         ours = make_worker(model_dir, backend="erpo", remove_padding=True)
@@ -107,3 +110,6 @@ def test_the_forward_takes_its_kernel_backend_from_fused_kernel_options(referenc
             _run(ours, TAU)
         options["kernel_backend"] = "torch"
         _run(ours, TAU)
+        options["fused_budget_mb"] = -1
+        with pytest.raises(ValueError, match="fused_kernel_options.fused_budget_mb must be an int >= 0"):
+            _run(ours, TAU)

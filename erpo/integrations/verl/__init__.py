@@ -22,7 +22,9 @@ What install() changes, and why it has to be a wrap (verl has no extension point
   which accepts torch, triton and liger. The wrapper installs `forward_with_erpo_backend`
   for "erpo" and hands every other backend to verl's function. Our forward runs the base
   model and `erpo_kernels.linear_token_logprobs` on (hidden, lm_head weight), tied or not,
-  padded or packed (remove-padding), never forming [N, V] logits; an FSDP2 DTensor
+  padded or packed (remove-padding), never forming [N, V] logits (a training forward on
+  the Triton backend whose micro-batch's fp32 logits fit fused_kernel_options.fused_budget_mb
+  keeps them for its backward instead: 3 GEMMs, not 4; erpo.integrations.kept_logits); an FSDP2 DTensor
   lm_head weight is gathered with `erpo.distributed.gather_for_call` (its gradient is
   reduce-scattered into the shard). Prompt rows are scored at temperature 1, response
   rows at 1 / T: `FSDPEngineWithLMHead.prepare_model_inputs` is wrapped to pass the
@@ -74,9 +76,10 @@ except ImportError as _missing:
 
 import torch
 
-from erpo_kernels import check_backend, linear_token_logprobs, prompt_logp_sums, query_kl_value
+from erpo_kernels import check_backend, prompt_logp_sums, query_kl_value
 
 from ...distributed import gather_for_call
+from ..kept_logits import kept_linear_token_logprobs
 from ...erpo_settings import ERPOSettings
 from ...packing import lm_head_options
 from ...query_weights import QueryWeighter
@@ -101,6 +104,8 @@ LOSS_MODE = "erpo"  # policy_loss.loss_mode
 IGNORE_INDEX = -100
 PROMPT_ROWS = "erpo_prompt_rows"  # model keyword: [B, L] / [1, nnz] bool, rows that score a prompt token
 KERNEL_BACKEND = "erpo_kernel_backend"  # model keyword: fused_kernel_options.kernel_backend
+FUSED_BUDGET = "erpo_fused_budget"  # model keyword: fused_kernel_options.fused_budget_mb, in bytes
+DEFAULT_FUSED_BUDGET_MB = 1024
 # builds the reference cache from a run's own overrides (erpo.integrations.verl.cache_command)
 from ._command import REF_CACHE_COMMAND  # noqa: E402  (one home: the command without verl says it too)
 # ERPO's per-sequence fields of a mini-batch (add_mini_batch_fields)
@@ -204,6 +209,16 @@ def forward_kernel_backend(fused_kernel_options: Any) -> str:
     return backend
 
 
+def forward_fused_budget(fused_kernel_options: Any) -> int:
+    """The bytes of logits impl_backend=erpo's forward may keep for its backward:
+    fused_kernel_options.fused_budget_mb (default 1024; 0: never), checked."""
+    mb = (fused_kernel_options or {}).get("fused_budget_mb", DEFAULT_FUSED_BUDGET_MB)
+    if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
+        raise ValueError(f"actor_rollout_ref.model.fused_kernel_options.fused_budget_mb must be an int >= 0 (MiB; "
+                         f"0 = recompute the logits in the backward), got {mb!r}")
+    return mb << 20
+
+
 def forward_with_erpo_backend(
     self: Any,
     input_ids: Optional[torch.Tensor] = None,
@@ -222,6 +237,7 @@ def forward_with_erpo_backend(
     shift_labels: Optional[torch.Tensor] = None,
     erpo_prompt_rows: Optional[torch.Tensor] = None,
     erpo_kernel_backend: str = "auto",
+    erpo_fused_budget: int = DEFAULT_FUSED_BUDGET_MB << 20,
     **unused: Any,
 ):
     """verl's fused forward contract (dense_common.forward_with_torch_backend) with our kernel.
@@ -230,6 +246,12 @@ def forward_with_erpo_backend(
     shift_labels); row t scores token t + 1 (verl's rolled labels). erpo_prompt_rows: bool
     like input_ids, rows scored at temperature 1 (the others at 1 / temperature).
     erpo_kernel_backend: auto, triton or torch (the engine wrap passes the config's).
+    erpo_fused_budget: bytes of logits the forward may keep for its backward (the engine
+    wrap passes fused_kernel_options.fused_budget_mb): with a gradient wanted on the
+    Triton backend and the micro-batch's N x V fp32 logits within it, the backward reuses
+    them (3 GEMMs, erpo.integrations.kept_logits), else it recomputes them (4 GEMMs);
+    `model._erpo_training_path` says which the last training forward ran (printed when
+    it changes).
     Returns verl's CausalLMOutputForPPO with log_probs and entropy [B, L] fp32 (0 on
     padding rows).
     """
@@ -251,10 +273,14 @@ def forward_with_erpo_backend(
     flat = hidden.reshape(-1, hidden.shape[-1])
     if not torch.is_autocast_enabled(flat.device.type) and flat.dtype != weight.dtype:
         flat = flat.to(weight.dtype)
-    log_probs, entropy = linear_token_logprobs(
-        flat, weight, targets, bias=bias, inv_temperature=inv_t, ignore_index=IGNORE_INDEX, return_entropy=True,
-        backend=erpo_kernel_backend, **lm_head_options(self),
+    log_probs, entropy, path = kept_linear_token_logprobs(
+        flat, weight, targets, bias=bias, inv_temperature=inv_t, ignore_index=IGNORE_INDEX,
+        backend=erpo_kernel_backend, fused_budget=erpo_fused_budget, **lm_head_options(self),
     )
+    if torch.is_grad_enabled():  # a training forward (verl's log-prob passes run without a gradient)
+        if getattr(self, "_erpo_training_path", None) != path:
+            print(f"erpo: {type(self).__name__}'s training forward runs {path}", file=sys.stderr)
+        self._erpo_training_path = path
     rows = hidden.shape[:-1]  # (B, L)
     return CausalLMOutputForPPO(
         log_probs=log_probs.reshape(rows), entropy=entropy.reshape(rows),
@@ -648,6 +674,7 @@ def _install_engine_wrap() -> None:
             fused = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False)
             if fused and getattr(_unwrapped(self.module), "_verl_fused_kernels_backend", None) == BACKEND:
                 model_inputs[KERNEL_BACKEND] = forward_kernel_backend(self.model_config.fused_kernel_options)
+                model_inputs[FUSED_BUDGET] = forward_fused_budget(self.model_config.fused_kernel_options)
                 rows = _prompt_rows(self, micro_batch, model_inputs)
                 if rows is not None:
                     model_inputs[PROMPT_ROWS] = rows
