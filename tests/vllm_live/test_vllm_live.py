@@ -174,8 +174,9 @@ def test_sampler_is_ours(served, live, tau, monkeypatch):
 
 def test_truncated_sampler_returns_its_kept_sets_and_the_kernel_replays_them(served, live, monkeypatch):
     """vLLM 0.32.0's CPU build has return_sampling_mask in its engine arguments but cannot run it
-    (Model Runner V2 needs Triton with a CPU backend, triton-cpu; PyPI's triton has none), so
-    the engine reads the kept sets from the processed log-probs of the top_k most likely tokens:
+    as installed (Model Runner V2 needs Triton with a CPU backend, triton-cpu; PyPI's triton has
+    none: test_on_model_runner_v2_... stands the interpreter in), so the engine reads the kept
+    sets from the processed log-probs of the top_k most likely tokens:
     at top_k = 16, top_p = 0.8 they are the top-k / top-p cut of our model's logits at each
     position (float64 definitions), the sampled token in it, and vLLM's log-prob of each token
     is our kernel's log-prob renormalised over that kept set (support=), under the same weights."""
@@ -202,6 +203,56 @@ def test_truncated_sampler_returns_its_kept_sets_and_the_kernel_replays_them(ser
         assert float((rollout.flat_logprobs() - ours).abs().max()) < FP32_ROUNDING
         full = scored_response_logprobs(policy, prompts, rollout, tau)
         assert float((rollout.flat_logprobs() - full).min()) > VISIBLE  # the full softmax's are lower: biased
+
+
+MASK_RUNS = [  # (Truncation, tau, seed): top-k alone, top-k with top-p, top-p alone (sent as top_k = V), min-p alone
+    (Truncation(top_k=5), 1.0, 1), (Truncation(top_k=16, top_p=0.8), 0.7, 2), (Truncation(top_p=0.8), 1.0, 3),
+    (Truncation(min_p=0.5), 1.0, 4)]
+
+
+@pytest.fixture(scope="module")
+def on_model_runner_v2(served, tmp_path_factory):
+    """What the engine returned on vLLM's Model Runner V2 (tests/vllm_live/_model_runner_v2.py,
+    its own process: Triton's interpreter standing in for triton-cpu), one engine for MASK_RUNS."""
+    directory, policy, tokenizer, prompts = served
+    work = tmp_path_factory.mktemp("model-runner-v2")
+    spec = dict(model_dir=directory, eos=[int(tokenizer.eos_token_id)], prompts=prompts,
+                vocab_size=policy.config.vocab_size, max_new_tokens=8, n=4,
+                runs=[dict(top_k=t.top_k, top_p=t.top_p, min_p=t.min_p, tau=tau, seed=seed)
+                      for t, tau, seed in MASK_RUNS])
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("_model_runner_v2.py")), str(work / "spec.json"),
+                           str(work / "out.pt")], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return torch.load(work / "out.pt", weights_only=False)
+
+
+def test_on_model_runner_v2_the_engine_replays_vllms_sampling_masks(served, on_model_runner_v2):
+    """Where vLLM runs its Model Runner V2 (here: the CPU build, Triton's interpreter in
+    triton-cpu's place) the engine asks for return_sampling_mask, and its kept sets are vLLM's
+    masks: top_k = 5 keeps exactly 5 ids at every position, each mask is the top-k / top-p /
+    min-p cut of our model's logits (float64 definitions), the sampled token is in it, and
+    vLLM's processed log-prob of each token is our kernel's renormalised over it; the full
+    softmax's are lower. VLLM_USE_V2_MODEL_RUNNER=0 turns the masks off (vLLM would refuse them)."""
+    _, policy, _, prompts = served
+    got = on_model_runner_v2
+    assert got["available"] == {None: True, "0": False}
+    assert got["v2"] and got["support_source"] == "sampling_mask"
+    assert "kept sets from return_sampling_mask)" in got["started"], got["started"]
+    V = policy.config.vocab_size
+    for (truncation, tau, _), rollout in zip(MASK_RUNS, got["rollouts"]):
+        kept = unpack_support(rollout.flat_support(), V)  # [sum L, V]
+        if truncation == Truncation(top_k=5):
+            assert kept.sum(-1).eq(5).all()
+        assert torch.equal(kept, truncated_kept(response_position_logits(policy, prompts, rollout), tau, truncation))
+        assert bool(kept.sum(-1).lt(V).all()), truncation  # every mask cuts something
+        tokens = torch.tensor([t for g in rollout.responses for r in g for t in r])
+        assert bool(kept[torch.arange(tokens.shape[0]), tokens].all())
+        ours = scored_response_logprobs(policy, prompts, rollout, tau, support=rollout.flat_support())
+        assert float((rollout.flat_logprobs() - ours).abs().max()) < FP32_ROUNDING, truncation
+        full = scored_response_logprobs(policy, prompts, rollout, tau)
+        assert float((rollout.flat_logprobs() - full).min()) > VISIBLE, truncation  # the full softmax's: biased
 
 
 def adamw_step(model, prompts, rollout):
