@@ -11,7 +11,10 @@ peers' real chunk constants.
 
     erpo-loss         erpo_kernels.erpo_loss(hidden, weight, batch, LossConfig()) (algorithm
                       erpo, vanilla policy loss, the Query-KL) then loss.backward(): whatever
-                      erpo_loss's default path is at the counted commit
+                      erpo_loss's default path is at the counted commit, on the sm_90 default
+                      tiles (their products engine, Tiles.gemm_engine: cuBLAS since 87f5527)
+    erpo-loss-triton  the same with the products on our Triton kernels (gemm_engine 0): the
+                      engine the default does not use on sm_90
     liger-grpo        Liger-Kernel's LigerFusedLinearGRPOLoss (liger_kernel.chunked_loss)
     trl-grpo          TRL's GRPO loss (GRPOTrainer._compute_loss) on the log-probs and entropies
                       of its fused LM head (ChunkedLogProbFunction)
@@ -159,18 +162,18 @@ def erpo_chunks(n: int, vocab: int, layout: LossLayout) -> int:
 
 
 ENGINES = {0: "our Triton products", 1: "cuBLAS products"}  # Tiles.gemm_engine
-_engine: List[int] = [0]  # the products engine counted (set by the subject's call)
 
 
-def erpo_loss_tiles(engine: int):
-    """The sm_90 default tiles erpo_loss is counted with, products on `engine` (0: ours)."""
+def erpo_loss_tiles(engine: Optional[int] = None):
+    """The sm_90 default tiles erpo_loss is counted with, products on `engine` (None: the
+    default tiles' own engine; 0: ours, 1: cuBLAS)."""
     from .cost_subjects import _erpo_tiles
 
     tiles = _erpo_tiles("linear_token_logprobs")
-    return dataclasses.replace(tiles, gemm_engine=engine) if engine or hasattr(tiles, "gemm_engine") else tiles
+    return tiles if engine is None else dataclasses.replace(tiles, gemm_engine=engine)
 
 
-def _erpo_loss_with(engine: int) -> Callable:
+def _erpo_loss_with(engine: Optional[int]) -> Callable:
     def call(hidden, weight, layout: LossLayout):
         import inspect
 
@@ -186,8 +189,8 @@ def _erpo_loss_with(engine: int) -> Callable:
     return call
 
 
-_erpo_loss = _erpo_loss_with(0)
-_erpo_loss_cublas = _erpo_loss_with(1)
+_erpo_loss = _erpo_loss_with(None)
+_erpo_loss_triton = _erpo_loss_with(0)
 
 
 # Counting layouts of erpo-loss: (N, layout) at each (D, V) of the tiles' residue grid, K and
@@ -226,10 +229,16 @@ _mm_into_saved: List[Callable] = []
 
 
 @contextlib.contextmanager
-def _cuda_products() -> Iterator[None]:
+def cuda_products() -> Iterator[None]:
+    """Our torch products (Tiles.gemm_engine 1: linear_token_logprobs' backward and erpo_loss's
+    fused path both go through its _mm_into) counted as on CUDA (_mm_into_as_on_cuda); a no-op
+    for our Triton products, which never call it."""
     import importlib
 
     ltl = importlib.import_module("erpo_kernels.linear_token_logprobs")  # the module (the package exports the op)
+    if not hasattr(ltl, "_mm_into"):  # a commit before the torch products
+        yield
+        return
     _mm_into_saved[:] = [ltl._mm_into]
     ltl._mm_into = _mm_into_as_on_cuda
     try:
@@ -238,23 +247,10 @@ def _cuda_products() -> Iterator[None]:
         ltl._mm_into = _mm_into_saved[0]
 
 
-def _erpo_loss_cublas_plan(target: Shape):
-    """erpo-loss's plan, with the products' fp32 accumulation counted as on CUDA (_mm_into_as_on_cuda)."""
-    plan = _erpo_loss_plan(target)
-    inner = plan.patch
-
-    @contextlib.contextmanager
-    def patch(shape) -> Iterator[None]:
-        with inner(shape), _cuda_products():
-            yield
-
-    plan.patch = patch
-    return plan
-
-
 def _erpo_loss_plan(target: Shape):
     """The residue grid of our kernels' tiles (cost_subjects._erpo_linear_plan's moduli) in D
-    and V, the _ERPO_POINTS layouts at each (D, V) corner; counted with the sm_90 tiles."""
+    and V, the _ERPO_POINTS layouts at each (D, V) corner; counted with the sm_90 tiles, torch
+    products as on CUDA (cuda_products)."""
     from .cost_subjects import FitPlan, _erpo_linear_plan, counted_tiles
 
     moduli = _erpo_linear_plan(target).key[2]
@@ -274,7 +270,7 @@ def _erpo_loss_plan(target: Shape):
 
     @contextlib.contextmanager
     def patch(shape) -> Iterator[None]:
-        with _with_layout(table[tuple(shape)]), counted_tiles():
+        with _with_layout(table[tuple(shape)]), counted_tiles(), cuda_products():
             yield
 
     return FitPlan(key=("erpo-loss", moduli, (d0, d1, v0, v1)), fit=sorted(layouts), check=list(checks),

@@ -201,7 +201,7 @@ def _erpo_linear_plan(target: Shape) -> FitPlan:
     mn = math.lcm(t.block_n, size("gemm_n"), size("gemm_k"), getattr(ltl, "MERGE_BLOCK", 1))
     md = math.lcm(t.block_d, size("gemm_d"))
     mv = math.lcm(t.block_v, size("gemm_v"), size("gemm_k"), t.block_v * size("split_tiles"))
-    return _residue_plan("erpo", target, (mn, md, mv), base=(1, 1, mv + 1))
+    return _residue_plan("erpo", target, (mn, md, mv), base=(1, 1, mv + 1), patch=lambda shape: _loss.cuda_products())
 
 
 def _erpo_token(logits, targets):
@@ -458,7 +458,9 @@ def _cce_plan(target: Shape) -> FitPlan:
 
 SUBJECTS: List[Subject] = [
     Subject("erpo", LINEAR, "erpo_kernels.linear_token_logprobs (Triton)", _erpo_linear,
-            _erpo_linear_plan),
+            _erpo_linear_plan,
+            gpu_path="the sm_90 default tiles and their products engine (Tiles.gemm_engine; cuBLAS products "
+                     "counted as erpo-loss's)"),
     Subject("erpo-reference", LINEAR, "erpo_kernels.linear_token_logprobs, backend='torch' (the chunked "
             "PyTorch reference, fp32 compute)", _reference_linear,
             _reference_plan("LINEAR_CHUNK_ELEMENTS", "ref-linear")),
@@ -479,13 +481,12 @@ SUBJECTS: List[Subject] = [
                      "without a gradient filter)"),
     Subject("erpo-loss", LOSS, "erpo_kernels.erpo_loss (algorithm erpo, vanilla, the Query-KL; its default "
             "path)", _loss._erpo_loss, _loss._erpo_loss_plan,
-            gpu_path="the sm_90 default tiles, the products on our Triton kernels (Tiles.gemm_engine 0)"),
-    Subject("erpo-loss-cublas", LOSS, "erpo_kernels.erpo_loss as erpo-loss, the products on cuBLAS "
-            "(Tiles.gemm_engine 1: torch matmuls, bf16 operands, fp32 accumulation)", _loss._erpo_loss_cublas,
-            _loss._erpo_loss_cublas_plan,
-            gpu_path="the sm_90 default tiles with gemm_engine 1, the fp32-accumulating products as its CUDA "
-                     "branch runs them: addmm(out_dtype=float32) of the bf16 operands (computed on CPU by an "
-                     "equivalent)"),
+            gpu_path="the sm_90 default tiles and their products engine (Tiles.gemm_engine; 1 since 87f5527: cuBLAS, "
+                     "the fp32-accumulating products as its CUDA branch runs them, addmm(out_dtype=float32) of the "
+                     "bf16 operands, computed on CPU by an equivalent)"),
+    Subject("erpo-loss-triton", LOSS, "erpo_kernels.erpo_loss as erpo-loss, the products on our Triton kernels "
+            "(Tiles.gemm_engine 0: _ltl_bwd_gemm_kernel)", _loss._erpo_loss_triton, _loss._erpo_loss_plan,
+            gpu_path="the sm_90 default tiles with gemm_engine 0"),
     Subject("liger-grpo", LOSS, "Liger-Kernel LigerFusedLinearGRPOLoss (loss_type dapo, beta 0, one chunk per "
             "sequence: chunk_size 1)", _loss._liger_grpo, _loss._liger_grpo_plan,
             module="liger_kernel.chunked_loss", dist="liger-kernel", gemm_roles=False,

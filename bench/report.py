@@ -29,7 +29,7 @@ COST_FILE = "cost.json"  # bench/results/cost.json: {"command": "cost", "runs": 
 BENCH_DOC = REPO / "docs" / "benchmarks.md"
 COST_START, COST_END = "<!-- cost:start -->", "<!-- cost:end -->"
 COST_ORDER = ("erpo", "erpo-support-threshold", "erpo-support-bitmask", "erpo-reference", "liger", "cce",
-              "trl-chunked", "erpo-loss", "erpo-loss-cublas", "liger-grpo", "trl-grpo")
+              "trl-chunked", "erpo-loss", "erpo-loss-triton", "liger-grpo", "trl-grpo")
 LOSS_OP = "loss"  # bench.cost_losses.LOSS: the fused losses, forward + backward from hidden states to a scalar
 PEER_ORDER = ("eager", "eager-ce", "compile", "trl", "trl-chunked", "trl-triton", "liger", "cce", "flash-attn", "erpo-inplace")
 PASS_LABEL = {"forward": "fwd", "backward": "bwd", "both": "fwd+bwd"}
@@ -646,7 +646,7 @@ def _launch_table(run: Dict[str, Any], s: Dict[str, Any], r: Dict[str, Any], hw:
 COST_OPS = (("linear_token_logprobs", "linear_token_logprobs", "4-GEMM"),
             (LOSS_OP, "fused loss (hidden, weight -> scalar)", "3-GEMM"),
             ("token_logprobs", "token_logprobs", None))
-OURS = ("erpo", "erpo-loss", "erpo-loss-cublas")  # the subjects whose launch groups are tabled
+OURS = ("erpo", "erpo-loss", "erpo-loss-triton")  # the subjects whose launch groups are tabled
 
 
 def _subject_name(s: Dict[str, Any], run: Dict[str, Any]) -> str:

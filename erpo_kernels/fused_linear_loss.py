@@ -29,8 +29,11 @@ Memory: the kept buffer holds max_rows x V fp32 values (the caller's budget), th
 workspace max_rows x C in the input dtype (as linear_token_logprobs' backward), d_bias an
 fp32 [V]; d_weight is written directly when the weight's gradient is fp32 (it accumulates
 in place) or when there is one row chunk; bf16 / fp16 weights over several row chunks
-accumulate in one fp32 [V, D] buffer for the whole call (never one per chunk), cast once
-at the end. Nothing of size N x V for the whole batch.
+accumulate in one fp32 [V, D] buffer for the whole call (never one per chunk), which
+`gradients()` casts once at the end, or hands over uncast with `gradients(cast=False)`:
+erpo_loss's fused path then keeps it until its backward, which rounds it to the weight's
+dtype in the same pass that scales it by the upstream gradient (objective/fused.py:
+`_ScaledGradients`). Nothing of size N x V for the whole batch.
 
 Precision and order. The kept logits are the forward's fp32 values bit for bit, so dr is
 the one linear_token_logprobs' backward forms from its recompute (the soft cap's slope
@@ -266,9 +269,12 @@ class LinearLogprobsChunks:
                 d_hidden.index_copy_(0, launch.order, self.dh_acc[:n].to(d_hidden.dtype))
         self.started = True
 
-    def gradients(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def gradients(self, cast: bool = True) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor],
+                                                    Optional[torch.Tensor]]:
         """(d_hidden [N, D], d_weight [V, D], d_bias [V]) in the uncast operands' dtypes,
-        None where not wanted (or no chunk ran: zeros)."""
+        None where not wanted (or no chunk ran: zeros). cast=False: a gradient accumulated
+        in fp32 for a lower-precision operand (d_weight over several row chunks, d_bias) is
+        returned as that fp32 accumulator, for the caller to round (`self.dtypes` says to what)."""
         out: List[Optional[torch.Tensor]] = []
         for t, want, dtype, like in zip((self.d_hidden, self.d_weight, self.d_bias), self.need, self.dtypes,
                                         (self.hidden, self.weight, self.bias)):  # fmt: skip
@@ -277,7 +283,7 @@ class LinearLogprobsChunks:
             elif not self.started and t is not self.d_hidden:
                 out.append(torch.zeros(like.shape, dtype=dtype, device=like.device))
             else:
-                out.append(t if t.dtype == dtype else t.to(dtype))
+                out.append(t if t.dtype == dtype or not cast else t.to(dtype))
         return tuple(out)  # type: ignore[return-value]
 
 

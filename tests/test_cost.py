@@ -577,3 +577,28 @@ def test_support_costs_line_is_each_forms_counted_difference():
     assert "token_logprobs with a bitmask (ceil(V / 32) int32 words per row): N=8192 V=151936: +0.250 ms, +300 MB HBM" \
         in line and "threshold" not in line
     assert report.support_lines({"subjects": run["subjects"][:1]}) == []
+
+
+@pytest.mark.parametrize("name", ["erpo-loss", "erpo-loss-triton", "erpo"])
+def test_our_subjects_count_their_products_engine_as_on_cuda(name):
+    """erpo-loss and erpo (linear_token_logprobs) are counted on the sm_90 default tiles and their
+    products engine (cuBLAS since 87f5527: bf16-operand matmuls accumulating in fp32, counted as on
+    CUDA through the plan's patch: no fp32 GEMM, no upcast operands), erpo-loss-triton on our
+    Triton products (no torch GEMM)."""
+    from bench import cost_losses as cl
+    from bench import cost_subjects as cs
+
+    subject = next(s for s in cs.SUBJECTS if s.name == name and s.op in (cl.LOSS, cs.LINEAR))
+    n, d, v = 64, 64, 300
+    plan = subject.fit_plan(cs.TARGETS[0])
+    engine = 0 if name == "erpo-loss-triton" else cl.erpo_loss_tiles().gemm_engine
+    with cl._with_layout(cl.LossLayout(32, 8, 1)), cs.counted_tiles(), plan.patch((n, d, v)) if name == "erpo" \
+            else cl.cuda_products():  # fmt: skip
+        forward, backward = subject.closures((n, d, v))
+        recs = cost.count_launches(lambda: backward(forward()))
+    gemms = [r for r in recs if r.kind == "torch" and r.flops]
+    triton_flops = sum(r.total_flops for r in recs if r.kind == "triton")
+    assert all(set(r.flops) == {"bf16"} for r in gemms), [(r.name, r.flops) for r in gemms]
+    full = 2 * n * d * v  # one GEMM's work
+    assert (sum(r.total_flops for r in gemms) >= 2 * full) == (engine == 1)  # the two products
+    assert triton_flops >= (3 if engine == 0 else 1) * full

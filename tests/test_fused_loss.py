@@ -269,3 +269,45 @@ def test_a_support_takes_the_fused_path_and_equals_the_composition(form, chunks)
     ref = _run(cfg, batch, operands, fused_budget=0)
     _assert_same(ours, ref)
     assert 0 < ref[1]["support/kept_mass"] < 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_upstream_gradient_retain_graph_and_the_d_weight_pass(dtype, chunks):
+    """Several chunks, a non-1 upstream gradient (loss * 3) and a graph kept for a second
+    backward: the same gradients twice, as the composition's (fp32 within 1e-5; bf16 within
+    its rounding). A bf16 d_weight of several chunks stays the fp32 accumulator until the
+    backward, which writes it in bf16 in one pass (one mul: 4 V D bytes read, 2 V D written;
+    no cast of [V, D]); one chunk saves it in bf16."""
+    from bench.cost import count_launches
+
+    batch = _batch()
+    operands = _operands(batch.num_rows, dtype=dtype)
+    cfg = CONFIGS["grpo-kl-entropy"]
+    saved = []
+
+    def grads(budget, times):
+        h, w, b = (t.detach().requires_grad_() for t in operands)
+        loss, _ = erpo_loss(h, w, batch, cfg, bias=b, backend="triton", tiles=SMALL_TILES, fused_budget=budget)
+        if budget:
+            saved.append([None if t is None else t.dtype for t in loss.grad_fn.saved_tensors])
+        scaled = loss * 3
+        return [torch.autograd.grad(scaled, (h, w, b), retain_graph=True) for _ in range(times)]
+
+    first, second = grads(12 * ROW_BYTES, 2)
+    assert len(chunks) == 7
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    (comp,) = grads(0, 1)
+    for name, o, c in zip(("d_hidden", "d_weight", "d_bias"), first, comp):
+        assert o.dtype == c.dtype == dtype and o.shape == c.shape, name
+        err, scale = float((o.double() - c.double()).abs().max()), float(c.double().abs().max())
+        assert err <= (1e-5 * (1 + scale) if dtype == torch.float32 else 2 * scale * 2**-8), (name, err)
+    grads(1000 * ROW_BYTES, 1)  # one chunk
+    low = dtype != torch.float32
+    assert saved == [[dtype, torch.float32 if low else dtype, torch.float32], [dtype, dtype, torch.float32]]
+    if low:  # counted: the backward's pass over the fp32 d_weight, and no [V, D] cast in the forward
+        h, w, b = (t.detach().requires_grad_() for t in operands)
+        vd = V * D
+        ops = count_launches(lambda: erpo_loss(h, w, batch, cfg, bias=b, backend="triton", tiles=SMALL_TILES,
+                                               fused_budget=12 * ROW_BYTES)[0].backward())  # fmt: skip
+        big = [(r.name, r.loaded, r.stored) for r in ops if r.kind == "torch" and r.stored >= 2 * vd]
+        assert ("aten.mul", 4 * vd + 4, 2 * vd) in big and not [x for x in big if x[0] == "aten._to_copy"], big
