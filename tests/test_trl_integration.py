@@ -21,6 +21,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.kernels import ChunkedLogProbFunction  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
+from erpo.integrations.kept_logits import COMPOSED_PATH, KEPT_PATH  # noqa: E402
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer, _PromptPlan, use_erpo_kernels  # noqa: E402
 from erpo.packing import forward_hidden, lm_head_of, pack  # noqa: E402
 from erpo.tiny import build_tokenizer  # noqa: E402
@@ -102,7 +103,8 @@ CAPPED = {"final_logit_softcapping": 0.5, "logit_scale": 2.5}
 def test_fused_head_matches_trl(tokenizer, backend, extra):
     """Log-probs, entropies and every parameter's gradient through TRL's fused head: our
     kernel vs TRL's ChunkedLogProbFunction, fp32, left padding, right padding and a prompt;
-    with and without the model's softcap and logit scale (which TRL reads from its config)."""
+    with and without the model's softcap and logit scale (which TRL reads from its config);
+    on the Triton backend with the logits kept for the backward (3 GEMMs)."""
     model = tiny_model(tokenizer, **extra)
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
     g = torch.Generator().manual_seed(1)
@@ -124,6 +126,8 @@ def test_fused_head_matches_trl(tokenizer, backend, extra):
     finally:
         ChunkedLogProbFunction.apply = original
     assert len(calls) == 1 and head.calls == 1 and model.erpo_kernels is head
+    # a training call on the Triton backend keeps its logits for the backward (3 GEMMs)
+    assert head.forward_path == (KEPT_PATH if backend == "triton" else f"{COMPOSED_PATH} (the torch backend)")
     valid = labels[:, 1:] != -100
     assert valid.sum() > 0 and torch.all(logp[~valid] == 0)
     assert torch.allclose(logp, logp_trl, rtol=0, atol=1e-5), (logp - logp_trl).abs().max()
@@ -389,7 +393,7 @@ def test_erpo_policy_loss_fused_equals_the_composition(tmp_path, model_dir, toke
     composition's less one GEMM (the logits' recompute): 3 GEMMs, not 4."""
     from bench.cost import count_launches
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
-    from erpo.integrations.trl import COMPOSED_PATH, FUSED_PATH
+    from erpo.integrations.trl import FUSED_PATH
 
     if rows == "labelled-only":  # TRL's layout on a Triton device: hidden_states[mask]
         monkeypatch.setattr(trl.trainer.utils, "_use_triton", lambda device: True)
@@ -409,7 +413,8 @@ def test_erpo_policy_loss_fused_equals_the_composition(tmp_path, model_dir, toke
     assert all(0 < int(part["query_scored"].sum()) < 4 for part in parts)
     for part in parts:
         fused, composed = (_policy_loss_step(trainer, part, budget) for budget in (1024, 0))
-        assert fused[3] == FUSED_PATH and composed[3] == f"{COMPOSED_PATH} (fused_budget=0)"
+        assert fused[3] == FUSED_PATH
+        assert composed[3] == f"erpo_loss_from_logp (fused_budget=0) on {COMPOSED_PATH} (fused_budget=0)"
         assert fused[0] == pytest.approx(composed[0], rel=1e-5, abs=1e-7) and abs(composed[0]) > 1e-3
         assert fused[1].keys() == composed[1].keys() and "lm_head.weight" in fused[1]
         for name, g in composed[1].items():

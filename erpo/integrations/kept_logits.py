@@ -1,11 +1,12 @@
-"""Token log-probs for a peer whose loss runs after the forward (verl's actor): the
-backward reuses the forward's logits, so the lm_head does 3 GEMMs of work where
-linear_token_logprobs' forward + backward does 4.
+"""Token log-probs for a peer whose loss runs after the forward (verl's actor, TRL's
+loss types behind its fused LM head): the backward reuses the forward's logits, so the
+lm_head does 3 GEMMs of work where linear_token_logprobs' forward + backward does 4.
 
 erpo_loss's fused path (erpo_kernels/objective/fused.py) forms the loss's gradient during
 the forward, a chunk at a time, because erpo_loss knows the loss there. A peer that
 calls its own loss on the forward's log-probs (verl: FSDPEngineWithLMHead.forward_step
-runs the model, then loss_function, then backward) gives the per-row coefficients only in
+runs the model, then loss_function, then backward; TRL: its _compute_loss on the fused
+head's log-probs) gives the per-row coefficients only in
 the backward. What still saves the recompute is to keep the call's logits until then:
 `kept_linear_token_logprobs` runs erpo_kernels.fused_linear_loss.LinearLogprobsChunks as
 one chunk of every row (the forward kernel storing the fp32 logits it softmaxes), and its

@@ -32,8 +32,14 @@ L_PG(w_B) + alpha * R_query in one fused call (3 GEMMs of lm_head work: the grad
 formed in the forward, docs/objective.md). Where erpo_loss's fused path does not apply
 (`fused_path_reason`: the torch backend, no gradient, a batch-wide policy loss,
 fused_budget_mb=0, or a sequence longer than a chunk) the call returns the log-probs
-and the trainer runs linear_token_logprobs + erpo_loss_from_logp + the Query-KL
-(4 GEMMs); `trainer.erpo_head.loss_path` says which ran.
+and the trainer runs erpo_loss_from_logp + the Query-KL on them;
+`trainer.erpo_head.loss_path` says which ran.
+
+The head's log-probs themselves (every trainer, any loss): a training call on the Triton
+backend whose fp32 logits fit the budget (use_erpo_kernels' fused_budget_mb,
+ERPOConfig.fused_budget_mb) keeps them for its backward, which then forms the softmax
+gradient from them: 3 GEMMs instead of 4 (erpo.integrations.kept_logits);
+`head.forward_path` says which ran.
 """
 from __future__ import annotations
 
@@ -59,6 +65,8 @@ from erpo_kernels import (LossConfig, LossNormalizers, PackedLossBatch, check_ba
 from erpo_kernels.fused_linear_loss import rows_for_budget
 from erpo_kernels.objective.fused import fused_path_reason
 
+from .kept_logits import kept_linear_token_logprobs
+
 from ..erpo_settings import ERPOSettings
 from ..query_weights import QueryWeighter, effective_sample_size
 from ..ref_cache import (
@@ -80,9 +88,8 @@ TESTED_TRL = "1.16.0"
 IGNORE_INDEX = -100
 # The per-token outputs TRL's fused head can ask for that linear_token_logprobs computes.
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
-# ERPOTrainer's policy loss (ERPOConfig.policy_loss), by the path that forms it (ErpoKernelsHead.loss_path).
+# ERPOTrainer's policy loss (ERPOConfig.policy_loss) formed in the head's call (ErpoKernelsHead.loss_path).
 FUSED_PATH = "erpo_loss's fused path (3 GEMMs)"
-COMPOSED_PATH = "linear_token_logprobs + erpo_loss_from_logp (4 GEMMs)"
 
 # ----------------------------------------------------------------------------- the kernel switch
 
@@ -174,13 +181,16 @@ class ErpoKernelsHead:
         self.verbose = verbose
         self.calls = 0
         self.rows = 0
+        self.fused_budget = 1 << 30  # bytes of logits a training call may keep for its backward
+        self.forward_path: Optional[str] = None  # the last call's lm_head path (kept_logits.kept_linear_token_logprobs)
         self.loss_path: Optional[str] = None  # ERPOConfig.policy_loss: which path formed the last loss
         self.plan: Optional[_PromptPlan] = None
         self._tokens: List[contextvars.Token] = []
 
     def note_loss_path(self, reason: Optional[str]) -> None:
-        """Record (and, when verbose, print once per change) which path formed the policy loss."""
-        path = FUSED_PATH if reason is None else f"{COMPOSED_PATH} ({reason})"
+        """Record (and, when verbose, print once per change) which path formed the policy loss:
+        FUSED_PATH, or erpo_loss_from_logp on the head's log-probs (reason: why not fused)."""
+        path = FUSED_PATH if reason is None else f"erpo_loss_from_logp ({reason}) on {self.forward_path}"
         if path != self.loss_path and self.verbose:
             print(f"erpo: ERPOTrainer's policy loss runs {path}", file=sys.stderr)
         self.loss_path = path
@@ -272,14 +282,14 @@ class ErpoKernelsHead:
                 return zeros, zeros if "entropy" in outputs else None, None, None, None
         if plan is not None and plan.is_prompt_row is not None:
             inv_t = self._row_inv_temperature(plan, hidden.shape[0], 1.0 / float(temperature))
-        want_entropy = "entropy" in outputs
         with torch.autocast(dev.type, enabled=False):
-            out = linear_token_logprobs(
+            logp, entropy, path = kept_linear_token_logprobs(  # a training call keeps its logits when they fit
                 hidden, weight, targets, bias=bias, inv_temperature=inv_t, ignore_index=IGNORE_INDEX,
-                return_entropy=want_entropy, backend=self.backend,
+                backend=self.backend, fused_budget=self.fused_budget,
                 softcap=softcap, logit_scale=logit_scale,  # TRL's order: the scale, softcap * tanh(z / softcap), 1 / T
             )
-        logp, entropy = out if want_entropy else (out, None)
+        self.forward_path = path
+        entropy = entropy if "entropy" in outputs else None
         self.calls += 1
         self.rows += int(hidden.shape[0])
         return logp, entropy, None, None, None
@@ -338,12 +348,13 @@ class ErpoKernelsHead:
         return full.reshape(-1) if kept is None else full[kept]
 
 
-def _hook(model: torch.nn.Module, backend: str, verbose: bool) -> ErpoKernelsHead:
+def _hook(model: torch.nn.Module, backend: str, verbose: bool, fused_budget_mb: int) -> ErpoKernelsHead:
     head = getattr(model, "erpo_kernels", None)
     if isinstance(head, ErpoKernelsHead):
-        head.backend = backend
+        head.backend, head.fused_budget = backend, fused_budget_mb << 20
         return head
     head = ErpoKernelsHead(type(model).__name__, backend, verbose)
+    head.fused_budget = fused_budget_mb << 20
     model.register_forward_pre_hook(head._pre_hook, with_kwargs=True)
     model.register_forward_hook(head._post_hook, with_kwargs=True, always_call=True)
     model.erpo_kernels = head
@@ -353,7 +364,8 @@ def _hook(model: torch.nn.Module, backend: str, verbose: bool) -> ErpoKernelsHea
     return head
 
 
-def use_erpo_kernels(model_or_trainer: Any, *, backend: str = "auto", verbose: bool = True) -> ErpoKernelsHead:
+def use_erpo_kernels(model_or_trainer: Any, *, backend: str = "auto", verbose: bool = True,
+                     fused_budget_mb: int = 1024) -> ErpoKernelsHead:
     """Make TRL's fused LM head run erpo_kernels.linear_token_logprobs (log-probs and entropy).
 
     Args:
@@ -364,6 +376,10 @@ def use_erpo_kernels(model_or_trainer: Any, *, backend: str = "auto", verbose: b
         backend: linear_token_logprobs' backend: "auto" (Triton on CUDA, the chunked
             PyTorch reference elsewhere), "triton" or "torch".
         verbose: print one line per switched model to stderr.
+        fused_budget_mb: MiB of fp32 logits a training call (a gradient wanted, the Triton
+            backend) may keep for its backward, which then reuses them: 3 GEMMs of lm_head
+            work instead of 4 (erpo.integrations.kept_logits; head.forward_path says which
+            ran). 0: always recompute them.
     Returns:
         The policy model's ErpoKernelsHead (also `model.erpo_kernels`): `.calls` counts
         the fused-head calls our kernel served. A model's final_logit_softcapping and
@@ -372,18 +388,20 @@ def use_erpo_kernels(model_or_trainer: Any, *, backend: str = "auto", verbose: b
         ValueError at the first such call.
     """
     check_backend(backend)
+    if isinstance(fused_budget_mb, bool) or not isinstance(fused_budget_mb, int) or fused_budget_mb < 0:
+        raise ValueError(f"fused_budget_mb must be an int >= 0 (MiB; 0 = recompute the logits), got {fused_budget_mb!r}")
     _install_switch()
     if isinstance(model_or_trainer, torch.nn.Module):
-        return _hook(model_or_trainer, backend, verbose)
+        return _hook(model_or_trainer, backend, verbose, fused_budget_mb)
     model = getattr(model_or_trainer, "model", None)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model_or_trainer must be a torch model or a TRL trainer, got {type(model_or_trainer).__name__}")
     accelerator = getattr(model_or_trainer, "accelerator", None)
     verbose = verbose and (accelerator is None or accelerator.is_main_process)
-    head = _hook(model, backend, verbose)
+    head = _hook(model, backend, verbose, fused_budget_mb)
     ref_model = getattr(model_or_trainer, "ref_model", None)
     if isinstance(ref_model, torch.nn.Module):
-        _hook(ref_model, backend, verbose)
+        _hook(ref_model, backend, verbose, fused_budget_mb)
     return head
 
 
@@ -420,10 +438,10 @@ class ERPOConfig(GRPOConfig):
     loss_agg: str = field(default="token-mean", metadata={"help": "With policy_loss: its aggregation over the "
                           "generation batch (token-mean, seq-mean-token-mean, seq-mean-token-sum, "
                           "seq-mean-token-sum-norm with max_completion_length as the constant)."})
-    fused_budget_mb: int = field(default=1024, metadata={"help": "With policy_loss: MiB of fp32 logits erpo_loss "
-                                 "keeps per chunk of whole sequences on its fused path (3 GEMMs of lm_head work "
-                                 "instead of 4; a sequence longer than a chunk takes the 4-GEMM path); 0 = always "
-                                 "the 4-GEMM path."})
+    fused_budget_mb: int = field(default=1024, metadata={"help": "MiB of fp32 logits the lm_head work may keep: "
+                                 "with policy_loss, per chunk of whole sequences on erpo_loss's fused path; else "
+                                 "per fused-head call, kept for its backward (3 GEMMs of lm_head work instead of "
+                                 "4 either way; larger calls recompute the logits); 0 = always 4 GEMMs."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -484,7 +502,7 @@ class ERPOTrainer(GRPOTrainer):
         if self.args.policy_loss is not None and self.accelerator.num_processes > 1:
             raise ValueError("ERPOConfig.policy_loss runs on one process (its normalisers are a process's generation "
                              "batch, and TRL's groups can span processes): use TRL's loss_type (policy_loss=None)")
-        self.erpo_head = use_erpo_kernels(self, backend=self.args.erpo_backend)
+        self.erpo_head = use_erpo_kernels(self, backend=self.args.erpo_backend, fused_budget_mb=self.args.fused_budget_mb)
         self.ref_cache = self._reference_cache()
         self.query_weighter = QueryWeighter.from_config(self.args, self.ref_cache.score[self._train_rows])
 
@@ -586,6 +604,7 @@ class ERPOTrainer(GRPOTrainer):
         scored = inputs["query_scored"]  # [B]
         plan = _PromptPlan(prompt_len=int(inputs["prompt_ids"].shape[1]), scored=scored)
         self.erpo_head.plan = plan
+        self.erpo_head.fused_budget = self.args.fused_budget_mb << 20
         try:
             if self.args.policy_loss is None:
                 loss = super()._compute_loss(model, weighted)
