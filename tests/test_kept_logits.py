@@ -1,4 +1,4 @@
-"""erpo.integrations.kept_logits (verl's impl_backend=erpo forward): log-probs whose
+"""erpo_kernels.kept_logits (verl's impl_backend=erpo forward): log-probs whose
 backward reuses the forward's logits equal linear_token_logprobs' (forward and every
 gradient, fp32 within 1e-5), with a per-row temperature, bias, soft cap and logit scale;
 the lm_head work counted in the interpreter is one GEMM less; the calls it does not
@@ -6,7 +6,7 @@ serve are linear_token_logprobs and say why."""
 import pytest
 import torch
 
-from erpo.integrations.kept_logits import COMPOSED_PATH, KEPT_PATH, kept_linear_token_logprobs
+from erpo_kernels.kept_logits import COMPOSED_PATH, KEPT_PATH, kept_linear_token_logprobs
 from erpo_kernels import linear_token_logprobs
 
 N, D, V = 37, 24, 50

@@ -21,7 +21,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.kernels import ChunkedLogProbFunction  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
-from erpo.integrations.kept_logits import COMPOSED_PATH, KEPT_PATH  # noqa: E402
+from erpo_kernels.kept_logits import COMPOSED_PATH, KEPT_PATH  # noqa: E402
 from erpo.integrations.trl import ERPOConfig, ERPOTrainer, _PromptPlan, use_erpo_kernels  # noqa: E402
 from erpo.packing import forward_hidden, lm_head_of, pack  # noqa: E402
 from erpo.tiny import build_tokenizer  # noqa: E402

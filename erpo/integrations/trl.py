@@ -38,7 +38,7 @@ and the trainer runs erpo_loss_from_logp + the Query-KL on them;
 The head's log-probs themselves (every trainer, any loss): a training call on the Triton
 backend whose fp32 logits fit the budget (use_erpo_kernels' fused_budget_mb,
 ERPOConfig.fused_budget_mb) keeps them for its backward, which then forms the softmax
-gradient from them: 3 GEMMs instead of 4 (erpo.integrations.kept_logits);
+gradient from them: 3 GEMMs instead of 4 (erpo_kernels.kept_logits);
 `head.forward_path` says which ran.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ from erpo_kernels import (LossConfig, LossNormalizers, PackedLossBatch, check_ba
 from erpo_kernels.fused_linear_loss import rows_for_budget
 from erpo_kernels.objective.fused import fused_path_reason
 
-from .kept_logits import kept_linear_token_logprobs
+from erpo_kernels.kept_logits import kept_linear_token_logprobs
 
 from ..erpo_settings import ERPOSettings
 from ..query_weights import QueryWeighter, effective_sample_size
@@ -378,7 +378,7 @@ def use_erpo_kernels(model_or_trainer: Any, *, backend: str = "auto", verbose: b
         verbose: print one line per switched model to stderr.
         fused_budget_mb: MiB of fp32 logits a training call (a gradient wanted, the Triton
             backend) may keep for its backward, which then reuses them: 3 GEMMs of lm_head
-            work instead of 4 (erpo.integrations.kept_logits; head.forward_path says which
+            work instead of 4 (erpo_kernels.kept_logits; head.forward_path says which
             ran). 0: always recompute them.
     Returns:
         The policy model's ErpoKernelsHead (also `model.erpo_kernels`): `.calls` counts

@@ -24,7 +24,7 @@ What install() changes, and why it has to be a wrap (verl has no extension point
   model and `erpo_kernels.linear_token_logprobs` on (hidden, lm_head weight), tied or not,
   padded or packed (remove-padding), never forming [N, V] logits (a training forward on
   the Triton backend whose micro-batch's fp32 logits fit fused_kernel_options.fused_budget_mb
-  keeps them for its backward instead: 3 GEMMs, not 4; erpo.integrations.kept_logits); an FSDP2 DTensor
+  keeps them for its backward instead: 3 GEMMs, not 4; erpo_kernels.kept_logits); an FSDP2 DTensor
   lm_head weight is gathered with `erpo.distributed.gather_for_call` (its gradient is
   reduce-scattered into the shard). Prompt rows are scored at temperature 1, response
   rows at 1 / T: `FSDPEngineWithLMHead.prepare_model_inputs` is wrapped to pass the
@@ -79,7 +79,7 @@ import torch
 from erpo_kernels import check_backend, prompt_logp_sums, query_kl_value
 
 from ...distributed import gather_for_call
-from ..kept_logits import kept_linear_token_logprobs
+from erpo_kernels.kept_logits import kept_linear_token_logprobs
 from ...erpo_settings import ERPOSettings
 from ...packing import lm_head_options
 from ...query_weights import QueryWeighter
@@ -249,7 +249,7 @@ def forward_with_erpo_backend(
     erpo_fused_budget: bytes of logits the forward may keep for its backward (the engine
     wrap passes fused_kernel_options.fused_budget_mb): with a gradient wanted on the
     Triton backend and the micro-batch's N x V fp32 logits within it, the backward reuses
-    them (3 GEMMs, erpo.integrations.kept_logits), else it recomputes them (4 GEMMs);
+    them (3 GEMMs, erpo_kernels.kept_logits), else it recomputes them (4 GEMMs);
     `model._erpo_training_path` says which the last training forward ran (printed when
     it changes).
     Returns verl's CausalLMOutputForPPO with log_probs and entropy [B, L] fp32 (0 on

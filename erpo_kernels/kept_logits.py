@@ -23,10 +23,10 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from erpo_kernels import linear_token_logprobs
-from erpo_kernels._utils import check_targets, is_dtensor, resolve_kernel_backend
-from erpo_kernels.fused_linear_loss import LinearLogprobsChunks
-from erpo_kernels.logit_transform import LogitTransform
+from ._utils import check_targets, is_dtensor, resolve_kernel_backend
+from .fused_linear_loss import LinearLogprobsChunks
+from .linear_token_logprobs import linear_token_logprobs
+from .logit_transform import LogitTransform
 
 KEPT_PATH = "kept logits (3 GEMMs)"
 COMPOSED_PATH = "linear_token_logprobs (4 GEMMs)"
