@@ -48,7 +48,10 @@ class Subject:
     gpu_path: str = ""  # how the counted path is the peer's GPU path
     adjust: Optional[Callable[[List[cost.Launch]], List[cost.Launch]]] = None
     uses_d: bool = True
-    gemm_roles: bool = True  # time a PyTorch GEMM per output pattern (False: per op name, see cost_model.group_key)
+    # time a PyTorch GEMM per output pattern (False: per op name, see cost_model.group_key). Ours have
+    # no GEMM but the products (cuBLAS with Tiles.gemm_engine 1): one group, also where a counting
+    # shape's chunk of rows is as long as D (a pattern would then name it D, apart from the target's)
+    gemm_roles: bool = True
 
     def closures(self, shape: Shape) -> Tuple[Callable, Callable]:
         """(forward, backward) at `shape`: forward() -> logp (a loss: the scalar), backward(it)."""
@@ -460,7 +463,7 @@ SUBJECTS: List[Subject] = [
     Subject("erpo", LINEAR, "erpo_kernels.linear_token_logprobs (Triton)", _erpo_linear,
             _erpo_linear_plan,
             gpu_path="the sm_90 default tiles and their products engine (Tiles.gemm_engine; cuBLAS products "
-                     "counted as erpo-loss's)"),
+                     "counted as erpo-loss's)", gemm_roles=False),
     Subject("erpo-reference", LINEAR, "erpo_kernels.linear_token_logprobs, backend='torch' (the chunked "
             "PyTorch reference, fp32 compute)", _reference_linear,
             _reference_plan("LINEAR_CHUNK_ELEMENTS", "ref-linear")),
@@ -483,10 +486,10 @@ SUBJECTS: List[Subject] = [
             "path)", _loss._erpo_loss, _loss._erpo_loss_plan,
             gpu_path="the sm_90 default tiles and their products engine (Tiles.gemm_engine; 1 since 87f5527: cuBLAS, "
                      "the fp32-accumulating products as its CUDA branch runs them, addmm(out_dtype=float32) of the "
-                     "bf16 operands, computed on CPU by an equivalent)"),
+                     "bf16 operands, computed on CPU by an equivalent)", gemm_roles=False),
     Subject("erpo-loss-triton", LOSS, "erpo_kernels.erpo_loss as erpo-loss, the products on our Triton kernels "
             "(Tiles.gemm_engine 0: _ltl_bwd_gemm_kernel)", _loss._erpo_loss_triton, _loss._erpo_loss_plan,
-            gpu_path="the sm_90 default tiles with gemm_engine 0"),
+            gpu_path="the sm_90 default tiles with gemm_engine 0", gemm_roles=False),
     Subject("liger-grpo", LOSS, "Liger-Kernel LigerFusedLinearGRPOLoss (loss_type dapo, beta 0, one chunk per "
             "sequence: chunk_size 1)", _loss._liger_grpo, _loss._liger_grpo_plan,
             module="liger_kernel.chunked_loss", dist="liger-kernel", gemm_roles=False,
@@ -503,7 +506,7 @@ SUBJECTS: List[Subject] = [
     Subject("erpo", TOKEN, "erpo_kernels.token_logprobs (Triton)", _erpo_token, _erpo_token_plan,
             uses_d=False),
     *[Subject(f"erpo-support-{form}", op, f"{label} with support= as a {form} ({what})", call(form),
-              _support_plan(plan, form), module="erpo_kernels.support", uses_d=op == LINEAR)
+              _support_plan(plan, form), module="erpo_kernels.support", uses_d=op == LINEAR, gemm_roles=False)
       for form, what in zip(SUPPORT_FORMS, ("[N] fp32", "[N, ceil(V / 32)] int32"))
       for op, label, call, plan in ((LINEAR, "erpo_kernels.linear_token_logprobs (Triton)", _erpo_linear_support,
                                      _erpo_linear_plan),

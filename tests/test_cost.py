@@ -602,3 +602,18 @@ def test_our_subjects_count_their_products_engine_as_on_cuda(name):
     full = 2 * n * d * v  # one GEMM's work
     assert (sum(r.total_flops for r in gemms) >= 2 * full) == (engine == 1)  # the two products
     assert triton_flops >= (3 if engine == 0 else 1) * full
+
+
+def test_our_torch_products_are_one_group_whatever_a_chunk_of_rows_is_long():
+    """Our subjects' only torch GEMMs are the products: d_hidden's [rows, D] and d_weight's [C, D]
+    are one group, also at a counting shape whose chunk has D rows (a [D, D] output; by output
+    pattern that group would exist at no target and the fit would extrapolate two wrong groups)."""
+    from bench import cost_subjects as cs
+    from bench.cost_model import flatten
+
+    shape = (768, 256, 4480)
+    recs = [cost.Launch(name="aten.addmm", kind="torch", phase="forward", flops={"bf16": 1}, loaded=1, out_shape=out)
+            for out in ((256, 256), (512, 256), (4096, 256))]
+    for s in cs.SUBJECTS:
+        if s.name.startswith("erpo") and s.op in (cs.LINEAR, cs.LOSS) and "reference" not in s.name:
+            assert list(flatten(recs, shape, s.gemm_roles)) == ["torch/forward/aten.addmm"], s.name
