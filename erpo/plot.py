@@ -99,7 +99,12 @@ def plot_runs(run_dirs: Sequence[str], out_path: Optional[str] = None, labels: O
         panels = PANELS[:1]
     cols = 3 if len(panels) > 4 else 2
     nrows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 2.9 * nrows), squeeze=False)
+    # margins fixed in inches (room for the legend above, the titles and the tick labels) rather than
+    # fig.tight_layout, whose text layout is an extra draw of the figure: ~40% of a plot's time
+    width, height = 4.2 * cols, 2.9 * nrows
+    fig, axes = plt.subplots(nrows, cols, figsize=(width, height), squeeze=False,
+                             gridspec_kw=dict(left=0.5 / width, right=1 - 0.15 / width, bottom=0.45 / height,
+                                              top=1 - 0.55 / height, wspace=0.22, hspace=0.45))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, title) in zip(axes.flat, panels):
         for i, (label, rows) in enumerate(runs):
@@ -121,7 +126,6 @@ def plot_runs(run_dirs: Sequence[str], out_path: Optional[str] = None, labels: O
     handles, names = axes.flat[0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, names, loc="upper center", ncol=min(len(names), 4), fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.95 if handles else 1))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
