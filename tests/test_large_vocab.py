@@ -5,12 +5,13 @@ against float64. Odd N, few rows: the interpreter is slow.
 token_logprobs runs its default (GPU) launch shape: 19 / 32 forward and 38 / 64
 backward block steps per row. linear_token_logprobs runs wide vocabulary tiles
 (LARGE_V_TILES: 75 / 128 tiles of 2048 columns in chunks of 8, a partial last tile
-and chunk at 151,936; the backward's products in tiles of 1024 vocabulary columns, 128
-deep: 1024 deep made the interpreter mask 1024 x 1024 tiles of 3 rows):
+and chunk at 151,936; the backward's products in tiles of 2048 vocabulary columns, 8 to a
+chunk, the last one partial, 128 deep: 1024 deep made the interpreter mask 1024 x 1024 tiles of
+3 rows; 1024 wide took 11 s a case where 2048 takes 6.5):
 the default 128-column tiles take minutes per case in the interpreter; the loops
 over V, the chunks and their merge are the same code. LARGE_V_TILES are for the
-interpreter only: on a GPU they would not launch (gemm_v = gemm_k = 1024 needs 4 MB of
-shared memory per block; a 2048 x 16 fp32 weight tile is 128 KB per pipeline stage), so on a CUDA
+interpreter only: on a GPU they would not launch (a 2048 x 16 fp32 weight tile is 128 KB per
+pipeline stage, and the products' 2048 x 128 operand tiles 1 MB), so on a CUDA
 device the test runs the device's default tiles, which tests/test_tiles.py compiles and
 checks for every architecture.
 """
@@ -25,7 +26,7 @@ from erpo_kernels.linear_token_logprobs import Tiles
 
 VOCABS = [151_936, 262_144]
 LARGE_V_TILES = Tiles(  # the interpreter's only (see above)
-    block_n=16, block_v=2048, block_d=16, num_warps=4, split_tiles=8, gemm_n=16, gemm_v=1024, gemm_d=16, gemm_warps=4,
+    block_n=16, block_v=2048, block_d=16, num_warps=4, split_tiles=8, gemm_n=16, gemm_v=2048, gemm_d=16, gemm_warps=4,
     gemm_k=128,  # d_weight's K (the 2 scored rows) in one step, d_hidden's (a chunk's 16,384 columns) in 128
 )
 DTYPES = [torch.float32, torch.bfloat16]
