@@ -7,7 +7,9 @@ what the compiler made: the block's dynamic shared memory (`metadata.shared`), r
 the stack frame and local memory from `cuobjdump -res-usage` of the cubin Triton built
 with its own ptxas flags (register spills land in the stack frame: STACK > 0 is a spill,
 what `ptxas -v` reports as spill stores; LOCAL counts other local memory), the
-tensor-core and TMA instructions in the SASS, and the CTAs that fit on one SM.
+tensor-core and TMA instructions in the SASS (`nvdisasm -c -ndf` of the cubin's code: the
+instructions `cuobjdump -sass` lists, without their encodings, for ~30% less CPU: after
+Triton's own passes the largest part of a compile), and the CTAs that fit on one SM.
 `kernel_variants(op, dtype, tiles)` lists every kernel of an op at some tiles in the
 constexpr variants that change its code, and `problems(...)` says what breaks the rules
 of erpo_kernels.tiles (shared memory over the architecture's per-block limit, any stack
@@ -189,10 +191,11 @@ def compile_kernel(v: Variant, arch: int):
                           options={"num_warps": v.num_warps, "num_stages": v.num_stages})  # fmt: skip
 
 
-def _cuobjdump() -> str:
+def _cuobjdump(tool: str = "cuobjdump") -> str:
+    """The path of a CUDA binary tool Triton ships beside its ptxas (cuobjdump, nvdisasm)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    return str(Path(get_ptxas(90).path).parent / "cuobjdump")
+    return str(Path(get_ptxas(90).path).parent / tool)
 
 
 def ctas_per_sm(arch: int, shared: int, registers: int, threads: int) -> int:
@@ -212,7 +215,8 @@ def facts(op: str, dtype: str, v: Variant, arch: int, limit: int, want: str) -> 
         path = Path(tmp) / "k.cubin"
         path.write_bytes(k.asm["cubin"])
         res = subprocess.run([_cuobjdump(), "-res-usage", str(path)], capture_output=True, text=True, check=True)
-        sass = subprocess.run([_cuobjdump(), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([_cuobjdump("nvdisasm"), "-c", "-ndf", str(path)], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
     usage = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", res.stdout))
     ops = set(re.findall(r"\b([A-Z][A-Z0-9_]{2,})\b", sass))
     threads = 32 * v.num_warps
