@@ -47,8 +47,8 @@ OPS = ("linear_token_logprobs", "token_logprobs")
 
 # Arguments the JIT marks divisible by 16 at N x 4096 x 151,936 on contiguous operands.
 _DIVISIBLE = [a + "_ptr" for a in ("h", "w", "b", "dr", "dw", "db", "dh", "acc", "db_part", "targets", "inv_t",
-              "order", "shift", "log_l", "entropy", "g_logp", "g_entropy", "max", "sum", "target_logit", "logits",
-              "grad", "logp", "row_max", "log_norm")]  # fmt: skip
+              "order", "shift", "log_l", "entropy", "g_logp", "g_entropy", "max", "sum", "target_logit", "kept",
+              "logits", "grad", "logp", "row_max", "log_norm")]  # fmt: skip
 _DIVISIBLE += ["D", "V", "stride_hn", "stride_wv", "stride_dr", "v0", "chunk_cols", "v_per_split", "vocab",
                "stride_row", "stride_grad_row", "n_rows"]  # fmt: skip
 _UNIT = dict(stride_hd=1, stride_wd=1, stride_b=1)
@@ -109,10 +109,17 @@ def _support_flag(on: bool) -> int:
     return support.BITMASK if on else support.NO_SUPPORT
 
 
+def _threshold_flag(on: bool) -> int:
+    """The SUPPORT flag of a threshold support with the options on, else none."""
+    support = _module("support")
+    return support.THRESHOLD if on else support.NO_SUPPORT
+
+
 def _linear_variants(dtype: str, tiles) -> List[Variant]:
-    """The forward and recompute kernels with every optional feature (bias, soft cap, entropy, a bitmask support)
-    and with none (the union of the code and the plain call), the product kernel (one
-    specialization: its chunk position is a runtime value) and the merge."""
+    """The forward and recompute kernels with every optional feature (bias, soft cap, entropy, a support: the
+    forward's threshold, the kept-logit forward's and the recompute's bitmask) and with none (the union of the
+    code and the plain call), the product kernel (one specialization: its chunk position is a runtime value)
+    and the merge."""
     m = _module("linear_token_logprobs")
     fused = _module("fused_linear_loss")
     types = _types(dtype)
@@ -123,7 +130,9 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
         base = dict(flags, BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d, HAS_BIAS=on,
                     HAS_SOFTCAP=on, SUPPORT=_support_flag(False))  # fmt: skip
         tag = "bias+softcap+entropy" if on else "plain"
-        out.append(Variant(f"{tag}", m._ltl_fwd_kernel, types, dict(base, WANT_ENTROPY=on, KEEP_LOGITS=False),
+        # the op's forward (with the options on, a threshold support too)
+        out.append(Variant(f"threshold+{tag}" if on else tag, m._ltl_fwd_kernel, types,
+                           dict(base, WANT_ENTROPY=on, KEEP_LOGITS=False, SUPPORT=_threshold_flag(on)),
                            tiles.num_warps, tiles.num_stages, lowp))  # fmt: skip
         # erpo_loss's fused path: the forward that also stores the logits it kept (with the options on,
         # a bitmask support too)

@@ -53,7 +53,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from ._triton import interpreting, round_to, tl, triton
+from ._triton import interpreting, tl, triton
 from ._utils import device_guard, no_autocast
 from .linear_token_logprobs import (
     _cdiv,
@@ -65,6 +65,7 @@ from .linear_token_logprobs import (
     _rows_of,
     _softmax_grad,
     _split_vocab,
+    _store_dr,
     _tiles_of,
     _torch_chunk_products,
 )
@@ -123,35 +124,30 @@ def _fused_dr_kernel(
     pid = tl.program_id(0)
     n_vt = tl.cdiv(chunk_cols, BLOCK_V)
     rows = (pid // n_vt) * BLOCK_N + tl.arange(0, BLOCK_N)
-    local = (pid % n_vt) * BLOCK_V + tl.arange(0, BLOCK_V)
+    start = (pid % n_vt) * BLOCK_V  # the tile's first column in the chunk
+    local = tl.arange(0, BLOCK_V)
     row_mask, row_index, n_valid = _rows_of(rows, order_ptr, n_valid_ptr)
     if ZERO_PAD or tl.min(rows, axis=0) < n_valid:  # a tile of ignored rows: no work unless zeroed
-        col_mask = local < chunk_cols
-        cols = v0 + local
+        col_mask = local < chunk_cols - start
         tgt, inv_t, shift, log_l, entropy, g_logp, g_entropy = _load_row_stats(
             row_index, row_mask, targets_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr,
             g_entropy_ptr, HAS_ENTROPY_GRAD,
         )
         in_tile = row_mask[:, None] & col_mask[None, :]
-        s = tl.load(kept_ptr + rows.to(tl.int64)[:, None] * V + cols[None, :], mask=in_tile, other=float("-inf"))
+        s = tl.load(kept_ptr + (rows.to(tl.int64) * V + (v0 + start))[:, None] + local[None, :], mask=in_tile,
+                    other=float("-inf"))  # fmt: skip
         if HAS_SOFTCAP:  # s = -inf only outside a support (|z| < softcap): there p = 0 and the slope is unread
             t = tl.where(in_tile & (s > float("-inf")), s / (inv_t[:, None] * softcap), 0.0)
             cap_slope = 1.0 - t * t
         else:
             cap_slope = s  # unread
         dr = _softmax_grad(
-            s, cap_slope, row_mask, cols, tgt, shift, log_l, entropy, g_logp, g_entropy, inv_t, logit_scale,
-            HAS_ENTROPY_GRAD, HAS_SOFTCAP,
+            s, cap_slope, row_mask, local, tgt - (v0 + start), shift, log_l, entropy, g_logp, g_entropy, inv_t,
+            logit_scale, HAS_ENTROPY_GRAD, HAS_SOFTCAP,
         )
         dr = tl.where(in_tile, dr, 0.0)
-        store_rows = (rows < n_rows) if ZERO_PAD else row_mask
-        tl.store(
-            dr_ptr + rows.to(tl.int64)[:, None] * stride_dr + local[None, :],
-            round_to(dr, dr_ptr.dtype.element_ty, UPCAST),
-            mask=store_rows[:, None] & col_mask[None, :],
-        )
-        if WANT_DB:  # padded rows hold dr = 0
-            tl.store(db_part_ptr + (pid // n_vt).to(tl.int64) * stride_dr + local, tl.sum(dr, axis=0), mask=col_mask)
+        _store_dr(dr, rows, start, local, col_mask, row_mask, n_rows, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
+                  WANT_DB, ZERO_PAD, UPCAST)  # fmt: skip
 
 
 class LinearLogprobsChunks:

@@ -69,7 +69,7 @@ from ._utils import (
     resolve_kernel_backend,
 )
 from .logit_transform import LogitTransform
-from .support import apply_support, check_support
+from .support import apply_support_tile, check_support
 from .support import kernel_args as support_kernel_args
 from .tiles import Tiles, launch_tiles
 
@@ -103,37 +103,69 @@ def _load_rows(ptr, rows64, row_mask, stride_r, offs_d, d_mask, stride_d):
 
 
 @triton.jit
-def _scaled_logits(
-    h_ptr, w_ptr, b_ptr,
-    rows, row_mask, cols, col_mask, inv_t, D,
-    stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
-    softcap, softcap_pre,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    tgt, support_ptr, stride_support, support_offset, SUPPORT: tl.constexpr,
+def _logit_dots(
+    h_ptr, w_ptr, rows64, row_mask, c0, local, limit, D, stride_hn, stride_hd, stride_wv, stride_wd,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, BLOCK_D: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
-    """(s, cap_slope) for a [BLOCK_N, BLOCK_V] tile, fp32, -inf in padded columns:
-    r = hidden[rows] @ weight[cols].T + bias[cols], then with HAS_SOFTCAP
-    z = softcap tanh(r * softcap_pre) (softcap_pre = logit_scale / softcap) and
-    cap_slope = 1 - tanh^2 (else z = r and cap_slope an unread stand-in), and
-    s = z * inv_t[:, None]; with SUPPORT, s = -inf outside each row's support
-    (support.py: tgt [BLOCK_N] the rows' target columns, always kept; column j is token
-    support_offset + j)."""
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    """(acc0, acc1, acc2, acc3): hidden[rows] @ weight[cols].T of a logit tile's PARTS
+    (1, 2 or 4) column parts, part k the columns c0 + k PART + local (local = arange(PART);
+    those at local < limit - k PART real; the accumulators past PARTS unread stand-ins),
+    fp32, [BLOCK_N, PART] each, from one loop over D that loads each hidden tile once for
+    all the parts: the L2 traffic of one [BLOCK_N, PARTS x PART] tile, whose epilogue then
+    holds one part's temporaries at a time."""
+    acc0 = tl.zeros((BLOCK_N, PART), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, PART), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, PART), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, PART), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         d_mask = offs_d < D
         h = _load_rows(h_ptr, rows64, row_mask, stride_hn, offs_d, d_mask, stride_hd)  # [BLOCK_N, BLOCK_D]
-        wt = tl.load(
-            w_ptr + cols64[None, :] * stride_wv + offs_d[:, None] * stride_wd,
-            mask=col_mask[None, :] & d_mask[:, None],
-            other=0.0,
-        )  # [BLOCK_D, BLOCK_V], weight tile transposed
-        acc = _mm(h, wt, acc, IEEE, UPCAST)
+        acc0 = _mm(h, _load_weight_t(w_ptr, c0, local, limit, stride_wv, offs_d, d_mask, stride_wd), acc0, IEEE,
+                   UPCAST)  # fmt: skip
+        if PARTS >= 2:
+            wt = _load_weight_t(w_ptr, c0 + PART, local, limit - PART, stride_wv, offs_d, d_mask, stride_wd)
+            acc1 = _mm(h, wt, acc1, IEEE, UPCAST)
+        if PARTS >= 4:
+            wt = _load_weight_t(w_ptr, c0 + 2 * PART, local, limit - 2 * PART, stride_wv, offs_d, d_mask, stride_wd)
+            acc2 = _mm(h, wt, acc2, IEEE, UPCAST)
+            wt = _load_weight_t(w_ptr, c0 + 3 * PART, local, limit - 3 * PART, stride_wv, offs_d, d_mask, stride_wd)
+            acc3 = _mm(h, wt, acc3, IEEE, UPCAST)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _load_weight_t(w_ptr, c0, local, limit, stride_wv, offs_d, d_mask, stride_wd):
+    """weight[c0 + local, offs_d] transposed, a [BLOCK_D, len(local)] tile, 0 where masked
+    (local >= limit)."""
+    return tl.load(
+        w_ptr + (c0 + local).to(tl.int64)[None, :] * stride_wv + offs_d[:, None] * stride_wd,
+        mask=(local < limit)[None, :] & d_mask[:, None],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _scaled_logits(
+    acc, b_ptr, rows64, c0, local, limit, inv_t, stride_b, softcap, softcap_pre,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    tgt, support_ptr, stride_support, support_offset, SUPPORT: tl.constexpr,
+):
+    """(s, cap_slope) for a part of a logit tile, its rows and columns c0 + local (those at
+    local < limit real), fp32, -inf in padded columns, from acc = hidden[rows] @
+    weight[cols].T (`_logit_dots`): r = acc + bias[cols], then with HAS_SOFTCAP
+    z = softcap tanh(r * softcap_pre) (softcap_pre = logit_scale / softcap) and
+    cap_slope = 1 - tanh^2 (else z = r and cap_slope an unread stand-in), and
+    s = z * inv_t[:, None]; with SUPPORT, s = -inf outside each row's support
+    (support.py: tgt the rows' target columns, always kept; column j is token
+    support_offset + j). The forward and the backward's recompute both form their logits
+    here, from the same tiles: bit for bit the same s. Every per-column quantity is formed
+    from `local` and a per-part offset (one arange for all the parts of all the tiles,
+    not a set of column registers per part)."""
+    col_mask = local < limit
     if HAS_BIAS:
-        bias = tl.load(b_ptr + cols64 * stride_b, mask=col_mask, other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + (c0 + local).to(tl.int64) * stride_b, mask=col_mask, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
     if HAS_SOFTCAP:
         acc, cap_slope = soft_cap(acc, softcap, softcap_pre)
@@ -141,8 +173,8 @@ def _scaled_logits(
         cap_slope = acc
     s = acc * inv_t[:, None]
     if SUPPORT != 0:
-        s = apply_support(s, s, rows64[:, None], cols[None, :], col_mask[None, :], tgt[:, None], support_ptr,
-                          stride_support, support_offset, SUPPORT)
+        s = apply_support_tile(s, s, rows64, local, limit, tgt - c0, support_ptr, stride_support, support_offset + c0,
+                               SUPPORT, local.shape[0])  # fmt: skip
     return tl.where(col_mask[None, :], s, float("-inf")), cap_slope
 
 
@@ -169,6 +201,39 @@ def _rows_of(rows, order_ptr, n_valid_ptr):
     row_mask = rows < n_valid
     row_index = tl.load(order_ptr + rows, mask=row_mask, other=0)
     return row_mask, row_index.to(tl.int64), n_valid
+
+
+@triton.jit
+def _fwd_part(
+    acc, c0, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr, V, stride_b,
+    softcap, softcap_pre, support_ptr, stride_support, support_offset,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WANT_ENTROPY: tl.constexpr, KEEP_LOGITS: tl.constexpr,
+    SUPPORT: tl.constexpr,
+):
+    """The forward's online update (m, l, a, t) by one part of a logit tile (columns
+    c0 + local, those < v_end real; acc from `_logit_dots`), and with KEEP_LOGITS the
+    part's s stored."""
+    limit = v_end - c0
+    s, _ = _scaled_logits(acc, b_ptr, row_index, c0, local, limit, inv_t, stride_b, softcap, softcap_pre, HAS_BIAS,
+                          HAS_SOFTCAP, tgt, support_ptr, stride_support, support_offset, SUPPORT)  # fmt: skip
+    # tl.max / tl.maximum may drop a NaN logit (fmax); its NaN still reaches l via p below
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    # a row whose logits so far are all -inf keeps l = 0: shift by 0, not by -inf
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_use)
+    p = tl.exp(s - m_use[:, None])
+    if WANT_ENTROPY:
+        # where() before the product: no 0 * -inf (NaN) even in discarded lanes
+        shifted = tl.where(l > 0, m - m_use, 0.0) * l
+        ps = p * tl.where(p > 0, s - m_use[:, None], 0.0)
+        a = alpha * (a + shifted) + tl.sum(ps, axis=1)
+    l = alpha * l + tl.sum(p, axis=1)
+    t += tl.sum(tl.where(local[None, :] == (tgt - c0)[:, None], s, 0.0), axis=1)
+    if KEEP_LOGITS:  # the chunk's logits, kept for the fused loss's gradient (no recompute); stored after
+        # their last use here, so that the store's copy of s in its own layout is not live beside s
+        tl.store(kept_ptr + (rows.to(tl.int64) * V + c0)[:, None] + local[None, :], s,
+                 mask=row_mask[:, None] & (local < limit)[None, :])  # fmt: skip
+    return m_new, l, a, t
 
 
 @triton.jit
@@ -209,32 +274,38 @@ def _ltl_fwd_kernel(
     v_start = split * v_per_split
     v_end = tl.minimum(V, v_start + v_per_split)
     v_end = tl.where(tl.min(rows, axis=0) < n_valid, v_end, v_start)  # a tile of ignored rows: no work
+    # A tile is PARTS column parts of PART (`_logit_dots`: one loop over D for all), whose
+    # epilogue runs one part after the other: the online update per part.
+    PARTS: tl.constexpr = 4 if BLOCK_V >= 256 else (2 if BLOCK_V >= 128 else 1)  # parts of >= 64 columns
+    PART: tl.constexpr = BLOCK_V // PARTS
+    local = tl.arange(0, PART)
     for v0 in range(v_start, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_mask = cols < v_end
-        s, _ = _scaled_logits(
-            h_ptr, w_ptr, b_ptr, row_index, row_mask, cols, col_mask, inv_t, D,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, softcap, softcap_pre,
-            HAS_BIAS, HAS_SOFTCAP, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
-            tgt, support_ptr, stride_support, support_offset, SUPPORT,
+        acc0, acc1, acc2, acc3 = _logit_dots(
+            h_ptr, w_ptr, row_index, row_mask, v0, local, v_end - v0, D,
+            stride_hn, stride_hd, stride_wv, stride_wd, IEEE, UPCAST, BLOCK_N, PART, BLOCK_D, PARTS,
         )
-        if KEEP_LOGITS:  # the chunk's logits, kept for the fused loss's gradient (no recompute)
-            tl.store(kept_ptr + rows.to(tl.int64)[:, None] * V + cols[None, :], s,
-                     mask=row_mask[:, None] & col_mask[None, :])  # fmt: skip
-        # tl.max / tl.maximum may drop a NaN logit (fmax); its NaN still reaches l via p below
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        # a row whose logits so far are all -inf keeps l = 0: shift by 0, not by -inf
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_use)
-        p = tl.exp(s - m_use[:, None])
-        if WANT_ENTROPY:
-            # where() before the product: no 0 * -inf (NaN) even in discarded lanes
-            shifted = tl.where(l > 0, m - m_use, 0.0) * l
-            ps = p * tl.where(p > 0, s - m_use[:, None], 0.0)
-            a = alpha * (a + shifted) + tl.sum(ps, axis=1)
-        l = alpha * l + tl.sum(p, axis=1)
-        m = m_new
-        t += tl.sum(tl.where(cols[None, :] == tgt[:, None], s, 0.0), axis=1)
+        m, l, a, t = _fwd_part(
+            acc0, v0, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr, V, stride_b,
+            softcap, softcap_pre, support_ptr, stride_support, support_offset, HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY,
+            KEEP_LOGITS, SUPPORT,
+        )
+        if PARTS >= 2:
+            m, l, a, t = _fwd_part(
+                acc1, v0 + PART, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr, V,
+                stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset, HAS_BIAS, HAS_SOFTCAP,
+                WANT_ENTROPY, KEEP_LOGITS, SUPPORT,
+            )
+        if PARTS >= 4:
+            m, l, a, t = _fwd_part(
+                acc2, v0 + 2 * PART, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr,
+                V, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset, HAS_BIAS, HAS_SOFTCAP,
+                WANT_ENTROPY, KEEP_LOGITS, SUPPORT,
+            )
+            m, l, a, t = _fwd_part(
+                acc3, v0 + 3 * PART, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr,
+                V, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset, HAS_BIAS, HAS_SOFTCAP,
+                WANT_ENTROPY, KEEP_LOGITS, SUPPORT,
+            )
     out = split.to(tl.int64) * n_rows + rows
     tl.store(max_ptr + out, m, mask=row_mask)
     tl.store(sum_ptr + out, l, mask=row_mask)
@@ -319,7 +390,9 @@ def _softmax_grad(
 ):
     """dL/dr for a [BLOCK_N, BLOCK_V] tile of scaled logits s (formula above the kernels)
     with respect to the raw logits r = hidden @ weight.T + bias; lse = shift + log_l,
-    applied in two steps (see the module docstring)."""
+    applied in two steps (see the module docstring). cols [BLOCK_V] and tgt [BLOCK_N]: the
+    tile's columns and the rows' targets, counted from any common origin (the callers
+    pass offsets from the tile's first column)."""
     logp = (s - shift[:, None]) - log_l[:, None]
     p = tl.exp(logp)  # 0 in padded (-inf) columns
     coef = -g_logp[:, None] * p
@@ -377,34 +450,91 @@ def _ltl_bwd_dr_kernel(
     pid = tl.program_id(0)
     n_vt = tl.cdiv(chunk_cols, BLOCK_V)
     rows = (pid // n_vt) * BLOCK_N + tl.arange(0, BLOCK_N)
-    local = (pid % n_vt) * BLOCK_V + tl.arange(0, BLOCK_V)
+    # the forward's tiles and parts (see _ltl_fwd_kernel): dr formed and stored one part at a time
+    PARTS: tl.constexpr = 4 if BLOCK_V >= 256 else (2 if BLOCK_V >= 128 else 1)
+    PART: tl.constexpr = BLOCK_V // PARTS
+    start = (pid % n_vt) * BLOCK_V  # the tile's first column in the chunk
+    local = tl.arange(0, PART)
     row_mask, row_index, n_valid = _rows_of(rows, order_ptr, n_valid_ptr)
     if ZERO_PAD or tl.min(rows, axis=0) < n_valid:  # a tile of ignored rows: no work (unless zeroed)
-        col_mask = local < chunk_cols
-        cols = v0 + local
         tgt, inv_t, shift, log_l, entropy, g_logp, g_entropy = _load_row_stats(
             row_index, row_mask, targets_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr,
             g_entropy_ptr, HAS_ENTROPY_GRAD,
         )
-        s, cap_slope = _scaled_logits(
-            h_ptr, w_ptr, b_ptr, row_index, row_mask, cols, col_mask, inv_t, D,
-            stride_hn, stride_hd, stride_wv, stride_wd, stride_b, softcap, softcap_pre,
-            HAS_BIAS, HAS_SOFTCAP, IEEE, UPCAST, BLOCK_N, BLOCK_V, BLOCK_D,
-            tgt, support_ptr, stride_support, support_offset, SUPPORT,
+        acc0, acc1, acc2, acc3 = _logit_dots(
+            h_ptr, w_ptr, row_index, row_mask, v0 + start, local, chunk_cols - start, D,
+            stride_hn, stride_hd, stride_wv, stride_wd, IEEE, UPCAST, BLOCK_N, PART, BLOCK_D, PARTS,
         )
-        dr = _softmax_grad(
-            s, cap_slope, row_mask, cols, tgt, shift, log_l, entropy, g_logp, g_entropy, inv_t, logit_scale,
-            HAS_ENTROPY_GRAD, HAS_SOFTCAP,
+        _dr_part(
+            acc0, v0, start, local, chunk_cols, rows, row_mask, row_index, n_rows, tgt, inv_t, shift, log_l, entropy,
+            g_logp, g_entropy, b_ptr, stride_b, softcap, softcap_pre, logit_scale, support_ptr, stride_support,
+            support_offset, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
+            HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY_GRAD, WANT_DB, ZERO_PAD, UPCAST, SUPPORT,
         )
-        # UPCAST (bf16 under the interpreter) is exactly when round_to must round by hand
-        store_rows = (rows < n_rows) if ZERO_PAD else row_mask
-        tl.store(
-            dr_ptr + rows.to(tl.int64)[:, None] * stride_dr + local[None, :],
-            round_to(dr, dr_ptr.dtype.element_ty, UPCAST),
-            mask=store_rows[:, None] & col_mask[None, :],
-        )
-        if WANT_DB:  # padded rows hold dr = 0
-            tl.store(db_part_ptr + (pid // n_vt).to(tl.int64) * stride_dr + local, tl.sum(dr, axis=0), mask=col_mask)
+        if PARTS >= 2:
+            _dr_part(
+                acc1, v0, start + PART, local, chunk_cols, rows, row_mask, row_index, n_rows, tgt, inv_t, shift,
+                log_l, entropy, g_logp, g_entropy, b_ptr, stride_b, softcap, softcap_pre, logit_scale, support_ptr,
+                stride_support, support_offset, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
+                HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY_GRAD, WANT_DB, ZERO_PAD, UPCAST, SUPPORT,
+            )
+        if PARTS >= 4:
+            _dr_part(
+                acc2, v0, start + 2 * PART, local, chunk_cols, rows, row_mask, row_index, n_rows, tgt, inv_t, shift,
+                log_l, entropy, g_logp, g_entropy, b_ptr, stride_b, softcap, softcap_pre, logit_scale, support_ptr,
+                stride_support, support_offset, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
+                HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY_GRAD, WANT_DB, ZERO_PAD, UPCAST, SUPPORT,
+            )
+            _dr_part(
+                acc3, v0, start + 3 * PART, local, chunk_cols, rows, row_mask, row_index, n_rows, tgt, inv_t, shift,
+                log_l, entropy, g_logp, g_entropy, b_ptr, stride_b, softcap, softcap_pre, logit_scale, support_ptr,
+                stride_support, support_offset, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
+                HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY_GRAD, WANT_DB, ZERO_PAD, UPCAST, SUPPORT,
+            )
+
+
+@triton.jit
+def _dr_part(
+    acc, v0, start, local, chunk_cols, rows, row_mask, row_index, n_rows, tgt, inv_t, shift, log_l, entropy, g_logp,
+    g_entropy, b_ptr, stride_b, softcap, softcap_pre, logit_scale, support_ptr, stride_support, support_offset,
+    dr_ptr, stride_dr, db_part_ptr, row_tile,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, WANT_DB: tl.constexpr,
+    ZERO_PAD: tl.constexpr, UPCAST: tl.constexpr, SUPPORT: tl.constexpr,
+):
+    """The recompute's dr of one part of a logit tile: chunk columns start + local (those
+    < chunk_cols real), acc from `_logit_dots`, the rows' values from `_load_row_stats`;
+    stored by `_store_dr`."""
+    limit = chunk_cols - start
+    s, cap_slope = _scaled_logits(acc, b_ptr, row_index, v0 + start, local, limit, inv_t, stride_b, softcap,
+                                  softcap_pre, HAS_BIAS, HAS_SOFTCAP, tgt, support_ptr, stride_support,
+                                  support_offset, SUPPORT)  # fmt: skip
+    dr = _softmax_grad(
+        s, cap_slope, row_mask, local, tgt - (v0 + start), shift, log_l, entropy, g_logp, g_entropy, inv_t,
+        logit_scale, HAS_ENTROPY_GRAD, HAS_SOFTCAP,
+    )
+    _store_dr(dr, rows, start, local, local < limit, row_mask, n_rows, dr_ptr, stride_dr, db_part_ptr, row_tile,
+              WANT_DB, ZERO_PAD, UPCAST)  # fmt: skip
+
+
+@triton.jit
+def _store_dr(
+    dr, rows, start, local, col_mask, row_mask, n_rows, dr_ptr, stride_dr, db_part_ptr, row_tile,
+    WANT_DB: tl.constexpr, ZERO_PAD: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dr of workspace columns start + local (0 in padded rows and columns; col_mask: the
+    real ones) into the workspace, rounded to its dtype (rows < n_rows with ZERO_PAD, the
+    valid ones otherwise), and with WANT_DB its column sums before rounding into row tile
+    `row_tile` of db_part. The one tail of both dr kernels (this file's recompute and
+    fused_linear_loss.py's, from the kept logits)."""
+    # UPCAST (bf16 under the interpreter) is exactly when round_to must round by hand
+    store_rows = (rows < n_rows) if ZERO_PAD else row_mask
+    tl.store(
+        dr_ptr + (rows.to(tl.int64) * stride_dr + start)[:, None] + local[None, :],
+        round_to(dr, dr_ptr.dtype.element_ty, UPCAST),
+        mask=store_rows[:, None] & col_mask[None, :],
+    )
+    if WANT_DB:  # padded rows hold dr = 0
+        tl.store(db_part_ptr + (row_tile.to(tl.int64) * stride_dr + start) + local, tl.sum(dr, axis=0), mask=col_mask)
 
 
 @triton.jit

@@ -172,7 +172,47 @@ def apply_support(
     if SUPPORT == 2:
         token = (cols + support_offset).to(tl.int32)
         word = tl.load(support_ptr + row_index * stride_support + (token >> 5), mask=col_mask, other=-1)
-        x = tl.where((((word >> (token & 31)) & 1) == 0) & (cols != tgt), float("-inf"), x)
+        x = _drop_clear_bits(x, word, token & 31, cols != tgt)
+    return x
+
+
+@triton.jit
+def _drop_clear_bits(x, word, bit, droppable):
+    """x with -inf where bit `bit` of `word` is 0 and `droppable` (not the target): the bitmask's test."""
+    return tl.where((((word >> bit) & 1) == 0) & droppable, float("-inf"), x)
+
+
+@triton.jit
+def apply_support_tile(
+    x, s, rows64, local, limit, tgt, support_ptr, stride_support, token0, SUPPORT: tl.constexpr, COLS: tl.constexpr,
+):
+    """apply_support for a [rows, COLS] tile (the linear op's logit tiles): column j is
+    token token0 + local[j] (local = arange(COLS), those at local < limit real), rows64
+    [rows] the support's rows (int64, in bounds), tgt [rows] the targets counted from
+    token0's column (always kept). The same mask; a bitmask's words are read as
+    ceil(COLS / 32) + 1 loads per row (the words the tile's columns can straddle,
+    aligned with the tile's columns), not one load per element: no [rows, COLS] tile of
+    addresses."""
+    if SUPPORT == 1:
+        x = apply_support(x, s, rows64[:, None], local[None, :], (local < limit)[None, :], tgt[:, None], support_ptr,
+                          stride_support, token0, SUPPORT)  # fmt: skip
+    if SUPPORT == 2:
+        # the words holding the tile's bits: NW loads per row, shifted by m = token0 mod 32 into
+        # COLS / 32 words aligned with the tile (word k: columns 32 k ... 32 k + 31)
+        first = token0 >> 5
+        last = (token0 + limit - 1) >> 5  # the last word holding a real column
+        m = token0 & 31
+        row_words = support_ptr + rows64 * stride_support + first
+        at = rows64 * 0 + first  # the word index, per row (a tensor mask)
+        lo = tl.load(row_words, mask=at <= last, other=-1).to(tl.uint32, bitcast=True)
+        word = tl.zeros(x.shape, tl.uint32)
+        for k in tl.static_range(0, (COLS + 31) // 32):
+            hi = tl.load(row_words + (k + 1), mask=at + (k + 1) <= last, other=-1)
+            hi = hi.to(tl.uint32, bitcast=True)
+            aligned = tl.where(m == 0, lo, (lo >> m) | (hi << (32 - m)))  # m = 0: no shift by 32
+            word = tl.where(((local >> 5) == k)[None, :], aligned[:, None], word)
+            lo = hi
+        x = _drop_clear_bits(x, word, (local & 31)[None, :], local[None, :] != tgt[:, None])
     return x
 
 

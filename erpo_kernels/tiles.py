@@ -2,7 +2,7 @@
 
 `default_tiles(op, dtype, capability)` is what each op launches with on a device of that
 compute capability (`tiles=` overrides it): tiles that fit the architecture's shared memory
-per block, spill no register (two open exceptions: see above _SMALL) and put the dots on its
+per block, spill no register (one open exception: see above _SMALL) and put the dots on its
 tensor cores (mma.sync on sm_80 / 86 / 89 / 120, wgmma on sm_90, tcgen05 on sm_100),
 checked for every kernel by compiling it ahead of time (`python -m bench aot`,
 tests/test_tiles.py). An architecture not in the table gets the most conservative tiles
@@ -136,30 +136,34 @@ TENSOR_CORE_INSTRUCTION: Dict[Capability, str] = {
 }
 
 # Every default below compiles with no register spill (STACK 0 in `cuobjdump -res-usage`)
-# for every kernel of both ops in every variant (python -m bench aot, tests/test_tiles.py),
-# but two open defects the test names: the forward storing erpo_loss's kept logits
-# (KEEP_LOGITS) and the linear op's forward and recompute under a bitmask support spill.
+# for every kernel of both ops in every variant, erpo_loss's kept-logit forward and the
+# bitmask support included (python -m bench aot, tests/test_tiles.py), but one open defect
+# the test names: sm_120's kept-logit forward with every option and a bitmask (24 B, bf16 / fp16). The logit kernels
+# form a tile of block_v >= 128 columns as parts of 64 or more (two, or four from 256) from
+# one loop over D and run the epilogue part after part (linear_token_logprobs._logit_dots):
+# the L2 traffic of the whole tile, the epilogue's temporaries of one part.
 #
 # The 99 KB parts (sm_86 / 89 / 120: A10, A40, L4, L40S, RTX 30xx-50xx), also what an
 # unknown architecture and the interpreter get: 64 x 128 logit tiles, 128 x 128 product
 # tiles, 32 deep, 3 stages (48 KB in the products, 24 KB in the logit kernels).
 _SMALL = Tiles()
-# fp32 runs FMA dots (input_precision="ieee", no tensor cores): small tiles on 4 warps
-# (on 8 the logit kernels ran at 128 registers and spilled 8-24 B on sm_100 / sm_120).
-_FP32 = Tiles(block_v=64, block_d=16, num_warps=4, gemm_n=64, gemm_v=64, gemm_d=64, gemm_k=16)
-# sm_90 the other way round: 8 warps spill nothing there, 4 spilled 16 B in the forward.
-_FP32_SM90 = replace(_FP32, num_warps=8)
+# sm_120 the same in 2 stages: in 3 the kept-logit forward with a bitmask support spilled 48 B
+# (in 2: 24 B; 16 deep 16 B; on 4 warps 120 B; 64 x 256 96-192 B in every variant).
+_SM120 = replace(_SMALL, num_stages=2)
+# fp32 runs FMA dots (input_precision="ieee", no tensor cores): 32 x 64 tiles on 4 warps,
+# 16 deep, on every architecture (at 64 x 64 on 4 warps the forwards spilled 8-32 B on
+# sm_80-120, on 8 warps ptxas held them at 128 registers and spilled 8-16 B).
+_FP32 = Tiles(block_n=32, block_v=64, block_d=16, num_warps=4, gemm_n=64, gemm_v=64, gemm_d=64, gemm_k=16)
 # A100 (163 KB): 128 x 128 product tiles, 32 deep. The logit kernels keep the 99 KB parts'
-# 64 x 128 tiles (43 FLOP per L2 byte): at 128 x 128 the backward's recompute with a soft
-# cap and the entropy spilled 456 B on 8 warps and 80-152 B on 16, the forward 48 B.
-_SM80 = _SMALL
+# 64 x 128 tiles (43 FLOP per L2 byte), 16 deep in 4 stages: at 32 deep the kept-logit
+# forward with a bitmask support spilled 8-32 B in 2-4 stages (and at 128 x 128 8 B).
+_SM80 = replace(_SMALL, block_d=16, num_stages=4)
 # Hopper (227 KB, 9 TB/s of L2 against ~1 PFLOP/s): 128 x 128 tiles for the logits and the
-# products, 64 deep, 8 warps (2 warpgroups of 64 x 128 wgmma), 3 stages: 96 KB of shared
-# memory, 64 FLOP per byte through the L2. 128 x 256 tiles (85 FLOP per byte) spill on
-# Hopper whatever the depth, stages or warps: 16 warps cap a thread at 128 registers, and
-# the logit epilogue (scaled logits, their exponentials, the entropy terms) and the products'
-# read-add-write of d_hidden need more (280 B forward, 120 B recompute, 280 B products);
-# 8 warps hold 128 accumulators a thread and spill more. The chunk is 4096 columns (32 tiles of 128).
+# products, 64 deep, 8 warps (2 warpgroups of 64 x 64 wgmma per logit part), 3 stages: 96 KB
+# of shared memory, 64 FLOP per byte through the L2. 128 x 256 logit tiles (85 FLOP per
+# byte, four parts) still spill 8-64 B on 8 warps (128 accumulators a thread beside the
+# epilogue's) and 24-192 B on 16 (128 registers a thread), the products' read-add-write of
+# d_hidden 280 B. The chunk is 4096 columns (32 tiles of 128).
 # erpo_loss's fused-path products run on cuBLAS (gemm_engine 1): the L2-charged model
 # (bench/cost_model.py) counts a cuBLAS GEMM at 85.3 FLOP per L2 byte against 64 for our
 # spill-free 128 x 128 Triton product tiles, and Hopper's products are L2-bound at either
@@ -169,17 +173,17 @@ _SM80 = _SMALL
 _SM90 = Tiles(block_n=128, block_v=128, block_d=64, num_warps=8, split_tiles=32,
               gemm_n=128, gemm_v=128, gemm_d=128, gemm_k=64, gemm_warps=8, gemm_engine=1)  # fmt: skip
 # Blackwell's tcgen05 (accumulators in tensor memory) takes 4 or 8 warps in Triton: with 16
-# the dots fall back to mma.sync. The logit tiles are Hopper's 128 x 128 (at 128 x 256 the
-# forward spilled 576-912 B at 255 registers); the products keep 128 x 256 tiles (85 FLOP
-# per L2 byte), their d_hidden summed in two column halves (_dhidden_tile): 144 KB of shared memory.
+# the dots fall back to mma.sync. The logit tiles are Hopper's 128 x 128; the products keep
+# 128 x 256 tiles (85 FLOP per L2 byte), their d_hidden summed in two column halves
+# (_dhidden_tile): 144 KB of shared memory.
 _SM100 = replace(_SM90, gemm_d=256, gemm_engine=0)
 _LINEAR: Dict[Capability, Dict[str, Tiles]] = {
     (8, 0): {"lowp": _SM80, "fp32": _FP32},
     (8, 6): {"lowp": _SMALL, "fp32": _FP32},
     (8, 9): {"lowp": _SMALL, "fp32": _FP32},
-    (9, 0): {"lowp": _SM90, "fp32": _FP32_SM90},
+    (9, 0): {"lowp": _SM90, "fp32": _FP32},
     (10, 0): {"lowp": _SM100, "fp32": _FP32},
-    (12, 0): {"lowp": _SMALL, "fp32": _FP32},
+    (12, 0): {"lowp": _SM120, "fp32": _FP32},
 }
 CONSERVATIVE: Dict[str, Tiles] = {"lowp": _SMALL, "fp32": _FP32}
 _ROW_SM90 = RowTiles(fwd_values_per_thread=32)
