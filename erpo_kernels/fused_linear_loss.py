@@ -54,7 +54,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from ._triton import interpreting, tl, triton
-from ._utils import device_guard, no_autocast
+from ._utils import device_guard, is_dtensor, no_autocast, resolve_kernel_backend
 from .linear_token_logprobs import (
     _cdiv,
     _checked_operands,
@@ -88,6 +88,25 @@ def dr_block_v(tiles: Tiles) -> int:
     """The vocabulary width of `_fused_dr_kernel`'s tile for these tiles (a power of two
     dividing the chunk): DR_TILE // block_n columns, within [16, block_v]."""
     return max(16, min(tiles.block_v, DR_TILE // tiles.block_n))
+
+
+def kept_logits_refusal(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], backend: str,
+                        fused_budget: int) -> Optional[str]:
+    """None when LinearLogprobsChunks can serve these arguments (the gradient from kept
+    logits), else why not: no budget, torch.compile, no gradient wanted, a DTensor, the
+    torch backend. Its callers (erpo_loss's fused path, kept_logits) add their own
+    conditions. Reads no tensor value."""
+    if fused_budget <= 0:
+        return "fused_budget=0"
+    if torch.compiler.is_compiling():
+        return "torch.compile"
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        return "no gradient wanted (the forward alone: 1 GEMM)"
+    if is_dtensor(weight) or is_dtensor(bias) or is_dtensor(hidden):
+        return "a DTensor (vocabulary-parallel) weight"
+    if resolve_kernel_backend(backend, {"hidden": hidden, "weight": weight}) != "triton":
+        return "the torch backend"
+    return None
 
 
 def rows_for_budget(budget: int, vocab: int) -> int:
@@ -283,4 +302,4 @@ class LinearLogprobsChunks:
         return tuple(out)  # type: ignore[return-value]
 
 
-__all__ = ["DEFAULT_FUSED_BUDGET", "LinearLogprobsChunks", "rows_for_budget"]
+__all__ = ["DEFAULT_FUSED_BUDGET", "LinearLogprobsChunks", "kept_logits_refusal", "rows_for_budget"]

@@ -23,8 +23,8 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from ._utils import check_targets, is_dtensor, resolve_kernel_backend
-from .fused_linear_loss import LinearLogprobsChunks
+from ._utils import check_targets
+from .fused_linear_loss import LinearLogprobsChunks, kept_logits_refusal
 from .linear_token_logprobs import linear_token_logprobs
 from .logit_transform import LogitTransform
 
@@ -36,16 +36,9 @@ def kept_logits_reason(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
                        fused_budget: int) -> Optional[str]:
     """None when kept_linear_token_logprobs keeps the logits for these arguments, else why
     it calls linear_token_logprobs (module docstring). Reads no tensor value."""
-    if fused_budget <= 0:
-        return "fused_budget=0"
-    if torch.compiler.is_compiling():
-        return "torch.compile"
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        return "no gradient wanted (the forward alone: 1 GEMM)"
-    if is_dtensor(weight) or is_dtensor(bias) or is_dtensor(hidden):
-        return "a DTensor (vocabulary-parallel) weight"
-    if resolve_kernel_backend(backend, {"hidden": hidden, "weight": weight}) != "triton":
-        return "the torch backend"
+    reason = kept_logits_refusal(hidden, weight, bias, backend, fused_budget)
+    if reason is not None:
+        return reason
     kept = 4 * hidden.shape[0] * weight.shape[0]
     if kept > fused_budget:
         return f"the call's {hidden.shape[0]} rows keep {kept >> 20} MiB of logits, over the {fused_budget >> 20} MiB budget"

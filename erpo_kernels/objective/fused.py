@@ -43,8 +43,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._utils import is_dtensor, resolve_kernel_backend
-from ..fused_linear_loss import DEFAULT_FUSED_BUDGET, LinearLogprobsChunks, rows_for_budget
+from ..fused_linear_loss import DEFAULT_FUSED_BUDGET, LinearLogprobsChunks, kept_logits_refusal, rows_for_budget
 from ..tiles import Tiles
 from .batch import LossNormalizers, PackedLossBatch
 from .config import LossConfig
@@ -70,16 +69,9 @@ def fused_path_reason(
 ) -> Optional[str]:
     """None when erpo_loss takes the fused path for these arguments, else why it does not
     (module docstring). Reads no tensor value."""
-    if fused_budget == 0:
-        return "fused_budget=0"
-    if torch.compiler.is_compiling():
-        return "torch.compile"
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        return "no gradient wanted (the forward alone: 1 GEMM)"
-    if is_dtensor(weight) or is_dtensor(bias) or is_dtensor(hidden):
-        return "a DTensor (vocabulary-parallel) weight"
-    if resolve_kernel_backend(backend, {"hidden": hidden, "weight": weight}) != "triton":
-        return "the torch backend"
+    reason = kept_logits_refusal(hidden, weight, bias, backend, fused_budget)
+    if reason is not None:
+        return reason
     if is_batch_wide(config.policy_loss):
         return f"policy_loss={config.policy_loss!r} is batch-wide"
     if config.top_entropy_quantile < 1 and (normalizers is None or normalizers.entropy_threshold is None):
