@@ -2,7 +2,7 @@
 
 `default_tiles(op, dtype, capability)` is what each op launches with on a device of that
 compute capability (`tiles=` overrides it): tiles that fit the architecture's shared memory
-per block, spill no register (one open exception: see above _SMALL) and put the dots on its
+per block, spill no register and put the dots on its
 tensor cores (mma.sync on sm_80 / 86 / 89 / 120, wgmma on sm_90, tcgen05 on sm_100),
 checked for every kernel by compiling it ahead of time (`python -m bench aot`,
 tests/test_tiles.py). An architecture not in the table gets the most conservative tiles
@@ -137,8 +137,7 @@ TENSOR_CORE_INSTRUCTION: Dict[Capability, str] = {
 
 # Every default below compiles with no register spill (STACK 0 in `cuobjdump -res-usage`)
 # for every kernel of both ops in every variant, erpo_loss's kept-logit forward and the
-# bitmask support included (python -m bench aot, tests/test_tiles.py), but one open defect
-# the test names: sm_120's kept-logit forward with every option and a bitmask (24 B, bf16 / fp16). The logit kernels
+# bitmask support included (python -m bench aot, tests/test_tiles.py). The logit kernels
 # form a tile of block_v >= 128 columns as parts of 64 or more (two, or four from 256) from
 # one loop over D and run the epilogue part after part (linear_token_logprobs._logit_dots):
 # the L2 traffic of the whole tile, the epilogue's temporaries of one part.
@@ -147,9 +146,11 @@ TENSOR_CORE_INSTRUCTION: Dict[Capability, str] = {
 # unknown architecture and the interpreter get: 64 x 128 logit tiles, 128 x 128 product
 # tiles, 32 deep, 3 stages (48 KB in the products, 24 KB in the logit kernels).
 _SMALL = Tiles()
-# sm_120 the same in 2 stages: in 3 the kept-logit forward with a bitmask support spilled 48 B
-# (in 2: 24 B; 16 deep 16 B; on 4 warps 120 B; 64 x 256 96-192 B in every variant).
-_SM120 = replace(_SMALL, num_stages=2)
+# sm_120: 64 x 64 logit tiles (one part; 32 FLOP per L2 byte against 43 at 64 x 128) in 2
+# stages: at 64 x 128 the kept-logit forward with every option and a bitmask spilled 48 B in 3
+# stages, 24 B in 2 (16 deep 16 B; on 4 warps 120 B; 64 x 256 96-192 B in every variant);
+# 32 x 128 (26 FLOP per byte) also spills nothing. The chunk is 2048 columns (32 tiles of 64).
+_SM120 = replace(_SMALL, block_v=64, num_stages=2)
 # fp32 runs FMA dots (input_precision="ieee", no tensor cores): 32 x 64 tiles on 4 warps,
 # 16 deep, on every architecture (at 64 x 64 on 4 warps the forwards spilled 8-32 B on
 # sm_80-120, on 8 warps ptxas held them at 128 registers and spilled 8-16 B).
@@ -162,7 +163,8 @@ _SM80 = replace(_SMALL, block_d=16, num_stages=4)
 # products, 64 deep, 8 warps (2 warpgroups of 64 x 64 wgmma per logit part), 3 stages: 96 KB
 # of shared memory, 64 FLOP per byte through the L2. 128 x 256 logit tiles (85 FLOP per
 # byte, four parts) still spill 8-64 B on 8 warps (128 accumulators a thread beside the
-# epilogue's) and 24-192 B on 16 (128 registers a thread), the products' read-add-write of
+# epilogue's) and 24-192 B on 16 (128 registers a thread); 256 x 128 (two parts) 8-424 B in bf16
+# (the kept-logit forward 424, the recompute 80-112); the products' read-add-write of
 # d_hidden 280 B. The chunk is 4096 columns (32 tiles of 128).
 # erpo_loss's fused-path products run on cuBLAS (gemm_engine 1): the L2-charged model
 # (bench/cost_model.py) counts a cuBLAS GEMM at 85.3 FLOP per L2 byte against 64 for our

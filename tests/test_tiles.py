@@ -153,19 +153,11 @@ def test_every_kernel_compiles_for_every_architecture_within_its_limits():
             assert got | {"_ltl_merge_kernel"} == kernels, (arch, dtype, got)  # the merge: fp32 statistics only
         assert any(r["kernel"] == "_ltl_merge_kernel" for r in rows if r["arch"] == arch)
     # Every kernel within the rules, STACK 0 included (a spill): erpo_loss's kept-logit forward
-    # ("kept+" variants) and the bitmask support ("support+") too, but one named open defect:
-    # sm_120's kept-logit forward with every option and a bitmask, bf16 / fp16, spills 24 B
-    # (2026-12-02; no tile found that spills nothing there). Bounded, and checked to still spill,
-    # so that a fix shows here as this exemption failing.
+    # ("kept+" variants) and the bitmask support ("support+") too, on every architecture
     assert any(r["variant"].startswith("kept+support+") for r in rows)
     assert any(r["variant"].startswith("support+") for r in rows)
-    open_defect = [r for r in rows if (r["kernel"], r["variant"], r["arch"]) == (
-        "_ltl_fwd_kernel", "kept+support+bias+softcap+entropy", 120) and r["dtype"] != "fp32"]
-    assert len(open_defect) == 2 and any(r["stack"] for r in open_defect), "drop sm_120's kept+support exemption"
-    assert all(r["stack"] <= 24 and r["problems"] == [f"{r['stack']} B of stack frame (register spills)"]
-               or not r["problems"] for r in open_defect), open_defect
     assert {r["problems"] and (r["kernel"], r["variant"], r["dtype"], r["arch"], *r["problems"]) or None
-            for r in rows if r not in open_defect} == {None}
+            for r in rows} == {None}
     # what the checks rest on: bf16 dots on each architecture's instruction, fp32 on FMA
     for r in rows:
         if r["has_dots"] and r["dtype"] == "bf16":
