@@ -366,7 +366,7 @@ def test_trainer_runs_with_the_vllm_engine(served, tmp_path):
     fake.LLM.hf_model = trainer.model
     engine = make_vllm_engine()
     trainer.engine = engine
-    trainer.train()
+    trainer.train(plot=False)
     kinds = [c[0] for c in engine.llm.calls if c[0] != "load_weight"]
     assert kinds == ["generate", "sleep", "wake_up", "apply_model"] * 1 + ["wake_up", "generate", "sleep",
                                                                              "wake_up", "apply_model"]
@@ -426,7 +426,7 @@ def run_two_steps(tmp_path, engine_cls=None, **overrides):
     if engine_cls is not None:
         e = trainer.engine
         trainer.engine = engine_cls(e.model, e.pad_token_id, e.eos_token_ids)
-    trainer.train()
+    trainer.train(plot=False)
     return read_metrics(cfg.run_dir)
 
 

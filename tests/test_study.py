@@ -1,5 +1,6 @@
 """`erpo study` (erpo/study.py, erpo/study_report.py): the study config's checks; the tiny study
-of configs/study-tiny.yaml end to end (two processes at a time); a study killed halfway
+of configs/study-tiny.yaml end to end (in this process; part of it two processes at a time,
+with the same numbers); a study killed halfway
 that resumes without redoing what was finished and ends with the same numbers; a rerun
 with other settings refused; the findings' rule on made-up curves."""
 import json
@@ -114,9 +115,17 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory, cache_dir):
-    """The tiny study run once without interruption, two units at a time (each in its own process)."""
+    """The tiny study run once without interruption, one unit at a time in this process (jobs=1:
+    each unit in a process of its own costs an interpreter start and torch's import, ~5 CPU-s;
+    test_two_units_at_a_time_in_their_own_processes_give_the_same_numbers runs jobs=2)."""
+    import torch
+
     out = str(tmp_path_factory.mktemp("study") / "whole")
-    assert main(["study", TINY, f"out={out}", f"cache_dir={cache_dir}", "jobs=2"]) == 0
+    threads = torch.get_num_threads()  # the study sets the demo model's; module-scoped, so restored here
+    try:
+        assert main(["study", TINY, f"out={out}", f"cache_dir={cache_dir}", "jobs=1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
@@ -149,6 +158,24 @@ def test_tiny_study_end_to_end(whole, tmp_path):
     for png in ("accuracy.png", "training.png"):
         with open(os.path.join(whole, png), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_two_units_at_a_time_in_their_own_processes_give_the_same_numbers(whole, tmp_path, cache_dir, capsys):
+    """jobs=2 (each unit in a process of its own, two at a time: seed 0's starting model, then
+    its grpo and erpo runs side by side) on a part of the tiny study's grid: every unit done,
+    each with its log, and every evaluation and training curve equal to the in-process study's."""
+    out = str(tmp_path / "two")
+    assert main(["study", TINY, f"out={out}", f"cache_dir={cache_dir}", "jobs=2", "variants=grpo,erpo",
+                 "seeds=0"]) == 0
+    said = capsys.readouterr().out
+    assert "3 of 3 units to do, 2 at a time" in said and said.count("done in") == 3, said
+    r, done = _results(out), _results(whole)
+    assert r["missing"] == [] and sorted(r["eval"]) == ["erpo", "grpo"] and r["seeds"] == [0]
+    for variant in ("grpo", "erpo"):
+        assert r["eval"][variant]["0"] == done["eval"][variant]["0"], variant
+        assert r["train"][variant]["0"] == done["train"][variant]["0"], variant
+    for unit in ("start-seed0", "grpo-seed0", "erpo-seed0"):
+        assert os.path.getsize(os.path.join(out, "logs", f"{unit}.log")) > 0, unit
 
 
 def test_report_refreshes_a_doc_page(whole, tmp_path, cache_dir):
@@ -198,7 +225,7 @@ def test_rerun_with_other_settings_is_refused(whole, cache_dir, capsys, monkeypa
     assert "runs/grpo-seed0 was made with lr=0.001 (this study: lr=0.002); give another out=DIR" in err
     assert "overwrite=true" in err and os.path.getmtime(os.path.join(whole, "results.json")) == before
     # what changes no result (jobs) is not a difference: everything is done, only the report is written
-    assert main(["study", TINY, f"out={whole}", f"cache_dir={cache_dir}", "jobs=1"]) == 0
+    assert main(["study", TINY, f"out={whole}", f"cache_dir={cache_dir}", "jobs=2"]) == 0
     assert "0 of 10 units to do" in capsys.readouterr().out
     # code that would train another warm start: refused for running, fine for reading
     import erpo.study

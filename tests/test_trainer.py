@@ -236,16 +236,16 @@ def test_micro_batch_budget_below_the_longest_sequence_is_refused(tmp_path, cach
                          ids=["one-update", "mini-and-micro-batches"])
 def test_resume_is_bit_exact(tmp_path, cache_dir, updates):
     full = Trainer(tiny(tmp_path, cache_dir, "full", warmup_steps=3, **updates), log=quiet)
-    full.train()
+    full.train(plot=False)
 
     first = Trainer(tiny(tmp_path, cache_dir, "split", steps=2, warmup_steps=3, **updates), log=quiet)
-    first.train()
+    first.train(plot=False)
     assert ckpt.latest_checkpoint(first.cfg.run_dir).endswith("step-000002")
     cfg = resolve_config([f"resume={first.cfg.run_dir}", "steps=4"])
     assert cfg.run_dir == first.cfg.run_dir and cfg.steps == 4 and cfg.lr == first.cfg.lr
     second = Trainer(cfg, log=quiet)
     assert second.plan.start_step == 2
-    second.train()
+    second.train(plot=False)
 
     assert_same_params(full.model, second.model)
     a, b = read_metrics(full.cfg.run_dir), read_metrics(first.cfg.run_dir)
@@ -264,7 +264,7 @@ def test_resume_is_bit_exact(tmp_path, cache_dir, updates):
 
 def test_interrupted_save_leaves_the_last_checkpoint_intact(tmp_path, cache_dir, monkeypatch):
     reference = Trainer(tiny(tmp_path, cache_dir, "ref", steps=3), log=quiet)
-    reference.train()
+    reference.train(plot=False)
 
     cfg = tiny(tmp_path, cache_dir, "cut", steps=3, save_every=1)
     real_save = torch.save
@@ -276,7 +276,7 @@ def test_interrupted_save_leaves_the_last_checkpoint_intact(tmp_path, cache_dir,
 
     monkeypatch.setattr(ckpt.torch, "save", dying_save)
     with pytest.raises(KeyboardInterrupt):
-        Trainer(cfg, log=quiet).train()
+        Trainer(cfg, log=quiet).train(plot=False)
     monkeypatch.undo()
     root = os.path.join(cfg.run_dir, "checkpoints")
     assert sorted(os.listdir(root))[0].startswith(".tmp-step-000003")  # the half-written one
@@ -288,7 +288,7 @@ def test_interrupted_save_leaves_the_last_checkpoint_intact(tmp_path, cache_dir,
     assert resumed.plan.start_step == 2
     assert len(read_metrics(cfg.run_dir)) == 2  # what followed the checkpoint is dropped
     assert not any(n.startswith(".tmp") for n in os.listdir(root))
-    resumed.train()
+    resumed.train(plot=False)
     assert_same_params(reference.model, resumed.model)
     assert untimed(read_metrics(cfg.run_dir)) == untimed(read_metrics(reference.cfg.run_dir))
 
@@ -300,7 +300,7 @@ def test_resume_rebuilds_a_deleted_cache_only_from_the_same_start(tmp_path, cach
     model_dir = str(tmp_path / "start-model")
     shutil.copytree(warm.model_dir, model_dir)
     run = Trainer(tiny(tmp_path, cache_dir, "gone", steps=1, model=model_dir), log=quiet)
-    run.train()
+    run.train(plot=False)
     built = run.cache.ref_query_logp.clone()
     os.remove(run.plan.cache_path)
     again = Trainer(resolve_config([f"resume={run.cfg.run_dir}", "steps=2"]), log=quiet)
@@ -386,7 +386,7 @@ def test_grpo_with_reference_model_and_local_files(tmp_path, cache_dir):
                reward="exact_match")
     t = Trainer(cfg, log=quiet)
     assert t.ref_model is not None
-    t.train()
+    t.train(plot=False)
     rows = read_metrics(cfg.run_dir)
     assert all("policy_kl" in r and r["policy_kl"] >= 0 for r in rows)
     assert rows[0]["policy_kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
@@ -425,7 +425,7 @@ def test_hand_written_loop(tmp_path, cache_dir):
 ])
 def test_ablations_and_options_run(tmp_path, cache_dir, overrides):
     cfg = tiny(tmp_path, cache_dir, "abl", steps=2, **overrides)
-    Trainer(cfg, log=quiet).train()
+    Trainer(cfg, log=quiet).train(plot=False)
     rows = read_metrics(cfg.run_dir)
     assert len(rows) == 2 and all(k in rows[-1] for k in METRIC_KEYS)
     if overrides.get("query_weighting") == "none":
@@ -456,7 +456,7 @@ def test_every_attention_and_dtype_trains_on_cpu_or_is_refused(tmp_path, cache_d
             assert not os.path.exists(cfg.run_dir)
             continue
         trainer = Trainer(cfg, log=quiet)
-        trainer.train()
+        trainer.train(plot=False)
         (row,) = read_metrics(cfg.run_dir)
         assert all(v == v for v in row.values()), (dtype, row)   # no NaN
         assert trainer.cache.meta["compute_dtype"] == str(trainer.compute_dtype).replace("torch.", "")
@@ -483,7 +483,7 @@ def test_at_the_starting_weights_the_query_kl_and_its_gradient_are_zero(tmp_path
     cfg = _unrewarded_run(tmp_path, cache_dir, f"zero-{dtype}", steps=2, dtype=dtype)
     trainer = Trainer(cfg, log=quiet)
     start = copy.deepcopy(trainer.model)
-    trainer.train()
+    trainer.train(plot=False)
     rows = read_metrics(cfg.run_dir)
     assert all(r["reward/mean"] == 0.0 for r in rows)
     for r in rows:
@@ -497,7 +497,7 @@ def test_a_cache_scored_otherwise_is_not_reused(tmp_path, cache_dir):
     from erpo.ref_cache import RefCacheError, read_ref_cache, save_ref_cache
 
     cfg = _unrewarded_run(tmp_path, cache_dir, "bf16", steps=1, dtype="bfloat16")
-    Trainer(cfg, log=quiet).train()
+    Trainer(cfg, log=quiet).train(plot=False)
     path = os.path.join(cfg.run_dir, "ref_cache.safetensors")
     fp32 = _unrewarded_run(tmp_path, cache_dir, "fp32", steps=1, dtype="float32", ref_cache=path)
     with pytest.raises(RefCacheError, match="built for compute dtype .* 'bfloat16', this run uses 'float32'; "
@@ -515,7 +515,7 @@ def test_a_cache_scored_otherwise_is_not_reused(tmp_path, cache_dir):
 def test_training_warns_once_when_every_response_is_cut_off(tmp_path, cache_dir):
     """max_new_tokens=1: every response is cut before its EOS; one warning line, once (issue 19.7)."""
     lines = []
-    Trainer(tiny(tmp_path, cache_dir, "cut", steps=3, max_new_tokens=1), log=lines.append).train()
+    Trainer(tiny(tmp_path, cache_dir, "cut", steps=3, max_new_tokens=1), log=lines.append).train(plot=False)
     warned = [line for line in lines if "max_new_tokens" in line]
     assert len(warned) == 1 and "\n" not in warned[0], lines
     assert warned[0].startswith("erpo: warning: step 1: every response reached max_new_tokens=1 without ending")
@@ -527,9 +527,9 @@ def test_training_warns_once_when_every_response_is_cut_off(tmp_path, cache_dir)
 def test_the_summary_of_a_resumed_run_covers_the_whole_run(tmp_path, cache_dir):
     """After a resume the closing line's rewards are those of steps 1..N, not only the resumed ones (issue 19.9)."""
     first = Trainer(tiny(tmp_path, cache_dir, "whole", steps=2, save_every=1), log=quiet)
-    first.train()
+    first.train(plot=False)
     lines = []
-    Trainer(resolve_config([f"resume={first.cfg.run_dir}", "steps=4"]), log=lines.append).train()
+    Trainer(resolve_config([f"resume={first.cfg.run_dir}", "steps=4"]), log=lines.append).train(plot=False)
     rows = read_metrics(first.cfg.run_dir)
     assert lines[-1].startswith("erpo: erpo finished step 4/4") and "(steps 3-4 in this start)" in lines[-1]
     assert f"reward {rows[0]['reward/mean']:.3f} -> {rows[-1]['reward/mean']:.3f} (step 1 -> step 4)" in lines[-1], \
@@ -566,7 +566,7 @@ def test_monitor_policy_kl_changes_no_update(tmp_path, cache_dir, algorithm):
                    algorithm=algorithm, monitor_policy_kl=monitor, **extra)
         trainer = Trainer(cfg, log=quiet)
         assert (trainer.ref_model is not None) == monitor
-        trainer.train()
+        trainer.train(plot=False)
         runs[monitor] = (trainer.model, untimed(read_metrics(cfg.run_dir)))
     assert_same_params(runs[False][0], runs[True][0])
     plain, monitored = runs[False][1], runs[True][1]

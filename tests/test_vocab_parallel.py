@@ -196,7 +196,7 @@ def test_erpo_train_tp_size_2_matches_one_process(tp_run, tmp_path, _keep_torch_
         return updates(idx, prompts, responses, adv, *rest)
 
     one._updates = recording_updates
-    one.train()
+    one.train(plot=False)
     vocab, width = one.model.lm_head.weight.shape
     assert replay.calls == 2 and not replay.groups
     # the comparison is well posed: no step-1 update whose true gradient is exactly 0 (see TP_TRAIN)
