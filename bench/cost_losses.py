@@ -122,14 +122,24 @@ def loss_batch(n: int, layout: LossLayout, vocab: int):
 
 
 def _fused_api():
-    """(rows_for_budget, row_chunks, DEFAULT_FUSED_BUDGET) of erpo_loss's chunked 3-GEMM path,
-    or None at a commit without it (erpo_loss is then linear_token_logprobs + the loss)."""
+    """(rows_for_budget(budget, V) of the counted dtype (cost_subjects.DTYPE), row_chunks,
+    DEFAULT_FUSED_BUDGET) of erpo_loss's chunked 3-GEMM path, or None at a commit without it
+    (erpo_loss is then linear_token_logprobs + the loss)."""
+    import inspect
+
     try:
         from erpo_kernels.fused_linear_loss import DEFAULT_FUSED_BUDGET, rows_for_budget
         from erpo_kernels.objective.micro_batches import row_chunks
     except ImportError:
         return None
-    return rows_for_budget, row_chunks, DEFAULT_FUSED_BUDGET
+    from .cost_subjects import DTYPE
+
+    if len(inspect.signature(rows_for_budget).parameters) >= 3:  # the kept logits' bytes depend on the dtype
+        def rows_of(budget: int, vocab: int) -> int:
+            return rows_for_budget(budget, vocab, DTYPE)
+    else:  # a commit whose kept logits are fp32 whatever the dtype
+        rows_of = rows_for_budget
+    return rows_of, row_chunks, DEFAULT_FUSED_BUDGET
 
 
 def budget_for_rows(rows: int, vocab: int) -> int:

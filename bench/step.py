@@ -342,7 +342,10 @@ def fused_loss_path(hidden: torch.Tensor, weight: torch.Tensor, batch: Any, conf
         return "4-GEMM: this erpo_kernels has no fused path"
     budget = check_fused_budget(None)
     reason = fused_path_reason(hidden, weight, None, config, None, "auto", budget)
-    if reason is None and row_chunks(batch, rows_for_budget(budget, weight.shape[0])) is None:
+    import inspect
+
+    dtype = (hidden.dtype,) if len(inspect.signature(rows_for_budget).parameters) >= 3 else ()  # else fp32 kept
+    if reason is None and row_chunks(batch, rows_for_budget(budget, weight.shape[0], *dtype)) is None:
         reason = "a sequence longer than a chunk"
     return "fused (3 GEMMs)" if reason is None else f"4-GEMM: {reason}"
 

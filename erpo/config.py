@@ -401,9 +401,9 @@ class TrainConfig:
     )
     fused_budget_mb: int = MEMORY(
         1024,
-        "MiB of fp32 logits the loss keeps per chunk of whole sequences on its fused path (the gradient formed "
+        "MiB of kept logits the loss keeps per chunk of whole sequences on its fused path (the gradient formed "
         "during the forward: 3 GEMMs of lm_head work instead of 4; docs/objective.md); rows per chunk = budget / "
-        "(4 bytes x vocabulary size); 0 = the 4-GEMM path",
+        "(2 bytes for a bf16 / fp16 lm_head, 4 for fp32, x vocabulary size); 0 = the 4-GEMM path",
     )
     gradient_checkpointing: bool = MEMORY(
         False,

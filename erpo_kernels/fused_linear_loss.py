@@ -7,7 +7,9 @@ does 4).
 
     forward(r0, r1, ...)   linear_token_logprobs' forward kernel and merge, with the
                            kernel also storing the chunk's scaled logits s [rows, V]
-                           (fp32, exactly what the softmax saw) in a kept buffer
+                           in a kept buffer (fp32 operands: s itself, exactly what the
+                           softmax saw; bf16 / fp16: x = s - m in fp16, m the row's
+                           running max after the part of the tile, fp32 per row and part)
                            -> logp [rows], entropy [rows] (fp32)
     backward(g_logp, g_H)  the per-row upstream coefficients of the loss (the caller gets
                            them by autograd over the [rows] vectors); per vocabulary chunk
@@ -25,7 +27,9 @@ masks them), so dr is 0 there: p = 0, p log p taken as 0, and the soft cap's slo
 is recovered from s, is not formed from an -inf.
 
 Work: 2 N D V FLOPs for the logits and 4 N D V for the products: 3 GEMMs of 2 N D V.
-Memory: the kept buffer holds max_rows x V fp32 values (the caller's budget), the dr
+Memory: the kept buffer holds max_rows x V values, fp32 or fp16 (rows_for_budget: the
+caller's budget in bytes, so 16-bit operands get twice the rows; their fp32 maxima add
+max_rows x cdiv(V, part) values, part >= 64 columns at the default tiles), the dr
 workspace max_rows x C in the input dtype (as linear_token_logprobs' backward), d_bias an
 fp32 [V]; d_weight is written directly when the weight's gradient is fp32 (it accumulates
 in place) or when there is one row chunk; bf16 / fp16 weights over several row chunks
@@ -35,10 +39,14 @@ erpo_loss's fused path then keeps it until its backward, which rounds it to the 
 dtype in the same pass that scales it by the upstream gradient (objective/fused.py:
 `_ScaledGradients`). Nothing of size N x V for the whole batch.
 
-Precision and order. The kept logits are the forward's fp32 values bit for bit, so dr is
-the one linear_token_logprobs' backward forms from its recompute (the soft cap's slope
-1 - tanh^2 is recovered from s: tanh = s / (inv_T c), an absolute error of a few fp32
-ulps); dr is rounded to the input dtype before the products, as there. The products
+Precision and order. For fp32 operands the kept logits are the forward's fp32 values bit
+for bit, so dr is the one linear_token_logprobs' backward forms from its recompute (the
+soft cap's slope 1 - tanh^2 is recovered from s: tanh = s / (inv_T c), an absolute error
+of a few fp32 ulps). For bf16 / fp16, x = s - m <= 0 rounded to fp16 moves p by a
+relative |x| 2^-11 at most, whatever the logits' magnitude (`_fused_dr_kernel`'s comment;
+s itself in 16 bits would not do at |s| ~ 100-400): dr agrees with the recompute's within
+the dtype's gradient tolerance against float64, not bit for bit. dr is rounded to the
+input dtype before the products, as there. The products
 (Tiles.gemm_engine): 0 = `_ltl_bwd_gemm_kernel` (our Triton products, fixed order, no
 atomics); 1 = torch matmuls (cuBLAS on a GPU: the input dtype's operands with fp32
 accumulation into an fp32 output where the output is fp32; on a CPU the operands are
@@ -68,12 +76,14 @@ from .linear_token_logprobs import (
     _store_dr,
     _tiles_of,
     _torch_chunk_products,
+    logit_part,
 )
 from .logit_transform import LogitTransform
 from .support import check_support
 from .tiles import Tiles
 
-# The default bound on what one chunk keeps: 1 GiB of fp32 logits (1766 rows at V = 151,936).
+# The default bound on what one chunk keeps: 1 GiB of kept logits (rows_for_budget: 3533 rows
+# of 16-bit logits at V = 151,936, 1766 of fp32).
 DEFAULT_FUSED_BUDGET = 1 << 30
 
 
@@ -86,8 +96,16 @@ DR_WARPS = 8
 
 def dr_block_v(tiles: Tiles) -> int:
     """The vocabulary width of `_fused_dr_kernel`'s tile for these tiles (a power of two
-    dividing the chunk): DR_TILE // block_n columns, within [16, block_v]."""
-    return max(16, min(tiles.block_v, DR_TILE // tiles.block_n))
+    dividing the chunk): DR_TILE // block_n columns, within [16, one part of a logit tile]
+    (a tile then lies in one part: one kept_max per row)."""
+    return max(16, min(logit_part(tiles.block_v), DR_TILE // tiles.block_n))
+
+
+def kept_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the kept logits for operands of `dtype` (as the kernels see them:
+    linear_token_logprobs.operand_dtype): fp16 (s minus its part's running max, module
+    docstring) for bf16 / fp16, else fp32 (s itself)."""
+    return torch.float16 if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def kept_logits_refusal(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], backend: str,
@@ -109,9 +127,12 @@ def kept_logits_refusal(hidden: torch.Tensor, weight: torch.Tensor, bias: Option
     return None
 
 
-def rows_for_budget(budget: int, vocab: int) -> int:
-    """Rows per chunk whose kept fp32 logits fit in `budget` bytes: budget // (4 V), at least 1."""
-    return max(1, int(budget) // (4 * int(vocab)))
+def rows_for_budget(budget: int, vocab: int, dtype: torch.dtype) -> int:
+    """Rows per chunk whose kept logits fit in `budget` bytes for operands of `dtype`:
+    budget // (4 V) for fp32, budget // (2 V) for bf16 / fp16 (kept_dtype), at least 1.
+    The budget counts the kept logits; the fp32 per-part maxima of 16-bit ones add 4 bytes
+    per row and part of >= 64 columns (<= 1/32 of the logits' bytes at the default tiles)."""
+    return max(1, int(budget) // (kept_dtype(dtype).itemsize * int(vocab)))
 
 
 # The softmax gradient from the kept logits, per valid row with p = softmax(s) and the
@@ -119,7 +140,17 @@ def rows_for_budget(budget: int, vocab: int) -> int:
 # derivation; `_softmax_grad` is the one implementation):
 #     dz_j = inv_T (g_logp (onehot_j - p_j) - g_H p_j (s_j - lse + H)),
 #     dr_j = dz_j logit_scale (1 - tanh^2)   with a soft cap c, tanh = s_j / (inv_T c),
-# else dr = dz (a logit scale without a cap is folded into inv_T). p log p is 0 where
+# else dr = dz (a logit scale without a cap is folded into inv_T). With lse = M + log l
+# (the merge's two floats), KEPT_FP16 reads x_j = s_j - m_k (fp16) and m_k (fp32, the
+# forward's running max after part k, the tile's part) and forms
+#     s_j - lse = x_j - (M - m_k) - log l,   p_j = exp(x_j - (M - m_k) - log l),
+# M - m_k >= 0 taken first (two fp32 values: no cancellation at large |s|), and
+# s_j = x_j + m_k for the cap's slope only. m_k <= M, so 0 <= -x_j <= M - s_j: fp16 (11
+# significant bits) rounds x_j by at most |x_j| 2^-11, so p_j is off by a relative
+# |x_j| 2^-11 <= (M - s_j) 2^-11 (0.05% at p_j = e^-1 p_max, 1% at e^-20, where p_j is
+# negligible beside the row's larger terms), whatever the logits' magnitude: s_j itself in
+# 16 bits would put |s_j| 2^-11 (fp16) or 2^-8 (bf16) into every exponent, 0.2 or 1.6 at
+# |s| = 400. dr is rounded to the input dtype after. p log p is 0 where
 # p = 0 (masked columns, s = -inf). Rows past the valid count (ignored targets) get
 # dr = 0 when ZERO_PAD (the torch products read every row of the workspace), else are
 # left alone (the Triton products stop at the valid count). One program per
@@ -128,17 +159,19 @@ def rows_for_budget(budget: int, vocab: int) -> int:
 # row tile's column sums of dr (before rounding) for d_bias, as `_ltl_bwd_dr_kernel` does.
 @triton.jit
 def _fused_dr_kernel(
-    kept_ptr,  # [N, V] fp32: the forward's s at compact positions (row stride V)
+    kept_ptr,  # [N, V] at compact positions (row stride V): the forward's s (fp32) or, KEPT_FP16, s - m (fp16)
+    kept_max_ptr,  # [N, n_parts] fp32 (KEPT_FP16): m per row and part of PART columns (`_fwd_part`)
     targets_ptr, inv_t_ptr, order_ptr, n_valid_ptr,  # as in linear_token_logprobs' forward kernel
     shift_ptr, log_l_ptr,  # [N] fp32 M and log l from the merge (lse = M + log l)
     entropy_ptr,  # [N] fp32 entropy (HAS_ENTROPY_GRAD)
     g_logp_ptr, g_entropy_ptr,  # [N] fp32 upstream coefficients (g_entropy with HAS_ENTROPY_GRAD)
     dr_ptr,  # [N, C] out, the input dtype, compact positions (row stride stride_dr)
     db_part_ptr,  # [cdiv(N, BLOCK_N), C] fp32 out (WANT_DB)
-    n_rows, V, v0, chunk_cols, stride_dr,
+    n_rows, V, v0, chunk_cols, stride_dr, n_parts,
     softcap, logit_scale,  # fp32 runtime values (read with HAS_SOFTCAP)
     HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, WANT_DB: tl.constexpr, ZERO_PAD: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    UPCAST: tl.constexpr, KEPT_FP16: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,  # BLOCK_V <= PART: a tile lies in one part (v0 is a multiple of PART)
 ):
     pid = tl.program_id(0)
     n_vt = tl.cdiv(chunk_cols, BLOCK_V)
@@ -154,14 +187,21 @@ def _fused_dr_kernel(
         )
         in_tile = row_mask[:, None] & col_mask[None, :]
         s = tl.load(kept_ptr + (rows.to(tl.int64) * V + (v0 + start))[:, None] + local[None, :], mask=in_tile,
-                    other=float("-inf"))  # fmt: skip
+                    other=float("-inf")).to(tl.float32)  # fmt: skip
+        if KEPT_FP16:  # s holds x = s - m_k: the softmax reads x against lse - m_k = (M - m_k) + log l
+            m_k = tl.load(kept_max_ptr + rows.to(tl.int64) * n_parts + (v0 + start) // PART, mask=row_mask, other=0.0)
+            shift = shift - m_k
+            x = s
+            s = x + m_k[:, None]  # the cap's slope only
+        else:
+            x = s
         if HAS_SOFTCAP:  # s = -inf only outside a support (|z| < softcap): there p = 0 and the slope is unread
             t = tl.where(in_tile & (s > float("-inf")), s / (inv_t[:, None] * softcap), 0.0)
             cap_slope = 1.0 - t * t
         else:
             cap_slope = s  # unread
         dr = _softmax_grad(
-            s, cap_slope, row_mask, local, tgt - (v0 + start), shift, log_l, entropy, g_logp, g_entropy, inv_t,
+            x, cap_slope, row_mask, local, tgt - (v0 + start), shift, log_l, entropy, g_logp, g_entropy, inv_t,
             logit_scale, HAS_ENTROPY_GRAD, HAS_SOFTCAP,
         )
         dr = tl.where(in_tile, dr, 0.0)
@@ -175,7 +215,7 @@ class LinearLogprobsChunks:
 
     hidden [N, D], weight [V, D], bias [V] or None (fp16 / bf16 / fp32, checked and cast
     as linear_token_logprobs casts them under autocast); max_rows: the most rows a chunk
-    will have (the kept buffer holds max_rows x V fp32 values); n_chunks: how many chunks
+    will have (the kept buffer holds max_rows x V values of kept_dtype); n_chunks: how many chunks
     the call makes (1: d_weight is written directly); need: (d_hidden, d_weight, d_bias)
     wanted. Call forward / backward chunk after chunk, in row order, then gradients().
     """
@@ -199,7 +239,10 @@ class LinearLogprobsChunks:
         rows = max(1, min(int(max_rows), n))
         _, self.chunk = _split_vocab(vocab, self.tiles)
         self.width = min(self.chunk, vocab)
-        self.kept = torch.empty(rows * vocab, **f32)  # the chunk's logits, reused chunk after chunk
+        # the chunk's logits, reused chunk after chunk (kept_dtype), and for 16-bit ones their per-part maxima
+        self.kept = torch.empty(rows * vocab, dtype=kept_dtype(hidden.dtype), device=dev)
+        self.n_parts = _cdiv(vocab, logit_part(self.tiles.block_v))
+        self.kept_max = torch.empty(rows * self.n_parts if self.kept.dtype == torch.float16 else 0, **f32)
         self.dr = torch.empty(rows, self.width, dtype=hidden.dtype, device=dev)  # the workspace
         self.db_part = torch.empty(_cdiv(rows, self.tiles.block_n) if need[2] else 0, self.width, **f32)
         self.torch_products = self.tiles.gemm_engine == 1
@@ -234,14 +277,15 @@ class LinearLogprobsChunks:
             launch = _Launch.build(h, self.weight, self.bias, targets, transform, self.ignore_index, self.tiles,
                                    support)  # fmt: skip
             kept = self.kept[: n * self.weight.shape[0]]
-            logp, entropy, lse_parts = _forward(launch, want_entropy, kept if n > 0 else None)
-        self._state = (r0, launch, lse_parts, entropy, kept)
+            kept_max = self.kept_max[: n * self.n_parts] if self.kept.dtype == torch.float16 else None
+            logp, entropy, lse_parts = _forward(launch, want_entropy, kept if n > 0 else None, kept_max)
+        self._state = (r0, launch, lse_parts, entropy, kept, kept_max)
         return logp, entropy
 
     def backward(self, g_logp: torch.Tensor, g_entropy: Optional[torch.Tensor]) -> None:
         """Add the last forward chunk's gradients, given the loss's coefficients g_logp
         [rows] and g_entropy [rows] (None: the loss does not read the entropy)."""
-        r0, launch, lse_parts, entropy, kept = self._state
+        r0, launch, lse_parts, entropy, kept, kept_max = self._state
         self._state = None
         n = launch.n
         if n == 0 or not any(self.need):
@@ -265,15 +309,17 @@ class LinearLogprobsChunks:
                 block_v = dr_block_v(cfg)
                 grid = (_cdiv(n, cfg.block_n) * _cdiv(cols, block_v),)
                 _fused_dr_kernel[grid](
-                    kept_ptr=kept, targets_ptr=launch.targets, inv_t_ptr=launch.transform.inv_t,
+                    kept_ptr=kept, kept_max_ptr=kept_max if kept_max is not None else g,
+                    targets_ptr=launch.targets, inv_t_ptr=launch.transform.inv_t,
                     order_ptr=launch.order, n_valid_ptr=launch.n_valid, shift_ptr=lse_parts[0],
                     log_l_ptr=lse_parts[1], entropy_ptr=entropy if has_eg else g, g_logp_ptr=g,
                     g_entropy_ptr=ge if has_eg else g, dr_ptr=dr, db_part_ptr=db_part if self.need[2] else dr,
-                    n_rows=n, V=vocab, v0=v0, chunk_cols=cols, stride_dr=self.width,
+                    n_rows=n, V=vocab, v0=v0, chunk_cols=cols, stride_dr=self.width, n_parts=self.n_parts,
                     softcap=transform["softcap"], logit_scale=transform["logit_scale"],
                     HAS_SOFTCAP=transform["HAS_SOFTCAP"], HAS_ENTROPY_GRAD=has_eg, WANT_DB=self.need[2],
                     ZERO_PAD=self.torch_products, UPCAST=self.hidden.dtype == torch.bfloat16 and interpreting(),
-                    BLOCK_N=cfg.block_n, BLOCK_V=block_v, num_warps=DR_WARPS,
+                    KEPT_FP16=kept_max is not None, PART=logit_part(cfg.block_v), BLOCK_N=cfg.block_n,
+                    BLOCK_V=block_v, num_warps=DR_WARPS,
                 )
                 if self.torch_products:
                     _torch_chunk_products(launch, dr, db_part, h_c, v0, cols, out, self.dh_acc,
@@ -302,4 +348,4 @@ class LinearLogprobsChunks:
         return tuple(out)  # type: ignore[return-value]
 
 
-__all__ = ["DEFAULT_FUSED_BUDGET", "LinearLogprobsChunks", "kept_logits_refusal", "rows_for_budget"]
+__all__ = ["DEFAULT_FUSED_BUDGET", "LinearLogprobsChunks", "kept_dtype", "kept_logits_refusal", "rows_for_budget"]

@@ -9,13 +9,17 @@ runs the model, then loss_function, then backward; TRL: its _compute_loss on the
 head's log-probs) gives the per-row coefficients only in
 the backward. What still saves the recompute is to keep the call's logits until then:
 `kept_linear_token_logprobs` runs erpo_kernels.fused_linear_loss.LinearLogprobsChunks as
-one chunk of every row (the forward kernel storing the fp32 logits it softmaxes), and its
-backward forms the softmax gradient from them and does the two products. The kept logits
-are N x V fp32 between the forward and its backward, so this applies only when they fit
-`fused_budget` bytes; else, and wherever erpo_loss's fused path would not run (no
+one chunk of every row (the forward kernel storing the logits it softmaxes: fp32 for fp32
+operands, fp16 relative to their part's running max for bf16 / fp16, fused_linear_loss.py),
+and its backward forms the softmax gradient from them and does the two products. The kept
+logits are N x V values (4 or 2 bytes) between the forward and its backward, so this
+applies only when they fit `fused_budget` bytes; else, and wherever erpo_loss's fused path would not run (no
 gradient wanted, torch.compile, a DTensor weight, the torch backend), the call is
-linear_token_logprobs (4 GEMMs). The results equal linear_token_logprobs' (the kept
-logits are the forward's fp32 values bit for bit; tests/test_kept_logits.py).
+linear_token_logprobs (4 GEMMs). The log-probs and entropy equal linear_token_logprobs'
+(the same forward), and so do the gradients for fp32 operands (the kept logits are the
+forward's fp32 values bit for bit); for bf16 / fp16 the gradients differ from its
+recompute by the fp16 rounding of s - m (within the dtype's gradient tolerance against
+float64; tests/test_kept_logits.py).
 """
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from ._utils import check_targets
-from .fused_linear_loss import LinearLogprobsChunks, kept_logits_refusal
-from .linear_token_logprobs import linear_token_logprobs
+from .fused_linear_loss import LinearLogprobsChunks, kept_dtype, kept_logits_refusal
+from .linear_token_logprobs import linear_token_logprobs, operand_dtype
 from .logit_transform import LogitTransform
 
 KEPT_PATH = "kept logits (3 GEMMs)"
@@ -39,7 +43,7 @@ def kept_logits_reason(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     reason = kept_logits_refusal(hidden, weight, bias, backend, fused_budget)
     if reason is not None:
         return reason
-    kept = 4 * hidden.shape[0] * weight.shape[0]
+    kept = kept_dtype(operand_dtype(hidden)).itemsize * hidden.shape[0] * weight.shape[0]
     if kept > fused_budget:
         return f"the call's {hidden.shape[0]} rows keep {kept >> 20} MiB of logits, over the {fused_budget >> 20} MiB budget"
     return None

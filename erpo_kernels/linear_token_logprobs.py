@@ -205,14 +205,16 @@ def _rows_of(rows, order_ptr, n_valid_ptr):
 
 @triton.jit
 def _fwd_part(
-    acc, c0, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr, V, stride_b,
-    softcap, softcap_pre, support_ptr, stride_support, support_offset,
+    acc, c0, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr, kept_max_ptr, V,
+    n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WANT_ENTROPY: tl.constexpr, KEEP_LOGITS: tl.constexpr,
-    SUPPORT: tl.constexpr,
+    SUPPORT: tl.constexpr, PART: tl.constexpr,
 ):
     """The forward's online update (m, l, a, t) by one part of a logit tile (columns
     c0 + local, those < v_end real; acc from `_logit_dots`), and with KEEP_LOGITS the
-    part's s stored."""
+    part's logits stored: KEEP_FP32 s itself; KEEP_FP16 x = s - m' in fp16 with m' (the
+    running max after this part's update, 0 while the row's logits are all -inf) in
+    kept_max [N, n_parts] at part c0 // PART."""
     limit = v_end - c0
     s, _ = _scaled_logits(acc, b_ptr, row_index, c0, local, limit, inv_t, stride_b, softcap, softcap_pre, HAS_BIAS,
                           HAS_SOFTCAP, tgt, support_ptr, stride_support, support_offset, SUPPORT)  # fmt: skip
@@ -229,10 +231,16 @@ def _fwd_part(
         a = alpha * (a + shifted) + tl.sum(ps, axis=1)
     l = alpha * l + tl.sum(p, axis=1)
     t += tl.sum(tl.where(local[None, :] == (tgt - c0)[:, None], s, 0.0), axis=1)
-    if KEEP_LOGITS:  # the chunk's logits, kept for the fused loss's gradient (no recompute); stored after
-        # their last use here, so that the store's copy of s in its own layout is not live beside s
+    # the chunk's logits, kept for the fused loss's gradient (no recompute); stored after their last
+    # use here, so that the store's copy of s in its own layout is not live beside s
+    if KEEP_LOGITS == 1:  # KEEP_FP32
         tl.store(kept_ptr + (rows.to(tl.int64) * V + c0)[:, None] + local[None, :], s,
                  mask=row_mask[:, None] & (local < limit)[None, :])  # fmt: skip
+    if KEEP_LOGITS == 2:  # KEEP_FP16: x = s - m' <= 0 (-inf stays -inf; m' = 0 for a row all -inf so far: no NaN)
+        tl.store(kept_ptr + (rows.to(tl.int64) * V + c0)[:, None] + local[None, :],
+                 (s - m_use[:, None]).to(tl.float16), mask=row_mask[:, None] & (local < limit)[None, :])  # fmt: skip
+        if limit > 0:  # a part past v_end (the split's or V) is another program's, or none
+            tl.store(kept_max_ptr + rows.to(tl.int64) * n_parts + c0 // PART, m_use, mask=row_mask)
     return m_new, l, a, t
 
 
@@ -249,12 +257,15 @@ def _ltl_fwd_kernel(
     sum_ptr,  # [splits, N] fp32 out: l = sum_j exp(s_j - m)
     entropy_ptr,  # [splits, N] fp32 out: a = sum_j exp(s_j - m) (s_j - m)  (WANT_ENTROPY)
     target_logit_ptr,  # [splits, N] fp32 out: s_target if the target is in the split, else 0
-    kept_ptr,  # [N, V] fp32 out (KEEP_LOGITS): s itself at compact positions p < n_valid (fused_linear_loss.py)
-    n_rows, V, D, v_per_split,
+    kept_ptr,  # [N, V] out (KEEP_LOGITS) at compact positions p < n_valid (fused_linear_loss.py):
+    # KEEP_FP32: s itself (fp32); KEEP_FP16: s - m' (fp16), m' the running max after the part's update
+    kept_max_ptr,  # [N, n_parts] fp32 out (KEEP_FP16): that m' per row and part of PART columns
+    n_rows, V, D, v_per_split, n_parts,  # n_parts: cdiv(V, PART) (the kept_max row stride)
     stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
     softcap, softcap_pre, logit_scale,  # fp32 runtime values (softcap, softcap_pre read with HAS_SOFTCAP)
     support_ptr, stride_support, support_offset,  # the rows' support (read with SUPPORT, see support.py)
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WANT_ENTROPY: tl.constexpr, KEEP_LOGITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WANT_ENTROPY: tl.constexpr,
+    KEEP_LOGITS: tl.constexpr,  # KEEP_NONE, KEEP_FP32 or KEEP_FP16 (below the kernel)
     IEEE: tl.constexpr, UPCAST: tl.constexpr, SUPPORT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -285,26 +296,26 @@ def _ltl_fwd_kernel(
             stride_hn, stride_hd, stride_wv, stride_wd, IEEE, UPCAST, BLOCK_N, PART, BLOCK_D, PARTS,
         )
         m, l, a, t = _fwd_part(
-            acc0, v0, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr, V, stride_b,
-            softcap, softcap_pre, support_ptr, stride_support, support_offset, HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY,
-            KEEP_LOGITS, SUPPORT,
+            acc0, v0, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr, kept_max_ptr,
+            V, n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset, HAS_BIAS,
+            HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
         )
         if PARTS >= 2:
             m, l, a, t = _fwd_part(
-                acc1, v0 + PART, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr, V,
-                stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset, HAS_BIAS, HAS_SOFTCAP,
-                WANT_ENTROPY, KEEP_LOGITS, SUPPORT,
+                acc1, v0 + PART, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr,
+                kept_max_ptr, V, n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset,
+                HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
             )
         if PARTS >= 4:
             m, l, a, t = _fwd_part(
                 acc2, v0 + 2 * PART, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr,
-                V, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset, HAS_BIAS, HAS_SOFTCAP,
-                WANT_ENTROPY, KEEP_LOGITS, SUPPORT,
+                kept_max_ptr, V, n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset,
+                HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
             )
             m, l, a, t = _fwd_part(
                 acc3, v0 + 3 * PART, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr,
-                V, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset, HAS_BIAS, HAS_SOFTCAP,
-                WANT_ENTROPY, KEEP_LOGITS, SUPPORT,
+                kept_max_ptr, V, n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset,
+                HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
             )
     out = split.to(tl.int64) * n_rows + rows
     tl.store(max_ptr + out, m, mask=row_mask)
@@ -777,30 +788,49 @@ class _Launch:
 # Rows per program of the merge kernel.
 MERGE_BLOCK = 256
 
+# The forward kernel's KEEP_LOGITS: no kept logits; s itself in fp32 (fp32 operands); s - m'
+# in fp16 with the per-part running max m' in fp32 (bf16 / fp16 operands: half the bytes).
+KEEP_NONE, KEEP_FP32, KEEP_FP16 = 0, 1, 2
 
-def _forward_splits(launch: _Launch, want_entropy: bool, kept: Optional[torch.Tensor] = None) -> torch.Tensor:
+
+def logit_part(block_v: int) -> int:
+    """The columns of one part of a logit tile of block_v columns (the kernels' PART: four
+    parts from 256 columns, two from 128, else one), the kept_max granularity."""
+    return block_v // (4 if block_v >= 256 else (2 if block_v >= 128 else 1))
+
+
+def _forward_splits(
+    launch: _Launch, want_entropy: bool, kept: Optional[torch.Tensor] = None, kept_max: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """The forward kernel's statistics [4, splits, N] fp32: m, l, a, t of each vocabulary
     split (see `_ltl_fwd_kernel`) at compact positions, only the first n_valid written.
     `_forward` merges them; the vocabulary-parallel op (vocab_parallel.py) merges them
-    over the ranks' shards. N >= 1. kept: None, or an fp32 buffer of at least N x V values
-    (contiguous) that receives the scaled logits s [N, V] at compact positions
-    (fused_linear_loss.py)."""
+    over the ranks' shards. N >= 1. kept: None, or a buffer of at least N x V values
+    (contiguous) that receives the chunk's logits at compact positions (fused_linear_loss.py):
+    fp32: s itself; fp16: s - m' with m' in kept_max (fp32, at least N x
+    cdiv(V, logit_part(block_v)) values), `_fwd_part`."""
     n = launch.n
-    splits, per_split = _split_vocab(launch.weight.shape[0], launch.tiles)
+    vocab = launch.weight.shape[0]
+    splits, per_split = _split_vocab(vocab, launch.tiles)
     stats = torch.empty(4, splits, n, dtype=torch.float32, device=launch.hidden.device)
     m, l, a, t = stats.unbind(0)
+    keep = KEEP_NONE if kept is None else (KEEP_FP16 if kept.dtype == torch.float16 else KEEP_FP32)
+    if keep == KEEP_FP16 and kept_max is None:
+        raise ValueError("kept_max: fp16 kept logits need their per-part maxima")
     _ltl_fwd_kernel[launch.grid_rows(splits)](
         max_ptr=m, sum_ptr=l, entropy_ptr=a, target_logit_ptr=t, kept_ptr=kept if kept is not None else m,
-        n_rows=n, v_per_split=per_split, WANT_ENTROPY=want_entropy, KEEP_LOGITS=kept is not None, **launch.common(),
+        kept_max_ptr=kept_max if keep == KEEP_FP16 else m, n_rows=n, v_per_split=per_split,
+        n_parts=_cdiv(vocab, logit_part(launch.tiles.block_v)), WANT_ENTROPY=want_entropy, KEEP_LOGITS=keep,
+        **launch.common(),
     )
     return stats
 
 
 def _forward(
-    launch: _Launch, want_entropy: bool, kept: Optional[torch.Tensor] = None
+    launch: _Launch, want_entropy: bool, kept: Optional[torch.Tensor] = None, kept_max: Optional[torch.Tensor] = None
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """logp [N], entropy [N] or None, and lse_parts [2, N] (M, log l) saved for the
-    backward; all fp32, 0 in ignored rows. kept: as `_forward_splits`."""
+    backward; all fp32, 0 in ignored rows. kept, kept_max: as `_forward_splits`."""
     n = launch.n
     f32 = dict(dtype=torch.float32, device=launch.hidden.device)
     logp = torch.zeros(n, **f32)
@@ -808,7 +838,7 @@ def _forward(
     lse_parts = torch.zeros(2, n, **f32)
     if n == 0:
         return logp, entropy, lse_parts
-    m, l, a, t = _forward_splits(launch, want_entropy, kept).unbind(0)
+    m, l, a, t = _forward_splits(launch, want_entropy, kept, kept_max).unbind(0)
     splits = m.shape[0]
     _ltl_merge_kernel[(_cdiv(n, MERGE_BLOCK),)](
         max_ptr=m, sum_ptr=l, entropy_part_ptr=a, target_logit_ptr=t,
@@ -1046,6 +1076,13 @@ def _backward_autograd(ctx, g_logp, g_entropy, *_unused):
 
 
 _linear_token_logprobs_op.register_autograd(_backward_autograd, setup_context=_setup_context)
+
+
+def operand_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype `_checked_operands` casts `hidden` to: the autocast dtype where autocast is
+    on (fp64 is left alone), else hidden's own."""
+    amp = autocast_dtype(hidden.device)
+    return amp if amp is not None and hidden.dtype != torch.float64 else hidden.dtype
 
 
 def _checked_operands(

@@ -556,11 +556,13 @@ def test_erpo_loss_plan_determines_every_term_and_counts_the_ops_own_chunks():
     tiles = cl.erpo_loss_tiles(0)
     assert all(s[0] % tiles.block_n == 0 for s in plan.fit + plan.check)
     for n, d, v in cs.TARGETS:
-        per_chunk = rows_for_budget(DEFAULT_FUSED_BUDGET, v) // cl.LAYOUT.seq_rows  # whole sequences
+        per_chunk = rows_for_budget(DEFAULT_FUSED_BUDGET, v, cs.DTYPE) // cl.LAYOUT.seq_rows  # whole sequences
         want = -(-cl.LAYOUT.sequences(n) // per_chunk)
-        assert cl.erpo_chunks(n, v, cl.LAYOUT) == want and plan.target_features((n, d, v))["K"] == want > 1
-    assert cl.budget_for_rows(256, 4480) == 256 * 4 * 4480 and rows_for_budget(cl.budget_for_rows(256, 4480) - 1,
-                                                                                4480) == 255
+        assert cl.erpo_chunks(n, v, cl.LAYOUT) == want and plan.target_features((n, d, v))["K"] == want
+    # bf16: 16-bit kept logits (2 bytes a logit), 3 chunks at 8192 rows
+    assert cl.erpo_chunks(8192, 151936, cl.LAYOUT) == 3
+    assert cl.budget_for_rows(256, 4480) == 256 * 2 * 4480 and rows_for_budget(cl.budget_for_rows(256, 4480) - 1,
+                                                                                4480, cs.DTYPE) == 255
 
 
 def test_support_costs_line_is_each_forms_counted_difference():

@@ -1,16 +1,18 @@
 """fused_linear_loss.LinearLogprobsChunks (erpo_loss's fused path, op side): log-probs and
 gradients of chunks of rows from logits computed once, against linear_token_logprobs'
 forward + backward (fp32: within 1e-5) and a float64 reference (bf16: the same criterion
-as linear_token_logprobs' tests), with both product engines (Tiles.gemm_engine)."""
+as linear_token_logprobs' tests), with both product engines (Tiles.gemm_engine); bf16 /
+fp16 keep fp16 logits relative to their part's running max (half the bytes), as accurate
+as the op's recompute at logits of magnitude 100-500."""
 from dataclasses import replace
 
 import pytest
 import torch
 
-from _compare import assert_close_to_ref
-from erpo_kernels import linear_token_logprobs
+from _compare import MARGIN, assert_close_to_ref, max_err
+from erpo_kernels import linear_token_logprobs, pack_support
 from erpo_kernels.fused_linear_loss import LinearLogprobsChunks, rows_for_budget
-from test_linear_token_logprobs import IGNORE, SMALL_TILES, V, _inputs, _ours, _truth, _torch_same_dtype
+from test_linear_token_logprobs import IGNORE, N, SMALL_TILES, V, _inputs, _ours, _truth, _torch_same_dtype
 
 CHUNKS = {"one": [(0, 37)], "three": [(0, 11), (11, 30), (30, 37)]}
 
@@ -69,8 +71,82 @@ def test_no_entropy_no_bias_and_deterministic(device):
 
 
 def test_rows_for_budget():
-    assert rows_for_budget(1 << 30, 151_936) == 1766
-    assert rows_for_budget(10, V) == 1
+    """The budget is bytes of kept logits: 4 a logit for fp32 operands, 2 for bf16 / fp16."""
+    assert rows_for_budget(1 << 30, 151_936, torch.float32) == 1766
+    assert rows_for_budget(1 << 30, 151_936, torch.bfloat16) == rows_for_budget(1 << 30, 151_936, torch.float16) == 3533
+    assert rows_for_budget(10, V, torch.float32) == rows_for_budget(10, V, torch.bfloat16) == 1
+
+
+@pytest.mark.parametrize("block_v", [32, 128], ids=["one-part", "two-parts"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_keeps_fp16_logits_relative_to_the_part_max(device, dtype, block_v):
+    """bf16 / fp16 operands: the kept buffer is N x V fp16 values x = s - m (m the forward's
+    running max after each part, fp32 per row and part), and at logits of magnitude ~160-510
+    (a bias of ~250 times inv_T in [2/3, 2]: s itself in 16 bits would be off by 0.1-2) the
+    gradients are as close to float64 as linear_token_logprobs' own (its recompute: fp32
+    logits) within MARGIN, and no worse than PyTorch in the dtype."""
+    tiles = replace(SMALL_TILES, block_v=block_v, split_tiles=2 if block_v == 32 else 1)
+    part = 64 if block_v == 128 else 32
+    hidden, weight, _, targets, inv_t, g_logp, g_ent = _inputs(dtype, device)
+    bias = (250 + 2 * torch.randn(V)).to(dtype).to(device)
+    args = (hidden, weight, bias, targets, inv_t, g_logp, g_ent)
+    op = LinearLogprobsChunks(hidden, weight, bias, max_rows=N, n_chunks=1, need=(True, True, True), tiles=tiles,
+                              ignore_index=IGNORE)  # fmt: skip
+    assert op.kept.dtype == torch.float16 and op.kept.numel() == N * V
+    assert op.kept_max.dtype == torch.float32 and op.kept_max.numel() == N * -(-V // part)
+    op.forward(0, N, targets, inv_t, True)
+    # the kept values against float64's s, row by row at compact positions (valid rows first)
+    order = torch.sort((targets == IGNORE).to(torch.uint8), stable=True).indices
+    valid = int((targets != IGNORE).sum())
+    s64 = (hidden.double() @ weight.double().T + bias.double()) * inv_t.double()[:, None]
+    s64 = s64[order[:valid]].cpu()
+    x = op.kept[: N * V].view(N, V)[:valid].double().cpu()
+    m = op.kept_max[: N * -(-V // part)].view(N, -1)[:valid].double().cpu().repeat_interleave(part, 1)[:, :V]
+    assert float(s64.abs().min()) > 100 and bool((x <= 0).all())
+    # fp16 rounds x by |x| 2^-11 at most; s in fp32 is a few ulps of |s| from float64 (2^-20 |s|: 16 ulps)
+    assert bool(((x + m - s64).abs() <= x.abs() * 2**-11 + s64.abs() * 2**-20).all())
+    op.backward(g_logp, g_ent)
+    ours = op.gradients()
+    op_own = _ours(*args, backend="triton", tiles=tiles)[2:]
+    truth, same = _truth(*args)[2:], _torch_same_dtype(*args, dtype=dtype)[2:]
+    for name, o, r, t, s in zip(("d_hidden", "d_weight", "d_bias"), ours, op_own, truth, same):
+        assert o.dtype == dtype, name
+        scale = 1 + float(t.abs().max())
+        assert max_err(o.cpu(), t.cpu()) <= MARGIN * max_err(r.cpu(), t.cpu()) + 1e-6 * scale, name
+        assert_close_to_ref(o.cpu(), t.cpu(), s.cpu(), input_dtype=dtype, name=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_support_whose_first_parts_are_masked(device, dtype):
+    """A bitmask support that keeps only the last columns (and the target) of some rows: their
+    first parts are all -inf, kept as -inf with a max of 0 (no NaN), and the gradients equal
+    linear_token_logprobs(support=)'s (fp32 within 1e-5, bf16 within its rounding)."""
+    hidden, weight, bias, targets, inv_t, g_logp, g_ent = _inputs(dtype, device)
+    keep = torch.rand(N, V) < 0.5
+    keep[::2, : V - 40] = False  # every other row: nothing before column V - 40 but its target
+    targets = torch.where(torch.arange(N) % 2 == 0, torch.randint(V - 40, V, (N,)), targets.cpu()).to(device)
+    targets[[0, 5]] = IGNORE
+    support = pack_support(keep).to(device)
+    tiles = SMALL_TILES
+    op = LinearLogprobsChunks(hidden, weight, bias, max_rows=N, n_chunks=1, need=(True, True, True), tiles=tiles,
+                              ignore_index=IGNORE)  # fmt: skip
+    logp, ent = op.forward(0, N, targets, inv_t, True, support)
+    op.backward(g_logp, g_ent)
+    ours = (logp, ent, *op.gradients())
+    h, w, b = (t.detach().requires_grad_() for t in (hidden, weight, bias))
+    ref_logp, ref_ent = linear_token_logprobs(h, w, targets, bias=b, inv_temperature=inv_t, return_entropy=True,
+                                              backend="triton", tiles=tiles, support=support)  # fmt: skip
+    ((ref_logp * g_logp).sum() + (ref_ent * g_ent).sum()).backward()
+    for name, o, r in zip(("logp", "entropy", "d_hidden", "d_weight", "d_bias"), ours,
+                          (ref_logp.detach(), ref_ent.detach(), h.grad, w.grad, b.grad)):  # fmt: skip
+        assert not torch.isnan(o).any(), name
+        tol = 1e-5 if dtype == torch.float32 or name in ("logp", "entropy") else 2 * 2**-8
+        assert max_err(o, r) <= tol * (1 + float(r.abs().max())), name
+    if dtype != torch.float32:
+        valid = int((targets != IGNORE).sum())
+        x = op.kept[: N * V].view(N, V)[:valid]
+        assert bool(torch.isneginf(x).any()) and not bool(torch.isnan(x).any())
+        assert bool(torch.isfinite(op.kept_max[: valid * op.n_parts]).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

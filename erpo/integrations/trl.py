@@ -36,9 +36,10 @@ and the trainer runs erpo_loss_from_logp + the Query-KL on them;
 `trainer.erpo_head.loss_path` says which ran.
 
 The head's log-probs themselves (every trainer, any loss): a training call on the Triton
-backend whose fp32 logits fit the budget (use_erpo_kernels' fused_budget_mb,
-ERPOConfig.fused_budget_mb) keeps them for its backward, which then forms the softmax
-gradient from them: 3 GEMMs instead of 4 (erpo_kernels.kept_logits);
+backend whose kept logits (2 bytes each in bf16 / fp16, 4 in fp32) fit the budget
+(use_erpo_kernels' fused_budget_mb, ERPOConfig.fused_budget_mb) keeps them for its
+backward, which then forms the softmax gradient from them: 3 GEMMs instead of 4
+(erpo_kernels.kept_logits);
 `head.forward_path` says which ran.
 """
 from __future__ import annotations
@@ -63,6 +64,7 @@ import torch
 from erpo_kernels import (LossConfig, LossNormalizers, PackedLossBatch, check_backend, erpo_loss, erpo_loss_from_logp,
                           linear_token_logprobs, prompt_logp_sums, query_kl_value, weighted_k3)
 from erpo_kernels.fused_linear_loss import rows_for_budget
+from erpo_kernels.linear_token_logprobs import operand_dtype
 from erpo_kernels.objective.fused import fused_path_reason
 
 from erpo_kernels.kept_logits import kept_linear_token_logprobs
@@ -161,7 +163,7 @@ class _FusedLoss:
     inputs: Dict[str, Any]  # the micro-batch (TRL's inputs with ERPOTrainer's query fields)
     group_size: int  # G = num_generations
     config: LossConfig  # L_PG(w_B) + alpha * R_query
-    fused_budget: int  # bytes of kept fp32 logits per chunk (0: the 4-GEMM path)
+    fused_budget: int  # bytes of kept logits per chunk (0: the 4-GEMM path)
     result: Optional[Tuple[torch.Tensor, Dict[str, Any]]] = None  # (loss, metrics) when the fused path ran
     reason: Optional[str] = None  # why it did not (fused_path_reason's, or a sequence longer than a chunk)
 
@@ -302,7 +304,8 @@ class ErpoKernelsHead:
         request.reason set (the caller then scores log-probs for the 4-GEMM path). Returns the loss."""
         kept = self._rows_kept(plan, hidden.shape[0])  # [B, L - 1] bool, None: every position
         reason = fused_path_reason(hidden, weight, bias, request.config, None, self.backend, request.fused_budget)
-        max_rows = rows_for_budget(request.fused_budget, weight.shape[0]) if request.fused_budget else 0
+        max_rows = (rows_for_budget(request.fused_budget, weight.shape[0], operand_dtype(hidden))
+                    if request.fused_budget else 0)
         if reason is None and hidden.shape[0] > max_rows:  # erpo_loss chunks whole sequences
             longest = plan.targets.shape[1] if kept is None else int(kept.sum(1).max())
             if longest > max_rows:
@@ -376,7 +379,7 @@ def use_erpo_kernels(model_or_trainer: Any, *, backend: str = "auto", verbose: b
         backend: linear_token_logprobs' backend: "auto" (Triton on CUDA, the chunked
             PyTorch reference elsewhere), "triton" or "torch".
         verbose: print one line per switched model to stderr.
-        fused_budget_mb: MiB of fp32 logits a training call (a gradient wanted, the Triton
+        fused_budget_mb: MiB of kept logits a training call (a gradient wanted, the Triton
             backend) may keep for its backward, which then reuses them: 3 GEMMs of lm_head
             work instead of 4 (erpo_kernels.kept_logits; head.forward_path says which
             ran). 0: always recompute them.
@@ -438,7 +441,7 @@ class ERPOConfig(GRPOConfig):
     loss_agg: str = field(default="token-mean", metadata={"help": "With policy_loss: its aggregation over the "
                           "generation batch (token-mean, seq-mean-token-mean, seq-mean-token-sum, "
                           "seq-mean-token-sum-norm with max_completion_length as the constant)."})
-    fused_budget_mb: int = field(default=1024, metadata={"help": "MiB of fp32 logits the lm_head work may keep: "
+    fused_budget_mb: int = field(default=1024, metadata={"help": "MiB of kept logits the lm_head work may keep: "
                                  "with policy_loss, per chunk of whole sequences on erpo_loss's fused path; else "
                                  "per fused-head call, kept for its backward (3 GEMMs of lm_head work instead of "
                                  "4 either way; larger calls recompute the logits); 0 = always 4 GEMMs."})

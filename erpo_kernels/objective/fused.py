@@ -3,8 +3,10 @@ pass, a chunk of whole sequences at a time, from logits computed once per chunk
 (erpo_kernels/fused_linear_loss.py); the backward only scales what the forward formed.
 
 Per chunk of rows [r0, r1) (micro_batches.row_chunks: whole sequences, at most
-rows_for_budget(fused_budget, V) rows; the whole batch when it fits, with no host read):
-    1. the kernels: logp_k, entropy_k [rows] (the chunk's logits kept, fp32);
+rows_for_budget(fused_budget, V, dtype) rows: budget // (2 V) for bf16 / fp16 operands,
+budget // (4 V) for fp32; the whole batch when it fits, with no host read):
+    1. the kernels: logp_k, entropy_k [rows] (the chunk's logits kept: fp16 relative to
+       their part's running max for bf16 / fp16 operands, fp32 for fp32);
     2. the chunk's loss from detached leaves logp_k, entropy_k, normalised by the whole
        batch's LossNormalizers (the caller's, or LossNormalizers.of(batch)): the chunks'
        losses then add up to the batch's exactly (docs/method.md section 10, the same
@@ -22,8 +24,9 @@ bytes, writes 2 V D) instead of a cast at the end of the forward and a scaling o
 copy (6 + 4 V D bytes), and rounds once (the upstream gradient applied in fp32). The trade:
 between the forward and the backward the graph holds 4 V D bytes for d_weight instead of
 2 V D (2.5 GB instead of 1.25 at V = 151,936, D = 4096). The peak is not higher on a GPU
-while the chunk's kept logits (rows x V x 4 bytes) outweigh d_hidden (N x D x 2), as at
-every shape of the cost table (0.9 GB against 64 MB at 8192 x 4096): the cast held the
+while the chunk's kept logits (rows x V x 2 bytes in bf16, up to the budget: 1 GiB by
+default) outweigh d_hidden (N x D x 2), as at every shape of the cost table (about 1 GB
+against 64 MB at 8192 x 4096): the cast held the
 fp32 buffer, its copy and the kept logits at once, the backward holds the buffer, its
 output and two d_hidden (on a CPU, PyTorch's mixed-dtype out= adds an fp32 temporary).
 One chunk writes d_weight in its own dtype.
@@ -44,6 +47,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..fused_linear_loss import DEFAULT_FUSED_BUDGET, LinearLogprobsChunks, kept_logits_refusal, rows_for_budget
+from ..linear_token_logprobs import operand_dtype
 from ..tiles import Tiles
 from .batch import LossNormalizers, PackedLossBatch
 from .config import LossConfig
@@ -117,7 +121,7 @@ def fused_erpo_loss(
     """(loss, metrics as 0-d tensors) by the fused path, or None when a sequence is longer
     than a chunk (the caller then takes the 4-GEMM path). loss_fn: erpo_loss_from_logp's
     body (_loss_from_logp) on a checked batch."""
-    chunks = row_chunks(batch, rows_for_budget(fused_budget, weight.shape[0]))
+    chunks = row_chunks(batch, rows_for_budget(fused_budget, weight.shape[0], operand_dtype(hidden)))
     if chunks is None:
         return None
     norm = normalizers if normalizers is not None else LossNormalizers.of(batch)

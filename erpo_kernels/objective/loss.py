@@ -296,8 +296,9 @@ def erpo_loss(
     The fused path (objective/fused.py; docs/objective.md says which calls take it):
     when a gradient is wanted, the loss and its gradients are formed in this call, a
     chunk of whole sequences at a time from logits computed once (3 GEMMs of work
-    instead of 4); backward only scales them. fused_budget: the bytes of fp32 logits a
-    chunk keeps (None: 1 GiB, rows = budget // (4 V), 1766 rows at V = 151,936; 0: always
+    instead of 4); backward only scales them. fused_budget: the bytes of kept logits a
+    chunk keeps (None: 1 GiB; rows = budget // (2 V) for bf16 / fp16 operands, 3533 rows
+    at V = 151,936, budget // (4 V) for fp32, 1766 rows; 0: always
     the 4-GEMM path); a batch of more rows is split, which reads span_cu_seqlens on the
     host once. tiles: the kernels' Tiles (None: the device's; Tiles.gemm_engine picks who
     runs the fused path's products).

@@ -23,7 +23,8 @@ What install() changes, and why it has to be a wrap (verl has no extension point
   for "erpo" and hands every other backend to verl's function. Our forward runs the base
   model and `erpo_kernels.linear_token_logprobs` on (hidden, lm_head weight), tied or not,
   padded or packed (remove-padding), never forming [N, V] logits (a training forward on
-  the Triton backend whose micro-batch's fp32 logits fit fused_kernel_options.fused_budget_mb
+  the Triton backend whose micro-batch's kept logits (2 bytes each in bf16 / fp16, 4 in
+  fp32) fit fused_kernel_options.fused_budget_mb
   keeps them for its backward instead: 3 GEMMs, not 4; erpo_kernels.kept_logits); an FSDP2 DTensor
   lm_head weight is gathered with `erpo.distributed.gather_for_call` (its gradient is
   reduce-scattered into the shard). Prompt rows are scored at temperature 1, response
@@ -248,7 +249,7 @@ def forward_with_erpo_backend(
     erpo_kernel_backend: auto, triton or torch (the engine wrap passes the config's).
     erpo_fused_budget: bytes of logits the forward may keep for its backward (the engine
     wrap passes fused_kernel_options.fused_budget_mb): with a gradient wanted on the
-    Triton backend and the micro-batch's N x V fp32 logits within it, the backward reuses
+    Triton backend and the micro-batch's N x V kept logits within it, the backward reuses
     them (3 GEMMs, erpo_kernels.kept_logits), else it recomputes them (4 GEMMs);
     `model._erpo_training_path` says which the last training forward ran (printed when
     it changes).
