@@ -208,14 +208,16 @@ _erpo_loss_triton = _erpo_loss_with(0)
 # rows as the target's chunks of 1024 and 512 are), and two more at the first (D, V): the terms
 # {1, N, K} x {1, D, V, DV}, B and K B are then determined (rank checked by the fit).
 # One chunk (K = 1) writes a 16-bit d_weight directly, without K > 1's fp32 [V, D]
-# accumulator (fused_linear_loss.LinearLogprobsChunks): the terms [K = 1] x {1, D, V, DV}, from
-# a fourth point at each corner, one chunk of every row (2048 x 4096 x 151,936 is one chunk of
-# 16-bit kept logits at the default budget), and a third check at K = 1.
+# accumulator, and its products split otherwise between writes and accumulations
+# (fused_linear_loss.LinearLogprobsChunks): the terms [K = 1] x {1, N, D, V, ND, NV, DV, NDV},
+# from two more points at each corner, one chunk of all 512 and of all 768 rows (2048 x 4096 x
+# 151,936 is one chunk of 16-bit kept logits at the default budget), and a check at K = 1 and
+# another N.
 _ERPO_POINTS = [(512, LossLayout(32, 8, 1, 256)), (768, LossLayout(32, 8, 1, 256)),
-                (768, LossLayout(32, 8, 1, 512)), (512, LossLayout(32, 8, 1, 512))]
+                (768, LossLayout(32, 8, 1, 512)), (512, LossLayout(32, 8, 1, 512)), (768, LossLayout(32, 8, 1, 768))]
 _ERPO_EXTRA = [(512, LossLayout(16, 4, 1, 256)), (768, LossLayout(16, 4, 1, 256))]
 _ERPO_CHECKS = [(768, 0, 0, LossLayout(64, 16, 1, 256)), (512, 1, 0, LossLayout(16, 4, 1, 256)),
-                (768, 1, 1, LossLayout(32, 8, 1, 768))]
+                (1024, 1, 1, LossLayout(32, 8, 1, 1024))]
 
 
 def _erpo_loss_features(layouts: Dict[Tuple, LossLayout]) -> Features:
@@ -226,8 +228,8 @@ def _erpo_loss_features(layouts: Dict[Tuple, LossLayout]) -> Features:
         f = multilinear((n, d, v))
         f.update({"B": Fraction(b), "K": Fraction(k), "KD": Fraction(k * d), "KV": Fraction(k * v),
                   "KDV": Fraction(k * d * v), "KB": Fraction(k * b)})
-        one = Fraction(int(k == 1))
-        f.update({"K1": one, "K1D": one * d, "K1V": one * v, "K1DV": one * d * v})
+        one = int(k == 1)
+        f.update({f"K1.{t}": x * one for t, x in multilinear((n, d, v)).items()})
         return f
     return features
 

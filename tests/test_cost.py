@@ -552,7 +552,7 @@ def test_erpo_loss_plan_determines_every_term_and_counts_the_ops_own_chunks():
     terms = list(plan.features(plan.fit[0]))
     a = np.array([[float(plan.features(s)[t]) for t in terms] for s in plan.fit])
     assert np.linalg.matrix_rank(a) == len(terms) == len(plan.fit)
-    assert {"B", "K", "KDV", "KB", "K1", "K1DV"} <= set(terms)
+    assert {"B", "K", "KDV", "KB", "K1.1", "K1.NDV"} <= set(terms)
     tiles = cl.erpo_loss_tiles(0)
     assert all(s[0] % tiles.block_n == 0 for s in plan.fit + plan.check)
     for n, d, v in cs.TARGETS:
@@ -562,9 +562,9 @@ def test_erpo_loss_plan_determines_every_term_and_counts_the_ops_own_chunks():
     # bf16: 16-bit kept logits (2 bytes a logit), 3 chunks at 8192 rows
     assert cl.erpo_chunks(8192, 151936, cl.LAYOUT) == 3
     # 2048 rows are one chunk (no fp32 d_weight accumulator): its own terms, counted at K = 1 and checked there
-    assert cl.erpo_chunks(2048, 151936, cl.LAYOUT) == 1 and plan.target_features((2048, 4096, 151936))["K1DV"] == \
-        4096 * 151936 and plan.target_features((8192, 4096, 151936))["K1"] == 0
-    assert any(plan.features(s)["K1"] == 1 for s in plan.check) and sum(plan.features(s)["K1"] for s in plan.fit) == 4
+    assert cl.erpo_chunks(2048, 151936, cl.LAYOUT) == 1 and plan.target_features((2048, 4096, 151936))["K1.NDV"] == \
+        2048 * 4096 * 151936 and plan.target_features((8192, 4096, 151936))["K1.1"] == 0
+    assert any(plan.features(s)["K1.1"] == 1 for s in plan.check) and sum(plan.features(s)["K1.1"] for s in plan.fit) == 8
     assert cl.budget_for_rows(256, 4480) == 256 * 2 * 4480 and rows_for_budget(cl.budget_for_rows(256, 4480) - 1,
                                                                                 4480, cs.DTYPE) == 255
 
