@@ -117,7 +117,8 @@ def _threshold_flag(on: bool) -> int:
 
 def _linear_variants(dtype: str, tiles) -> List[Variant]:
     """The forward and recompute kernels with every optional feature (bias, soft cap, entropy, a support: the
-    forward's threshold, the kept-logit forward's and the recompute's bitmask) and with none (the union of the
+    forward's threshold, the kept-logit forward's bitmask, the recompute's bitmask and threshold; a threshold
+    read through an fp32 pointer, as launched) and with none (the union of the
     code and the plain call), the product kernel (one specialization: its chunk position is a runtime value)
     and the merge."""
     m = _module("linear_token_logprobs")
@@ -134,7 +135,8 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
                     HAS_SOFTCAP=on, SUPPORT=_support_flag(False))  # fmt: skip
         tag = "bias+softcap+entropy" if on else "plain"
         # the op's forward (with the options on, a threshold support too)
-        out.append(Variant(f"threshold+{tag}" if on else tag, m._ltl_fwd_kernel, types,
+        out.append(Variant(f"threshold+{tag}" if on else tag, m._ltl_fwd_kernel,
+                           dict(types, support_ptr="*fp32") if on else types,
                            dict(base, WANT_ENTROPY=on, KEEP_LOGITS=m.KEEP_NONE, SUPPORT=_threshold_flag(on)),
                            tiles.num_warps, tiles.num_stages, lowp))  # fmt: skip
         # erpo_loss's fused path: the forward that also stores the logits it kept (with the options on,
@@ -150,9 +152,11 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
                            fused.DR_WARPS, tiles.num_stages, False, has_dots=False))  # fmt: skip
         dr = dict(base, HAS_ENTROPY_GRAD=on, WANT_DB=on, ZERO_PAD=on)
         out.append(Variant(f"{tag}", m._ltl_bwd_dr_kernel, types, dr, tiles.num_warps, tiles.num_stages, lowp))
-        if on:  # the recompute under a bitmask support
+        if on:  # the recompute under a bitmask support, and under a threshold
             out.append(Variant(f"support+{tag}", m._ltl_bwd_dr_kernel, types, dict(dr, SUPPORT=_support_flag(True)),
                                tiles.num_warps, tiles.num_stages, lowp))  # fmt: skip
+            out.append(Variant(f"threshold+{tag}", m._ltl_bwd_dr_kernel, dict(types, support_ptr="*fp32"),
+                               dict(dr, SUPPORT=_threshold_flag(True)), tiles.num_warps, tiles.num_stages, lowp))
     gemm = dict(flags, GEMM_N=tiles.gemm_n, GEMM_V=tiles.gemm_v, GEMM_D=tiles.gemm_d, GEMM_K=tiles.gemm_k)
     out.append(Variant("products", m._ltl_bwd_gemm_kernel, types, gemm, tiles.gemm_warps, tiles.gemm_stages, lowp))
     if dtype == "bf16":  # the merge reads fp32 statistics only: one specialization serves every dtype

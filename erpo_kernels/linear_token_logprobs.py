@@ -69,7 +69,7 @@ from ._utils import (
     resolve_kernel_backend,
 )
 from .logit_transform import LogitTransform
-from .support import apply_support_tile, check_support
+from .support import apply_support_tile, check_support, row_thresholds
 from .support import kernel_args as support_kernel_args
 from .tiles import Tiles, launch_tiles
 
@@ -150,7 +150,7 @@ def _load_weight_t(w_ptr, c0, local, limit, stride_wv, offs_d, d_mask, stride_wd
 def _scaled_logits(
     acc, b_ptr, rows64, c0, local, limit, inv_t, stride_b, softcap, softcap_pre,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    tgt, support_ptr, stride_support, support_offset, SUPPORT: tl.constexpr,
+    tgt, support_ptr, stride_support, support_offset, thresholds, SUPPORT: tl.constexpr,
 ):
     """(s, cap_slope) for a part of a logit tile, its rows and columns c0 + local (those at
     local < limit real), fp32, -inf in padded columns, from acc = hidden[rows] @
@@ -159,7 +159,8 @@ def _scaled_logits(
     cap_slope = 1 - tanh^2 (else z = r and cap_slope an unread stand-in), and
     s = z * inv_t[:, None]; with SUPPORT, s = -inf outside each row's support
     (support.py: tgt the rows' target columns, always kept; column j is token
-    support_offset + j). The forward and the backward's recompute both form their logits
+    support_offset + j; a threshold's values per row in `thresholds`, read once per
+    program by support.row_thresholds). The forward and the backward's recompute both form their logits
     here, from the same tiles: bit for bit the same s. Every per-column quantity is formed
     from `local` and a per-part offset (one arange for all the parts of all the tiles,
     not a set of column registers per part)."""
@@ -174,7 +175,7 @@ def _scaled_logits(
     s = acc * inv_t[:, None]
     if SUPPORT != 0:
         s = apply_support_tile(s, s, rows64, local, limit, tgt - c0, support_ptr, stride_support, support_offset + c0,
-                               SUPPORT, local.shape[0])  # fmt: skip
+                               thresholds, SUPPORT, local.shape[0])  # fmt: skip
     return tl.where(col_mask[None, :], s, float("-inf")), cap_slope
 
 
@@ -206,7 +207,7 @@ def _rows_of(rows, order_ptr, n_valid_ptr):
 @triton.jit
 def _fwd_part(
     acc, c0, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr, kept_max_ptr, V,
-    n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset,
+    n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset, thresholds,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WANT_ENTROPY: tl.constexpr, KEEP_LOGITS: tl.constexpr,
     SUPPORT: tl.constexpr, PART: tl.constexpr,
 ):
@@ -217,7 +218,8 @@ def _fwd_part(
     kept_max [N, n_parts] at part c0 // PART."""
     limit = v_end - c0
     s, _ = _scaled_logits(acc, b_ptr, row_index, c0, local, limit, inv_t, stride_b, softcap, softcap_pre, HAS_BIAS,
-                          HAS_SOFTCAP, tgt, support_ptr, stride_support, support_offset, SUPPORT)  # fmt: skip
+                          HAS_SOFTCAP, tgt, support_ptr, stride_support, support_offset, thresholds,
+                          SUPPORT)  # fmt: skip
     # tl.max / tl.maximum may drop a NaN logit (fmax); its NaN still reaches l via p below
     m_new = tl.maximum(m, tl.max(s, axis=1))
     # a row whose logits so far are all -inf keeps l = 0: shift by 0, not by -inf
@@ -278,6 +280,7 @@ def _ltl_fwd_kernel(
     row_mask, row_index, n_valid = _rows_of(rows, order_ptr, n_valid_ptr)
     tgt = tl.load(targets_ptr + row_index, mask=row_mask, other=-1).to(tl.int32)
     inv_t = tl.load(inv_t_ptr + row_index, mask=row_mask, other=1.0)
+    thresholds = row_thresholds(support_ptr, row_index, row_mask, stride_support, inv_t, SUPPORT)
     m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_N,), dtype=tl.float32)
     a = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -297,25 +300,25 @@ def _ltl_fwd_kernel(
         )
         m, l, a, t = _fwd_part(
             acc0, v0, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr, kept_max_ptr,
-            V, n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset, HAS_BIAS,
-            HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
+            V, n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset, thresholds,
+            HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
         )
         if PARTS >= 2:
             m, l, a, t = _fwd_part(
                 acc1, v0 + PART, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr,
                 kept_max_ptr, V, n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset,
-                HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
+                thresholds, HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
             )
         if PARTS >= 4:
             m, l, a, t = _fwd_part(
                 acc2, v0 + 2 * PART, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr,
                 kept_max_ptr, V, n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset,
-                HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
+                thresholds, HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
             )
             m, l, a, t = _fwd_part(
                 acc3, v0 + 3 * PART, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr,
                 kept_max_ptr, V, n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset,
-                HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
+                thresholds, HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
             )
     out = split.to(tl.int64) * n_rows + rows
     tl.store(max_ptr + out, m, mask=row_mask)
@@ -472,6 +475,7 @@ def _ltl_bwd_dr_kernel(
             row_index, row_mask, targets_ptr, inv_t_ptr, shift_ptr, log_l_ptr, entropy_ptr, g_logp_ptr,
             g_entropy_ptr, HAS_ENTROPY_GRAD,
         )
+        thresholds = row_thresholds(support_ptr, row_index, row_mask, stride_support, inv_t, SUPPORT)
         acc0, acc1, acc2, acc3 = _logit_dots(
             h_ptr, w_ptr, row_index, row_mask, v0 + start, local, chunk_cols - start, D,
             stride_hn, stride_hd, stride_wv, stride_wd, IEEE, UPCAST, BLOCK_N, PART, BLOCK_D, PARTS,
@@ -479,27 +483,27 @@ def _ltl_bwd_dr_kernel(
         _dr_part(
             acc0, v0, start, local, chunk_cols, rows, row_mask, row_index, n_rows, tgt, inv_t, shift, log_l, entropy,
             g_logp, g_entropy, b_ptr, stride_b, softcap, softcap_pre, logit_scale, support_ptr, stride_support,
-            support_offset, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
+            support_offset, thresholds, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
             HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY_GRAD, WANT_DB, ZERO_PAD, UPCAST, SUPPORT,
         )
         if PARTS >= 2:
             _dr_part(
                 acc1, v0, start + PART, local, chunk_cols, rows, row_mask, row_index, n_rows, tgt, inv_t, shift,
                 log_l, entropy, g_logp, g_entropy, b_ptr, stride_b, softcap, softcap_pre, logit_scale, support_ptr,
-                stride_support, support_offset, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
+                stride_support, support_offset, thresholds, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
                 HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY_GRAD, WANT_DB, ZERO_PAD, UPCAST, SUPPORT,
             )
         if PARTS >= 4:
             _dr_part(
                 acc2, v0, start + 2 * PART, local, chunk_cols, rows, row_mask, row_index, n_rows, tgt, inv_t, shift,
                 log_l, entropy, g_logp, g_entropy, b_ptr, stride_b, softcap, softcap_pre, logit_scale, support_ptr,
-                stride_support, support_offset, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
+                stride_support, support_offset, thresholds, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
                 HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY_GRAD, WANT_DB, ZERO_PAD, UPCAST, SUPPORT,
             )
             _dr_part(
                 acc3, v0, start + 3 * PART, local, chunk_cols, rows, row_mask, row_index, n_rows, tgt, inv_t, shift,
                 log_l, entropy, g_logp, g_entropy, b_ptr, stride_b, softcap, softcap_pre, logit_scale, support_ptr,
-                stride_support, support_offset, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
+                stride_support, support_offset, thresholds, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
                 HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY_GRAD, WANT_DB, ZERO_PAD, UPCAST, SUPPORT,
             )
 
@@ -508,7 +512,7 @@ def _ltl_bwd_dr_kernel(
 def _dr_part(
     acc, v0, start, local, chunk_cols, rows, row_mask, row_index, n_rows, tgt, inv_t, shift, log_l, entropy, g_logp,
     g_entropy, b_ptr, stride_b, softcap, softcap_pre, logit_scale, support_ptr, stride_support, support_offset,
-    dr_ptr, stride_dr, db_part_ptr, row_tile,
+    thresholds, dr_ptr, stride_dr, db_part_ptr, row_tile,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, WANT_DB: tl.constexpr,
     ZERO_PAD: tl.constexpr, UPCAST: tl.constexpr, SUPPORT: tl.constexpr,
 ):
@@ -518,7 +522,7 @@ def _dr_part(
     limit = chunk_cols - start
     s, cap_slope = _scaled_logits(acc, b_ptr, row_index, v0 + start, local, limit, inv_t, stride_b, softcap,
                                   softcap_pre, HAS_BIAS, HAS_SOFTCAP, tgt, support_ptr, stride_support,
-                                  support_offset, SUPPORT)  # fmt: skip
+                                  support_offset, thresholds, SUPPORT)  # fmt: skip
     dr = _softmax_grad(
         s, cap_slope, row_mask, local, tgt - (v0 + start), shift, log_l, entropy, g_logp, g_entropy, inv_t,
         logit_scale, HAS_ENTROPY_GRAD, HAS_SOFTCAP,

@@ -168,12 +168,28 @@ def apply_support(
     not only a multiple of 32); col_mask the columns that exist."""
     if SUPPORT == 1:
         threshold = tl.load(support_ptr + row_index * stride_support)  # one float per row
-        x = tl.where((s < threshold) & (cols != tgt), float("-inf"), x)
+        x = _drop_below(x, s, threshold, cols != tgt)
     if SUPPORT == 2:
         token = (cols + support_offset).to(tl.int32)
         word = tl.load(support_ptr + row_index * stride_support + (token >> 5), mask=col_mask, other=-1)
         x = _drop_clear_bits(x, word, token & 31, cols != tgt)
     return x
+
+
+@triton.jit
+def _drop_below(x, s, threshold, droppable):
+    """x with -inf where s < threshold and `droppable` (not the target): the threshold's test."""
+    return tl.where((s < threshold) & droppable, float("-inf"), x)
+
+
+@triton.jit
+def row_thresholds(support_ptr, rows64, row_mask, stride_support, stand_in, SUPPORT: tl.constexpr):
+    """A threshold support's value per row of a tile ([rows] fp32, -inf in masked rows), read
+    once per program for `apply_support_tile`; `stand_in` (any [rows] tensor, unread) without
+    one."""
+    if SUPPORT == 1:
+        return tl.load(support_ptr + rows64 * stride_support, mask=row_mask, other=float("-inf")).to(tl.float32)
+    return stand_in
 
 
 @triton.jit
@@ -184,18 +200,20 @@ def _drop_clear_bits(x, word, bit, droppable):
 
 @triton.jit
 def apply_support_tile(
-    x, s, rows64, local, limit, tgt, support_ptr, stride_support, token0, SUPPORT: tl.constexpr, COLS: tl.constexpr,
+    x, s, rows64, local, limit, tgt, support_ptr, stride_support, token0, thresholds, SUPPORT: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     """apply_support for a [rows, COLS] tile (the linear op's logit tiles): column j is
     token token0 + local[j] (local = arange(COLS), those at local < limit real), rows64
     [rows] the support's rows (int64, in bounds), tgt [rows] the targets counted from
-    token0's column (always kept). The same mask; a bitmask's words are read as
+    token0's column (always kept). The same mask; a threshold's values come in as
+    `thresholds` [rows] (`row_thresholds`: read once per program, not once per part of a
+    tile, which on sm_100 also kept ptxas from spilling predicates); a bitmask's words are read as
     ceil(COLS / 32) + 1 loads per row (the words the tile's columns can straddle,
     aligned with the tile's columns), not one load per element: no [rows, COLS] tile of
     addresses."""
     if SUPPORT == 1:
-        x = apply_support(x, s, rows64[:, None], local[None, :], (local < limit)[None, :], tgt[:, None], support_ptr,
-                          stride_support, token0, SUPPORT)  # fmt: skip
+        x = _drop_below(x, s, thresholds[:, None], local[None, :] != tgt[:, None])
     if SUPPORT == 2:
         # the words holding the tile's bits: NW loads per row, shifted by m = token0 mod 32 into
         # COLS / 32 words aligned with the tile (word k: columns 32 k ... 32 k + 31)

@@ -153,9 +153,12 @@ def test_every_kernel_compiles_for_every_architecture_within_its_limits():
             assert got | {"_ltl_merge_kernel"} == kernels, (arch, dtype, got)  # the merge: fp32 statistics only
         assert any(r["kernel"] == "_ltl_merge_kernel" for r in rows if r["arch"] == arch)
     # Every kernel within the rules, STACK 0 included (a spill): erpo_loss's kept-logit forward
-    # ("kept+" variants) and the bitmask support ("support+") too, on every architecture
+    # ("kept+" variants), the bitmask support ("support+") and the threshold ("threshold+": the forward's
+    # and the recompute's) too, on every architecture
     assert any(r["variant"].startswith("kept+support+") for r in rows)
     assert any(r["variant"].startswith("support+") for r in rows)
+    assert {r["kernel"] for r in rows if r["variant"].startswith("threshold+")} == {"_ltl_fwd_kernel",
+                                                                                  "_ltl_bwd_dr_kernel"}
     assert {r["problems"] and (r["kernel"], r["variant"], r["dtype"], r["arch"], *r["problems"]) or None
             for r in rows} == {None}
     # what the checks rest on: bf16 dots on each architecture's instruction, fp32 on FMA
