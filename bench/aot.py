@@ -165,6 +165,40 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
     return out
 
 
+def _every_option(dtype: str, tiles, listed: List[Variant]) -> List[Variant]:
+    """The op's forward, the kept-logit forward and the recompute in every combination of
+    bias, soft cap, entropy (the forward's, the recompute's gradient) and support (none,
+    threshold, bitmask) not already in `listed`: 24 each, the recompute zeroing padded rows
+    as the tiles' products engine has it launched. bench aot's default list compiles
+    each with every option on and with none; a combination between can spill where neither
+    does (at 128 x 256 on sm_90, 19 of the kept-logit forward's 24 did)."""
+    import itertools
+
+    support = _module("support")
+    bases = [(v, v.fn.__name__ == "_ltl_fwd_kernel") for v in listed
+             if v.name in ("plain", "kept+plain") and v.fn.__name__ in ("_ltl_fwd_kernel", "_ltl_bwd_dr_kernel")]
+    seen = {(v.fn.__name__, tuple(sorted(v.consts.items()))) for v in listed}
+    out = []
+    for base, forward in bases:
+        for bias, cap, ent, kind in itertools.product((False, True), (False, True), (False, True),
+                                                       (support.NO_SUPPORT, support.THRESHOLD, support.BITMASK)):
+            consts = dict(base.consts, HAS_BIAS=bias, HAS_SOFTCAP=cap, SUPPORT=kind)
+            if forward:
+                consts.update(WANT_ENTROPY=ent)
+            else:  # ZERO_PAD as the tiles' products engine launches it (the torch products: 1)
+                consts.update(HAS_ENTROPY_GRAD=ent, WANT_DB=bias, ZERO_PAD=tiles.gemm_engine == 1)
+            key = (base.fn.__name__, tuple(sorted(consts.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            tag = "+".join(n for n, on in (("bias", bias), ("softcap", cap), ("entropy", ent)) if on) or "none"
+            where = {support.THRESHOLD: "threshold+", support.BITMASK: "support+"}.get(kind, "")
+            name = f"each:{'kept+' if base.name.startswith('kept') else ''}{where}{tag}"
+            types = dict(base.types, support_ptr="*fp32") if kind == support.THRESHOLD else base.types
+            out.append(Variant(name, base.fn, types, consts, base.num_warps, base.num_stages, base.tensor_dots))
+    return out
+
+
 def _token_variants(dtype: str, tiles) -> List[Variant]:
     """The row kernels with every option (entropy, soft cap, a bitmask support; both upstream gradients) and with
     none."""
@@ -186,8 +220,12 @@ def _token_variants(dtype: str, tiles) -> List[Variant]:
     return out
 
 
-def kernel_variants(op: str, dtype: str, tiles) -> List[Variant]:
-    return (_linear_variants if op == "linear_token_logprobs" else _token_variants)(dtype, tiles)
+def kernel_variants(op: str, dtype: str, tiles, every: bool = False) -> List[Variant]:
+    """The variants compiled for an op; every=True adds `_every_option`'s combinations (the linear op)."""
+    if op != "linear_token_logprobs":
+        return _token_variants(dtype, tiles)
+    out = _linear_variants(dtype, tiles)
+    return out + _every_option(dtype, tiles, out) if every else out
 
 
 def compile_kernel(v: Variant, arch: int):
@@ -265,13 +303,14 @@ def problems(f: Facts, limit: int, want: str) -> List[str]:
 
 
 def jobs(archs: Sequence[int], ops: Sequence[str], dtypes: Sequence[str],
-         tiles: Optional[Dict[Tuple[str, int, str], Any]] = None) -> List[Tuple[str, str, int, int]]:
-    """(op, dtype, arch, variant index) of every compile; `tiles` overrides default_tiles per (op, arch, dtype)."""
+         tiles: Optional[Dict[Tuple[str, int, str], Any]] = None, every: bool = False) -> List[Tuple[str, str, int, int]]:
+    """(op, dtype, arch, variant index) of every compile; `tiles` overrides default_tiles per (op, arch, dtype);
+    every: kernel_variants' option combinations too."""
     out = []
     for op in ops:
         for arch in archs:
             for dtype in dtypes:
-                n = len(kernel_variants(op, dtype, _tiles(op, arch, dtype, tiles)))
+                n = len(kernel_variants(op, dtype, _tiles(op, arch, dtype, tiles), every))
                 out.extend((op, dtype, arch, i) for i in range(n))
     return out
 
@@ -289,13 +328,14 @@ def _tiles(op: str, arch: int, dtype: str, tiles: Optional[Dict] = None):
     return default_tiles(op, getattr(torch, _TORCH_DTYPES[dtype]), (arch // 10, arch % 10))
 
 
-def run_jobs(todo: Sequence[Tuple[str, str, int, int]], tiles: Optional[Dict] = None) -> List[Facts]:
+def run_jobs(todo: Sequence[Tuple[str, str, int, int]], tiles: Optional[Dict] = None,
+             every: bool = False) -> List[Facts]:
     from erpo_kernels.tiles import SHARED_MEMORY_PER_BLOCK, TENSOR_CORE_INSTRUCTION
 
     out = []
     for op, dtype, arch, i in todo:
         cap = (arch // 10, arch % 10)
-        v = kernel_variants(op, dtype, _tiles(op, arch, dtype, tiles))[i]
+        v = kernel_variants(op, dtype, _tiles(op, arch, dtype, tiles), every)[i]
         out.append(facts(op, dtype, v, arch, SHARED_MEMORY_PER_BLOCK[cap], TENSOR_CORE_INSTRUCTION[cap]))
     return out
 
@@ -304,11 +344,12 @@ _RESULT = "bench.aot facts: "  # the prefix of a worker's answer line (anything 
 
 
 def compile_all(todo: Sequence[Tuple[str, str, int, int]], workers: Optional[int] = None,
-                tiles_json: Optional[str] = None, timeout: float = 3600) -> List[Dict]:
+                tiles_json: Optional[str] = None, timeout: float = 3600, every: bool = False) -> List[Dict]:
     """Run the compiles in one pool of `workers` subprocesses (default: the CPU count) for
     every architecture, each with a fresh Triton cache and no TRITON_INTERPRET, handing out
     one job at a time to whichever worker is free (the compiles differ 20-fold in cost);
-    the facts as dicts, in `todo` order. A job listed twice is compiled once."""
+    the facts as dicts, in `todo` order (`jobs`' indices, with its `every`). A job listed twice is
+    compiled once."""
     import selectors
 
     order = list(dict.fromkeys(tuple(j) for j in todo))  # distinct jobs, first-seen order
@@ -321,7 +362,7 @@ def compile_all(todo: Sequence[Tuple[str, str, int, int]], workers: Optional[int
     deadline = time.time() + timeout
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "tiles.json"
-        spec.write_text(json.dumps({"tiles": tiles_json}))
+        spec.write_text(json.dumps({"tiles": tiles_json, "every": every}))
         sel = selectors.DefaultSelector()
         procs, pending = [], list(reversed(order))
         try:
@@ -407,9 +448,10 @@ def _tiles_from_json(text: Optional[str]) -> Optional[Dict]:
 
 def _worker(spec_path: str) -> None:
     """A pool worker: one job [op, dtype, arch, variant] per stdin line, one answer line each."""
-    tiles = _tiles_from_json(json.loads(Path(spec_path).read_text()).get("tiles"))
+    spec = json.loads(Path(spec_path).read_text())
+    tiles = _tiles_from_json(spec.get("tiles"))
     for line in sys.stdin:
-        (f,) = run_jobs([tuple(json.loads(line))], tiles)
+        (f,) = run_jobs([tuple(json.loads(line))], tiles, bool(spec.get("every")))
         print(_RESULT + json.dumps(asdict(f)), flush=True)
 
 
@@ -460,6 +502,10 @@ def add_arguments(p) -> None:
                    help='JSON fields replacing the default tiles of every (op, arch, dtype) compiled, e.g. '
                         '\'{"block_n": 128}\' (fields of erpo_kernels.Tiles apply to linear_token_logprobs, of '
                         'RowTiles to token_logprobs)')
+    p.add_argument("--every-option", action="store_true",
+                   help="also compile the op's forward, the kept-logit forward and the recompute in every "
+                        "combination of bias, soft cap, entropy and support (none, threshold, bitmask): 24 each, "
+                        "where the default list has each with every option and with none")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 
 
@@ -494,8 +540,8 @@ def run(args, parser) -> int:
         except (ValueError, TypeError) as exc:
             parser.error(f"argument --tiles: {str(exc).splitlines()[0]}")
         tiles_json = json.dumps(over)
-    todo = jobs(archs, ops, dtypes, _tiles_from_json(tiles_json))
-    rows = compile_all(todo, args.workers, tiles_json)
+    todo = jobs(archs, ops, dtypes, _tiles_from_json(tiles_json), args.every_option)
+    rows = compile_all(todo, args.workers, tiles_json, every=args.every_option)
     print(format_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

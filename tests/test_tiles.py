@@ -326,3 +326,30 @@ def test_bench_aot_is_a_subcommand_with_one_line_errors(capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert done.value.code == 2 and err[-1].startswith("python -m bench aot: error: " + message), (args, err)
         assert not any("Traceback" in line for line in err), err
+
+
+def test_bench_aot_every_option_lists_each_logit_kernel_in_all_24_combinations():
+    """`python -m bench aot --every-option`: besides each kernel with every option and with none, the
+    op's forward, the kept-logit forward and the recompute in each combination of bias, soft cap,
+    entropy and support (none / threshold / bitmask), a threshold through an fp32 pointer (as
+    launched); nothing compiled here (the sweep is minutes: run it by hand when tiles change)."""
+    from bench import aot
+
+    tiles = default_tiles("linear_token_logprobs", torch.bfloat16, (9, 0))
+    listed = aot.kernel_variants("linear_token_logprobs", "bf16", tiles)
+    every = aot.kernel_variants("linear_token_logprobs", "bf16", tiles, every=True)
+    assert every[: len(listed)] == listed and aot.kernel_variants("token_logprobs", "bf16", default_tiles(
+        "token_logprobs", torch.bfloat16, (9, 0)), every=True) == aot.kernel_variants("token_logprobs", "bf16",
+        default_tiles("token_logprobs", torch.bfloat16, (9, 0)))  # fmt: skip
+    options = ("HAS_BIAS", "HAS_SOFTCAP", "SUPPORT")
+    for kernel, kept, entropy in (("_ltl_fwd_kernel", 0, "WANT_ENTROPY"), ("_ltl_fwd_kernel", 1, "WANT_ENTROPY"),
+                                  ("_ltl_bwd_dr_kernel", 0, "HAS_ENTROPY_GRAD")):  # fmt: skip
+        mine = [v for v in every if v.fn.__name__ == kernel and bool(v.consts.get("KEEP_LOGITS", 0)) == bool(kept)]
+        combos = {tuple(v.consts[k] for k in (*options, entropy)) for v in mine}
+        assert len(combos) == 24, (kernel, kept, len(combos))
+        assert all(v.types["support_ptr"] == ("*fp32" if v.consts["SUPPORT"] == 1 else "*i32") for v in mine)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    aot.add_arguments(parser)
+    assert parser.parse_args(["--every-option"]).every_option and not parser.parse_args([]).every_option
