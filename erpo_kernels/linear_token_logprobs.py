@@ -486,7 +486,11 @@ def _ltl_bwd_dr_kernel(
             support_offset, thresholds, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
             HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY_GRAD, WANT_DB, ZERO_PAD, UPCAST, SUPPORT,
         )
+        # a barrier between parts: the next part's loads (bias, support words) are not hoisted into
+        # this one's epilogue (sm_90's fp16 recompute with bias, soft cap and a bitmask spilled 8 B
+        # at 255 registers without it; with it, 251 and none)
         if PARTS >= 2:
+            tl.debug_barrier()
             _dr_part(
                 acc1, v0, start + PART, local, chunk_cols, rows, row_mask, row_index, n_rows, tgt, inv_t, shift,
                 log_l, entropy, g_logp, g_entropy, b_ptr, stride_b, softcap, softcap_pre, logit_scale, support_ptr,
@@ -494,12 +498,14 @@ def _ltl_bwd_dr_kernel(
                 HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY_GRAD, WANT_DB, ZERO_PAD, UPCAST, SUPPORT,
             )
         if PARTS >= 4:
+            tl.debug_barrier()
             _dr_part(
                 acc2, v0, start + 2 * PART, local, chunk_cols, rows, row_mask, row_index, n_rows, tgt, inv_t, shift,
                 log_l, entropy, g_logp, g_entropy, b_ptr, stride_b, softcap, softcap_pre, logit_scale, support_ptr,
                 stride_support, support_offset, thresholds, dr_ptr, stride_dr, db_part_ptr, pid // n_vt,
                 HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY_GRAD, WANT_DB, ZERO_PAD, UPCAST, SUPPORT,
             )
+            tl.debug_barrier()
             _dr_part(
                 acc3, v0, start + 3 * PART, local, chunk_cols, rows, row_mask, row_index, n_rows, tgt, inv_t, shift,
                 log_l, entropy, g_logp, g_entropy, b_ptr, stride_b, softcap, softcap_pre, logit_scale, support_ptr,
