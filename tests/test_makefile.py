@@ -118,9 +118,6 @@ def test_make_test_installs_the_main_venv_beside_the_live_venvs(tmp_path):
                           capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     calls = log.read_text().splitlines()
-    install = calls.index("main -m pip install -q --disable-pip-version-check --no-compile -e .[train,dev,trl]")
-    # no venv's pip byte-compiles everything it installs (Python compiles what it imports)
-    pips = [c for c in calls if "-m pip install" in c]
-    assert {c.split()[0] for c in pips} == {"main", "verl", "vllm"} and all("--no-compile" in c for c in pips), pips
+    install = calls.index("main -m pip install -q --disable-pip-version-check -e .[train,dev,trl]")
     assert calls.index("main -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests") > install
     assert (main / ".erpo-installed").exists()
