@@ -1088,11 +1088,11 @@ def _backward_autograd(ctx, g_logp, g_entropy, *_unused):
 _linear_token_logprobs_op.register_autograd(_backward_autograd, setup_context=_setup_context)
 
 
-def operand_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """The dtype `_checked_operands` casts `hidden` to: the autocast dtype where autocast is
-    on (fp64 is left alone), else hidden's own."""
-    amp = autocast_dtype(hidden.device)
-    return amp if amp is not None and hidden.dtype != torch.float64 else hidden.dtype
+def operand_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype `_checked_operands` casts an operand (hidden, weight, bias) to: the autocast
+    dtype where autocast is on (fp64 is left alone), else its own."""
+    amp = autocast_dtype(t.device)
+    return amp if amp is not None and t.dtype != torch.float64 else t.dtype
 
 
 def _checked_operands(
@@ -1104,10 +1104,7 @@ def _checked_operands(
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=hidden.device)
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, device=hidden.device)
-    amp = autocast_dtype(hidden.device)
-    if amp is not None:  # fp64 is left alone
-        hidden, weight, bias = (t.to(amp) if t is not None and t.dtype != torch.float64 else t
-                                for t in (hidden, weight, bias))  # fmt: skip
+    hidden, weight, bias = (t.to(operand_dtype(t)) if t is not None else t for t in (hidden, weight, bias))
     check_tensor("weight", weight, dtypes=(hidden.dtype,))
     if weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight has D = {weight.shape[1]} columns but hidden has D = {hidden.shape[1]}")
