@@ -103,6 +103,12 @@ def _types(dtype: str) -> Dict[str, str]:
     return t
 
 
+def _with_support(types: Dict[str, str], kind: int) -> Dict[str, str]:
+    """`types` for a variant whose SUPPORT is `kind`, as launched: a threshold through an fp32
+    pointer (the bitmask's and the stand-in's: int32, _types)."""
+    return dict(types, support_ptr="*fp32") if kind == _module("support").THRESHOLD else types
+
+
 def _support_flag(on: bool) -> int:
     """The kernels' SUPPORT flag of a variant: the bitmask (its word loads) with the options on, else none."""
     support = _module("support")
@@ -136,7 +142,7 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
         tag = "bias+softcap+entropy" if on else "plain"
         # the op's forward (with the options on, a threshold support too)
         out.append(Variant(f"threshold+{tag}" if on else tag, m._ltl_fwd_kernel,
-                           dict(types, support_ptr="*fp32") if on else types,
+                           _with_support(types, _threshold_flag(on)),
                            dict(base, WANT_ENTROPY=on, KEEP_LOGITS=m.KEEP_NONE, SUPPORT=_threshold_flag(on)),
                            tiles.num_warps, tiles.num_stages, lowp))  # fmt: skip
         # erpo_loss's fused path: the forward that also stores the logits it kept (with the options on,
@@ -155,7 +161,7 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
         if on:  # the recompute under a bitmask support, and under a threshold
             out.append(Variant(f"support+{tag}", m._ltl_bwd_dr_kernel, types, dict(dr, SUPPORT=_support_flag(True)),
                                tiles.num_warps, tiles.num_stages, lowp))  # fmt: skip
-            out.append(Variant(f"threshold+{tag}", m._ltl_bwd_dr_kernel, dict(types, support_ptr="*fp32"),
+            out.append(Variant(f"threshold+{tag}", m._ltl_bwd_dr_kernel, _with_support(types, _threshold_flag(True)),
                                dict(dr, SUPPORT=_threshold_flag(True)), tiles.num_warps, tiles.num_stages, lowp))
     gemm = dict(flags, GEMM_N=tiles.gemm_n, GEMM_V=tiles.gemm_v, GEMM_D=tiles.gemm_d, GEMM_K=tiles.gemm_k)
     out.append(Variant("products", m._ltl_bwd_gemm_kernel, types, gemm, tiles.gemm_warps, tiles.gemm_stages, lowp))
@@ -194,8 +200,8 @@ def _every_option(dtype: str, tiles, listed: List[Variant]) -> List[Variant]:
             tag = "+".join(n for n, on in (("bias", bias), ("softcap", cap), ("entropy", ent)) if on) or "none"
             where = {support.THRESHOLD: "threshold+", support.BITMASK: "support+"}.get(kind, "")
             name = f"each:{'kept+' if base.name.startswith('kept') else ''}{where}{tag}"
-            types = dict(base.types, support_ptr="*fp32") if kind == support.THRESHOLD else base.types
-            out.append(Variant(name, base.fn, types, consts, base.num_warps, base.num_stages, base.tensor_dots))
+            out.append(Variant(name, base.fn, _with_support(base.types, kind), consts, base.num_warps, base.num_stages,
+                               base.tensor_dots))  # fmt: skip
     return out
 
 
