@@ -125,20 +125,16 @@ def _fused_api():
     """(rows_for_budget(budget, V) of the counted dtype (cost_subjects.DTYPE), row_chunks,
     DEFAULT_FUSED_BUDGET) of erpo_loss's chunked 3-GEMM path, or None at a commit without it
     (erpo_loss is then linear_token_logprobs + the loss)."""
-    import inspect
-
     try:
-        from erpo_kernels.fused_linear_loss import DEFAULT_FUSED_BUDGET, rows_for_budget
+        from erpo_kernels.fused_linear_loss import DEFAULT_FUSED_BUDGET
         from erpo_kernels.objective.micro_batches import row_chunks
     except ImportError:
         return None
     from .cost_subjects import DTYPE
+    from .step import rows_per_chunk
 
-    if len(inspect.signature(rows_for_budget).parameters) >= 3:  # the kept logits' bytes depend on the dtype
-        def rows_of(budget: int, vocab: int) -> int:
-            return rows_for_budget(budget, vocab, DTYPE)
-    else:  # a commit whose kept logits are fp32 whatever the dtype
-        rows_of = rows_for_budget
+    def rows_of(budget: int, vocab: int) -> int:
+        return rows_per_chunk(budget, vocab, DTYPE)
     return rows_of, row_chunks, DEFAULT_FUSED_BUDGET
 
 

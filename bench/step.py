@@ -331,21 +331,29 @@ def _micro_step(model: Any, opt: Any, packed: Any, batch: Any, config: Any, budg
     return step
 
 
+def rows_per_chunk(budget: int, vocab: int, dtype: torch.dtype) -> int:
+    """erpo_kernels.fused_linear_loss.rows_for_budget at any commit that has it: for operands
+    of `dtype` where it takes one (16-bit kept logits), else its rows of fp32 kept logits."""
+    import inspect
+
+    from erpo_kernels.fused_linear_loss import rows_for_budget
+
+    if len(inspect.signature(rows_for_budget).parameters) >= 3:
+        return rows_for_budget(budget, vocab, dtype)
+    return rows_for_budget(budget, vocab)
+
+
 def fused_loss_path(hidden: torch.Tensor, weight: torch.Tensor, batch: Any, config: Any) -> str:
     """Which path erpo_loss(hidden, weight, batch, config) takes: "fused (3 GEMMs)", or
     "4-GEMM: " and why not (erpo_kernels.objective.fused's rules; reads span_cu_seqlens)."""
     try:
-        from erpo_kernels.fused_linear_loss import rows_for_budget
         from erpo_kernels.objective.fused import check_fused_budget, fused_path_reason
         from erpo_kernels.objective.micro_batches import row_chunks
     except ImportError:
         return "4-GEMM: this erpo_kernels has no fused path"
     budget = check_fused_budget(None)
     reason = fused_path_reason(hidden, weight, None, config, None, "auto", budget)
-    import inspect
-
-    dtype = (hidden.dtype,) if len(inspect.signature(rows_for_budget).parameters) >= 3 else ()  # else fp32 kept
-    if reason is None and row_chunks(batch, rows_for_budget(budget, weight.shape[0], *dtype)) is None:
+    if reason is None and row_chunks(batch, rows_per_chunk(budget, weight.shape[0], hidden.dtype)) is None:
         reason = "a sequence longer than a chunk"
     return "fused (3 GEMMs)" if reason is None else f"4-GEMM: {reason}"
 
