@@ -113,17 +113,23 @@ def test_cpu_memory_measure_sees_allocations():
 
 
 def test_step_tiny(tmp_path):
+    """One `bench step` run of four variants: the fused and the stock loss path, and the packed step
+    beside its micro-batched copy (--micro-batch-tokens adds erpo-micro-12)."""
     pytest.importorskip("transformers")
     _bench(["step", "--device", "cpu", "--model", "tiny", "--queries", "2", "--group", "2", "--prompt-len", "6",
-            "--response-len", "5", "--variants", "erpo-fused,erpo-stock", "--warmup", "1", "--repeats", "1",
-            "--no-report"], tmp_path)
+            "--response-len", "5", "--variants", "erpo-fused,erpo-stock,erpo-packed", "--micro-batch-tokens", "12",
+            "--warmup", "1", "--repeats", "1", "--no-report"], tmp_path)
     run = json.loads((tmp_path / "smoke.json").read_text())["runs"][0]
     assert run["command"] == "step" and RUN_KEYS <= set(run)
     recs = {r["variant"]: r for r in run["results"]}
-    assert set(recs) == {"erpo-fused", "erpo-stock"}
+    assert set(recs) == {"erpo-fused", "erpo-stock", "erpo-packed", "erpo-micro-12"}
     for r in recs.values():
         assert r["status"] == "ok" and r["finite"], r
-        assert r["tokens"] == 2 * 2 * (6 + 5) and r["median_ms"] > 0
+        assert r["median_ms"] > 0
+    for name in ("erpo-fused", "erpo-stock"):
+        assert recs[name]["tokens"] == 2 * 2 * (6 + 5)
+    # the micro-batched step accumulates the same update as the packed one
+    assert recs["erpo-micro-12"]["loss"] == pytest.approx(recs["erpo-packed"]["loss"], rel=1e-5, abs=1e-6)
     # the fused path and the stock path compute the same loss from the same weights and batch
     assert recs["erpo-fused"]["loss"] == pytest.approx(recs["erpo-stock"]["loss"], rel=1e-4, abs=1e-6)
     # which path erpo_loss took is recorded (on a GPU: its fused 3-GEMM path; here the interpreter's or torch's)
@@ -149,9 +155,9 @@ def test_step_padded_vs_packed_tiny():
     assert losses["erpo-packed"] == pytest.approx(losses["erpo-padded"], rel=1e-5, abs=1e-6)
 
 
-def test_step_micro_batches_tiny(tmp_path):
+def test_step_micro_batches_tiny():
     """erpo-micro-K accumulates the same step as erpo-packed (same loss), in several
-    micro-batches; bad budgets are refused; --micro-batch-tokens adds the variants."""
+    micro-batches; bad budgets are refused."""
     pytest.importorskip("transformers")
     from bench.step import StepCase, make_step, micro_budget
 
@@ -165,13 +171,7 @@ def test_step_micro_batches_tiny(tmp_path):
         micro_budget("erpo-micro-x")
     with pytest.raises(ValueError, match="smaller than sequence"):
         make_step(case, "erpo-micro-4", "cpu")  # a budget below the longest sequence
-    _bench(["step", "--device", "cpu", "--model", "tiny", "--queries", "2", "--group", "2", "--prompt-len", "6",
-            "--response-len", "5", "--variants", "erpo-packed", "--micro-batch-tokens", "12", "--warmup", "1",
-            "--repeats", "1", "--no-report"], tmp_path)
-    run = json.loads((tmp_path / "smoke.json").read_text())["runs"][0]
-    recs = {r["variant"]: r for r in run["results"]}
-    assert set(recs) == {"erpo-packed", "erpo-micro-12"} and all(r["status"] == "ok" for r in recs.values())
-    assert recs["erpo-micro-12"]["loss"] == pytest.approx(recs["erpo-packed"]["loss"], rel=1e-5, abs=1e-6)
+    # the CLI's --micro-batch-tokens: test_step_tiny's run
 
 
 def test_report_of_a_gpu_run_with_roofline(tmp_path):
