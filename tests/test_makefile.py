@@ -121,3 +121,27 @@ def test_make_test_installs_the_main_venv_beside_the_live_venvs(tmp_path):
     install = calls.index("main -m pip install -q --disable-pip-version-check -e .[train,dev,trl]")
     assert calls.index("main -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests") > install
     assert (main / ".erpo-installed").exists()
+
+
+@pytest.mark.skipif((platform.system(), platform.machine()) != ("Linux", "x86_64"),
+                    reason=f"the live venvs are built on x86-64 Linux only, this is {platform.machine()}")
+def test_make_test_starts_the_vllm_suite_while_the_verl_venv_builds(tmp_path):
+    """`make test` on a fresh clone: the live vLLM suite runs as soon as its own venv is built, not
+    after the verl venv (the verl venv's fake pip fails unless the vLLM suite has started), and both
+    suites' output is printed."""
+    log = tmp_path / "calls.log"
+    main = tmp_path / "main"
+    _fake_python(main, log, tagged=True)
+    (main / ".erpo-installed").touch()
+    wait = (f'case "$*" in *"-m pip install"*) i=0; while [ $i -lt 600 ]; do '
+            f'grep -q "^vllm -m pytest" {log} && exit 0; i=$((i+1)); sleep 0.1; done; exit 1;; '
+            f'*pytest*) echo VERL-SUITE-OUTPUT;; esac\n')
+    _fake_python(tmp_path / "verl", log, wait, tagged=True)
+    _fake_python(tmp_path / "vllm", log, 'case "$*" in *pytest*) echo VLLM-SUITE-OUTPUT;; esac\n', tagged=True)
+    proc = subprocess.run(["make", "-C", str(REPO), f"VENV={main}", f"VERL_VENV={tmp_path}/verl",
+                           f"VLLM_VENV={tmp_path}/vllm", f"LIVE_LOGS={tmp_path}/live", "test"],
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "VERL-SUITE-OUTPUT" in proc.stdout and "VLLM-SUITE-OUTPUT" in proc.stdout
+    calls = log.read_text().splitlines()
+    assert calls.index("vllm -m pytest -q tests/vllm_live") < calls.index("verl -m pytest -q -p no:cacheprovider tests/verl_live")
