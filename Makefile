@@ -14,7 +14,7 @@ PIP_LOCK := $(if $(shell command -v flock 2>/dev/null),flock $(CURDIR)/Makefile,
 # it imports from source each time (import torch + transformers + vllm: 17 CPU-s without .pyc
 # files, 6 with), and the suites start many processes.
 
-.PHONY: install test test-main test-live live-verl live-vllm demo eval study study-epochs bench clean test-vllm demo-vllm
+.PHONY: install test test-main test-live live-verl demo eval study study-epochs bench clean test-vllm demo-vllm
 
 $(STAMP): setup.py
 	@echo "make install: torch and the project's dependencies into $(VENV) (pip -q prints nothing until it is done: about two minutes on a fresh clone)"
@@ -50,24 +50,22 @@ TEST_WORKERS ?= 2
 test-main: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
-# The two live suites are two chains side by side, each starting as soon as its own venv is built
-# (the vLLM venv is ready minutes before verl's; one after the other, the vLLM suite ran on for
-# minutes after the main suite had ended).
+# The two live suites are two chains side by side: the vLLM venv first (about 1.5 min alone, while
+# make install runs; its nice'd pip starves once the main suite runs), then the verl chain (its venv,
+# its suite) beside the vLLM suite. One after the other, the vLLM suite ran on for minutes after
+# the main suite had ended.
 test-live:
 	@rm -f $(LIVE_LOGS)-venvs.log $(LIVE_LOGS)-verl.log $(LIVE_LOGS)-vllm.log
 	$(if $(LIVE_STAMPS),@echo "the live verl and vLLM suites build their venvs and run beside the main suite (their output follows it)",)
+	$(if $(filter $(VLLM_STAMP),$(LIVE_STAMPS)),@$(MAKE) --no-print-directory $(VLLM_STAMP) >> $(LIVE_LOGS)-venvs.log 2>&1 || { cat $(LIVE_LOGS)-venvs.log; exit 1; },)
 	@$(MAKE) --no-print-directory live-verl & verl=$$!; rc=0; \
-	$(MAKE) --no-print-directory live-vllm || rc=1; wait $$verl || rc=1; exit $$rc
+	$(MAKE) --no-print-directory test-vllm > $(LIVE_LOGS)-vllm.log 2>&1 || rc=1; wait $$verl || rc=1; exit $$rc
 
-# One live suite: its venv (where LIVE_STAMPS builds it; pip's output goes to $(LIVE_LOGS)-venvs.log,
-# shown if the build fails), then the suite into its own log.
+# The verl chain: its venv (where LIVE_STAMPS builds it; pip's output goes to $(LIVE_LOGS)-venvs.log,
+# shown if the build fails), then its suite into its own log.
 live-verl:
 	$(if $(filter $(VERL_STAMP),$(LIVE_STAMPS)),@$(MAKE) --no-print-directory $(VERL_STAMP) >> $(LIVE_LOGS)-venvs.log 2>&1 || { cat $(LIVE_LOGS)-venvs.log; exit 1; },)
 	@$(MAKE) --no-print-directory test-verl > $(LIVE_LOGS)-verl.log 2>&1
-
-live-vllm:
-	$(if $(filter $(VLLM_STAMP),$(LIVE_STAMPS)),@$(MAKE) --no-print-directory $(VLLM_STAMP) >> $(LIVE_LOGS)-venvs.log 2>&1 || { cat $(LIVE_LOGS)-venvs.log; exit 1; },)
-	@$(MAKE) --no-print-directory test-vllm > $(LIVE_LOGS)-vllm.log 2>&1
 
 # configs/demo.yaml: the embedded default with two updates per rollout batch;
 # overwrite=true: a rerun of the demo replaces runs/demo (erpo train alone refuses to)
