@@ -50,6 +50,10 @@ TEST_WORKERS ?= 2
 test-main: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
+# $(call live_venv,STAMP): build a live venv where LIVE_STAMPS lists it (pip's output goes to
+# $(LIVE_LOGS)-venvs.log, shown if the build fails)
+live_venv = $(if $(filter $(1),$(LIVE_STAMPS)),@$(MAKE) --no-print-directory $(1) >> $(LIVE_LOGS)-venvs.log 2>&1 || { cat $(LIVE_LOGS)-venvs.log; exit 1; },)
+
 # The two live suites are two chains side by side: the vLLM venv first (about 1.5 min alone, while
 # make install runs; its nice'd pip starves once the main suite runs), then the verl chain (its venv,
 # its suite) beside the vLLM suite. One after the other, the vLLM suite ran on for minutes after
@@ -57,14 +61,13 @@ test-main: $(STAMP)
 test-live:
 	@rm -f $(LIVE_LOGS)-venvs.log $(LIVE_LOGS)-verl.log $(LIVE_LOGS)-vllm.log
 	$(if $(LIVE_STAMPS),@echo "the live verl and vLLM suites build their venvs and run beside the main suite (their output follows it)",)
-	$(if $(filter $(VLLM_STAMP),$(LIVE_STAMPS)),@$(MAKE) --no-print-directory $(VLLM_STAMP) >> $(LIVE_LOGS)-venvs.log 2>&1 || { cat $(LIVE_LOGS)-venvs.log; exit 1; },)
+	$(call live_venv,$(VLLM_STAMP))
 	@$(MAKE) --no-print-directory live-verl & verl=$$!; rc=0; \
 	$(MAKE) --no-print-directory test-vllm > $(LIVE_LOGS)-vllm.log 2>&1 || rc=1; wait $$verl || rc=1; exit $$rc
 
-# The verl chain: its venv (where LIVE_STAMPS builds it; pip's output goes to $(LIVE_LOGS)-venvs.log,
-# shown if the build fails), then its suite into its own log.
+# The verl chain: its venv, then its suite into its own log.
 live-verl:
-	$(if $(filter $(VERL_STAMP),$(LIVE_STAMPS)),@$(MAKE) --no-print-directory $(VERL_STAMP) >> $(LIVE_LOGS)-venvs.log 2>&1 || { cat $(LIVE_LOGS)-venvs.log; exit 1; },)
+	$(call live_venv,$(VERL_STAMP))
 	@$(MAKE) --no-print-directory test-verl > $(LIVE_LOGS)-verl.log 2>&1
 
 # configs/demo.yaml: the embedded default with two updates per rollout batch;

@@ -74,6 +74,13 @@ def test_make_builds_the_live_vllm_venv_from_the_local_torch(tmp_path):
 
 @pytest.mark.skipif((platform.system(), platform.machine()) != ("Linux", "x86_64"),
                     reason=f"the live venvs are built on x86-64 Linux only, this is {platform.machine()}")
+def _make_test(tmp_path: Path, main: Path) -> subprocess.CompletedProcess:
+    """`make test` with the main venv `main` and the live venvs tmp_path/verl and tmp_path/vllm."""
+    return subprocess.run(["make", "-C", str(REPO), f"VENV={main}", f"VERL_VENV={tmp_path}/verl",
+                           f"VLLM_VENV={tmp_path}/vllm", f"LIVE_LOGS={tmp_path}/live", "test"],
+                          capture_output=True, text=True, timeout=120, env=ENV)
+
+
 def test_make_test_runs_the_live_suites_beside_the_main_suite(tmp_path):
     """`make test` on a fresh clone: the live verl and vLLM venvs are built and both live suites
     run while the main suite runs (the main suite's fake pytest waits for both suites to have
@@ -88,9 +95,7 @@ def test_make_test_runs_the_live_suites_beside_the_main_suite(tmp_path):
     (main / ".erpo-installed").touch()
     _fake_python(tmp_path / "verl", log, 'case "$*" in *pytest*) echo VERL-SUITE-OUTPUT;; esac\n', tagged=True)
     _fake_python(tmp_path / "vllm", log, 'case "$*" in *pytest*) echo VLLM-SUITE-OUTPUT;; esac\n', tagged=True)
-    proc = subprocess.run(["make", "-C", str(REPO), f"VENV={main}", f"VERL_VENV={tmp_path}/verl",
-                           f"VLLM_VENV={tmp_path}/vllm", f"LIVE_LOGS={tmp_path}/live", "test"],
-                          capture_output=True, text=True, timeout=120, env=ENV)
+    proc = _make_test(tmp_path, main)
     assert proc.returncode == 0, proc.stdout + proc.stderr  # the main suite saw both live suites start
     calls = log.read_text().splitlines()
     assert "verl -m pytest -q -p no:cacheprovider tests/verl_live" in calls
@@ -113,9 +118,7 @@ def test_make_test_installs_the_main_venv_beside_the_live_venvs(tmp_path):
     _fake_python(main, log, wait, tagged=True)  # `import torch` exits 0: the installed torch is kept
     for live in ("verl", "vllm"):
         _fake_python(tmp_path / live, log, tagged=True)
-    proc = subprocess.run(["make", "-C", str(REPO), f"VENV={main}", f"VERL_VENV={tmp_path}/verl",
-                           f"VLLM_VENV={tmp_path}/vllm", f"LIVE_LOGS={tmp_path}/live", "test"],
-                          capture_output=True, text=True, timeout=120, env=ENV)
+    proc = _make_test(tmp_path, main)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     calls = log.read_text().splitlines()
     install = calls.index("main -m pip install -q --disable-pip-version-check -e .[train,dev,trl]")
@@ -138,9 +141,7 @@ def test_make_test_starts_the_vllm_suite_while_the_verl_venv_builds(tmp_path):
             f'*pytest*) echo VERL-SUITE-OUTPUT;; esac\n')
     _fake_python(tmp_path / "verl", log, wait, tagged=True)
     _fake_python(tmp_path / "vllm", log, 'case "$*" in *pytest*) echo VLLM-SUITE-OUTPUT;; esac\n', tagged=True)
-    proc = subprocess.run(["make", "-C", str(REPO), f"VENV={main}", f"VERL_VENV={tmp_path}/verl",
-                           f"VLLM_VENV={tmp_path}/vllm", f"LIVE_LOGS={tmp_path}/live", "test"],
-                          capture_output=True, text=True, timeout=120, env=ENV)
+    proc = _make_test(tmp_path, main)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "VERL-SUITE-OUTPUT" in proc.stdout and "VLLM-SUITE-OUTPUT" in proc.stdout
     calls = log.read_text().splitlines()
