@@ -7,9 +7,10 @@ what the compiler made: the block's dynamic shared memory (`metadata.shared`), r
 the stack frame and local memory from `cuobjdump -res-usage` of the cubin Triton built
 with its own ptxas flags (register spills land in the stack frame: STACK > 0 is a spill,
 what `ptxas -v` reports as spill stores; LOCAL counts other local memory), the
-tensor-core and TMA instructions in the SASS (`nvdisasm -c -ndf` of the cubin's code: the
-instructions `cuobjdump -sass` lists, without their encodings, for ~30% less CPU: after
-Triton's own passes the largest part of a compile), and the CTAs that fit on one SM.
+tensor-core and TMA instructions in the SASS of a kernel with dots (`nvdisasm -c -ndf` of
+the cubin's code: the instructions `cuobjdump -sass` lists, without their encodings, for
+~30% less CPU: after Triton's own passes the largest part of a compile) and in the PTX of
+one without (no disassembly: ~0.3 CPU-s each), and the CTAs that fit on one SM.
 `kernel_variants(op, dtype, tiles)` lists every kernel of an op at some tiles in the
 constexpr variants that change its code, and `problems(...)` says what breaks the rules
 of erpo_kernels.tiles (shared memory over the architecture's per-block limit, any stack
@@ -19,7 +20,9 @@ frame or local memory, dots off the tensor cores, TF32 in an fp32 kernel).
     python -m bench aot --archs 90,100 --json out.json   # the facts as JSON
 
 Run without TRITON_INTERPRET (a compiling process). Compiles go to a fresh Triton cache
-in a temporary folder, so an earlier run's kernels can never stand in for this one's.
+in a temporary folder, so an earlier run's kernels can never stand in for this one's, and
+without line info (TRITON_DISABLE_LINE_INFO=1 unless set: debug metadata, which changes no
+fact of the default kernels).
 """
 from __future__ import annotations
 
@@ -85,7 +88,7 @@ class Facts:
     tensor_core: List[str]
     tma: bool
     tf32: bool
-    ffma: bool
+    ffma: Optional[bool]  # FFMA in the SASS; None: not read (a kernel without dots, read in its PTX)
     tensor_dots: bool
     has_dots: bool
     problems: List[str] = field(default_factory=list)
@@ -269,21 +272,36 @@ def ctas_per_sm(arch: int, shared: int, registers: int, threads: int) -> int:
     return max(0, min(by_regs, by_smem, max_threads // threads, max_blocks))
 
 
+# The PTX of each tensor-core instruction family (what ptxas lowers to HMMA, HGMMA, UTCHMMA, ...)
+# and of a TMA copy (UTMALDG): ptxas emits neither where the PTX has none.
+_PTX_TENSOR_CORE = ("mma.sync", "wgmma.mma_async", "tcgen05.mma")
+_PTX_TMA = "cp.async.bulk.tensor"
+
+
 def facts(op: str, dtype: str, v: Variant, arch: int, limit: int, want: str) -> Facts:
+    """Compile `v` for sm_<arch> and read its facts. A kernel with dots is read in its SASS
+    (nvdisasm: the tensor-core, TMA and FFMA instructions ptxas chose); one without (has_dots
+    False: no tensor-core rule applies) in its PTX, which names any tensor-core or TMA
+    instruction the SASS could hold (ffma: None, not read), for the CPU of a disassembly."""
     start = time.time()
     k = compile_kernel(v, arch)
+    ptx = k.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(k.asm["cubin"])
         res = subprocess.run([_cuobjdump(), "-res-usage", str(path)], capture_output=True, text=True, check=True)
         sass = subprocess.run([_cuobjdump("nvdisasm"), "-c", "-ndf", str(path)], capture_output=True, text=True,
-                              check=True).stdout  # fmt: skip
+                              check=True).stdout if v.has_dots else ""  # fmt: skip
     usage = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", res.stdout))
-    ops = set(re.findall(r"\b([A-Z][A-Z0-9_]{2,})\b", sass))
+    if v.has_dots:
+        ops = set(re.findall(r"\b([A-Z][A-Z0-9_]{2,})\b", sass))
+        tensor_core, tma, ffma = sorted(ops & set(TENSOR_CORE)), "UTMALDG" in ops, "FFMA" in ops
+    else:
+        tensor_core, tma, ffma = [m for m in _PTX_TENSOR_CORE if m in ptx], _PTX_TMA in ptx, None
     threads = 32 * v.num_warps
     f = Facts(op, v.fn.__name__, v.name, dtype, arch, int(k.metadata.shared), int(usage.get("REG", 0)),
-              int(usage["STACK"]), int(usage.get("LOCAL", 0)), threads, 0, sorted(ops & set(TENSOR_CORE)), "UTMALDG" in ops,
-              ".tf32" in k.asm["ptx"], "FFMA" in ops, v.tensor_dots, v.has_dots)  # fmt: skip
+              int(usage["STACK"]), int(usage.get("LOCAL", 0)), threads, 0, tensor_core, tma, ".tf32" in ptx, ffma,
+              v.tensor_dots, v.has_dots)  # fmt: skip
     f.ctas_per_sm = ctas_per_sm(arch, f.shared, f.registers, threads)
     f.seconds = round(time.time() - start, 2)
     f.problems = problems(f, limit, want)
@@ -303,6 +321,8 @@ def problems(f: Facts, limit: int, want: str) -> List[str]:
         out.append(f"dots not on {want} (found {f.tensor_core or 'none'})")
     if f.has_dots and not f.tensor_dots and f.tf32:
         out.append("fp32 dot on TF32")
+    if not f.has_dots and f.tensor_core:
+        out.append(f"tensor-core instructions ({', '.join(f.tensor_core)}) in a kernel listed without dots")
     if f.ctas_per_sm < 1:
         out.append("no CTA fits on an SM")
     return out
@@ -364,6 +384,9 @@ def compile_all(todo: Sequence[Tuple[str, str, int, int]], workers: Optional[int
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns unless told; 3.6 (the GPU's) fuses
+    # No line info (debug metadata, which the JIT adds): every fact of the 276 default kernels is the
+    # same without it, for ~15% less CPU in Triton's passes and ptxas
+    env.setdefault("TRITON_DISABLE_LINE_INFO", "1")
     done: Dict[Tuple, Dict] = {}
     deadline = time.time() + timeout
     with tempfile.TemporaryDirectory() as tmp:

@@ -144,7 +144,7 @@ def test_every_kernel_compiles_for_every_architecture_within_its_limits():
     # parallel subprocesses (a fresh Triton cache each: nothing of an earlier run is reused).
     from _aot import run_aot
 
-    rows = run_aot(_AOT, timeout=1500)  # ~100 s on an idle 2-core machine; far more on a shared one
+    rows = run_aot(_AOT, timeout=1500)  # 276 compiles, ~280 CPU-s: ~140 s on an idle 2-core machine
     kernels = {"_ltl_fwd_kernel", "_ltl_bwd_dr_kernel", "_ltl_bwd_gemm_kernel", "_ltl_merge_kernel",
                "_fused_dr_kernel", "_token_logprobs_fwd_kernel", "_token_logprobs_bwd_kernel"}
     for arch in (80, 86, 89, 90, 100, 120):
@@ -353,3 +353,19 @@ def test_bench_aot_every_option_lists_each_logit_kernel_in_all_24_combinations()
     parser = argparse.ArgumentParser()
     aot.add_arguments(parser)
     assert parser.parse_args(["--every-option"]).every_option and not parser.parse_args([]).every_option
+
+
+def test_aot_rules_read_each_kernel_where_its_facts_are():
+    """bench.aot.problems: what breaks a rule (no compile). A kernel with dots is read in its SASS;
+    one without in its PTX (no disassembly), where a tensor-core instruction still breaks its listing."""
+    from bench.aot import Facts, problems
+
+    ok = dict(op="linear_token_logprobs", kernel="k", variant="plain", dtype="bf16", arch=90, shared=1024,
+              registers=128, stack=0, local=0, threads=256, ctas_per_sm=1, tma=False, tf32=False)
+    assert problems(Facts(**ok, tensor_core=["HGMMA"], ffma=True, tensor_dots=True, has_dots=True), 232_448,
+                    "HGMMA") == []
+    assert problems(Facts(**ok, tensor_core=[], ffma=None, tensor_dots=False, has_dots=False), 232_448, "HGMMA") == []
+    assert problems(Facts(**ok, tensor_core=["mma.sync"], ffma=None, tensor_dots=False, has_dots=False), 232_448,
+                    "HGMMA") == ["tensor-core instructions (mma.sync) in a kernel listed without dots"]
+    assert problems(Facts(**dict(ok, stack=8), tensor_core=["HMMA"], ffma=True, tensor_dots=True, has_dots=True),
+                    232_448, "HGMMA") == ["8 B of stack frame (register spills)", "dots not on HGMMA (found ['HMMA'])"]
