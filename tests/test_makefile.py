@@ -146,3 +146,23 @@ def test_make_test_starts_the_vllm_suite_while_the_verl_venv_builds(tmp_path):
     assert "VERL-SUITE-OUTPUT" in proc.stdout and "VLLM-SUITE-OUTPUT" in proc.stdout
     calls = log.read_text().splitlines()
     assert calls.index("vllm -m pytest -q tests/vllm_live") < calls.index("verl -m pytest -q -p no:cacheprovider tests/verl_live")
+
+
+@pytest.mark.skipif((platform.system(), platform.machine()) != ("Linux", "x86_64"),
+                    reason=f"the live venvs are built on x86-64 Linux only, this is {platform.machine()}")
+def test_make_test_runs_the_suites_writing_bytecode(tmp_path, monkeypatch):
+    """Where PYTHONDONTWRITEBYTECODE is set (as on the CI machine), `make test` empties it for the
+    three suites, so their processes reuse the bytecode of what the first one imported."""
+    log = tmp_path / "calls.log"
+    main = tmp_path / "main"
+    body = f'case "$*" in *"-m pytest"*) echo "bytecode [$PYTHONDONTWRITEBYTECODE] $*" >> {log};; esac\n'
+    for venv in (main, tmp_path / "verl", tmp_path / "vllm"):
+        _fake_python(venv, log, body, tagged=True)
+    (main / ".erpo-installed").touch()
+    monkeypatch.setitem(ENV, "PYTHONDONTWRITEBYTECODE", "1")
+    proc = _make_test(tmp_path, main)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    suites = [c for c in log.read_text().splitlines() if c.startswith("bytecode")]
+    assert sorted(suites) == ["bytecode [] -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests",
+                              "bytecode [] -m pytest -q -p no:cacheprovider tests/verl_live",
+                              "bytecode [] -m pytest -q tests/vllm_live"], suites
