@@ -72,8 +72,6 @@ def test_make_builds_the_live_vllm_venv_from_the_local_torch(tmp_path):
     assert sum("torch" in c for c in calls) == 1  # the one local-wheel spec
 
 
-@pytest.mark.skipif((platform.system(), platform.machine()) != ("Linux", "x86_64"),
-                    reason=f"the live venvs are built on x86-64 Linux only, this is {platform.machine()}")
 def _make_test(tmp_path: Path, main: Path) -> subprocess.CompletedProcess:
     """`make test` with the main venv `main` and the live venvs tmp_path/verl and tmp_path/vllm."""
     return subprocess.run(["make", "-C", str(REPO), f"VENV={main}", f"VERL_VENV={tmp_path}/verl",
@@ -81,6 +79,8 @@ def _make_test(tmp_path: Path, main: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, env=ENV)
 
 
+@pytest.mark.skipif((platform.system(), platform.machine()) != ("Linux", "x86_64"),
+                    reason=f"the live venvs are built on x86-64 Linux only, this is {platform.machine()}")
 def test_make_test_runs_the_live_suites_beside_the_main_suite(tmp_path):
     """`make test` on a fresh clone: the live verl and vLLM venvs are built and both live suites
     run while the main suite runs (the main suite's fake pytest waits for both suites to have
