@@ -290,14 +290,14 @@ def facts(op: str, dtype: str, v: Variant, arch: int, limit: int, want: str) -> 
         path = Path(tmp) / "k.cubin"
         path.write_bytes(k.asm["cubin"])
         res = subprocess.run([_cuobjdump(), "-res-usage", str(path)], capture_output=True, text=True, check=True)
-        sass = subprocess.run([_cuobjdump("nvdisasm"), "-c", "-ndf", str(path)], capture_output=True, text=True,
-                              check=True).stdout if v.has_dots else ""  # fmt: skip
+        if v.has_dots:
+            sass = subprocess.run([_cuobjdump("nvdisasm"), "-c", "-ndf", str(path)], capture_output=True, text=True,
+                                  check=True).stdout  # fmt: skip
+            ops = set(re.findall(r"\b([A-Z][A-Z0-9_]{2,})\b", sass))
+            tensor_core, tma, ffma = sorted(ops & set(TENSOR_CORE)), "UTMALDG" in ops, "FFMA" in ops
+        else:
+            tensor_core, tma, ffma = [m for m in _PTX_TENSOR_CORE if m in ptx], _PTX_TMA in ptx, None
     usage = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", res.stdout))
-    if v.has_dots:
-        ops = set(re.findall(r"\b([A-Z][A-Z0-9_]{2,})\b", sass))
-        tensor_core, tma, ffma = sorted(ops & set(TENSOR_CORE)), "UTMALDG" in ops, "FFMA" in ops
-    else:
-        tensor_core, tma, ffma = [m for m in _PTX_TENSOR_CORE if m in ptx], _PTX_TMA in ptx, None
     threads = 32 * v.num_warps
     f = Facts(op, v.fn.__name__, v.name, dtype, arch, int(k.metadata.shared), int(usage.get("REG", 0)),
               int(usage["STACK"]), int(usage.get("LOCAL", 0)), threads, 0, tensor_core, tma, ".tf32" in ptx, ffma,
