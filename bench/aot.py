@@ -7,10 +7,10 @@ what the compiler made: the block's dynamic shared memory (`metadata.shared`), r
 the stack frame and local memory from `cuobjdump -res-usage` of the cubin Triton built
 with its own ptxas flags (register spills land in the stack frame: STACK > 0 is a spill,
 what `ptxas -v` reports as spill stores; LOCAL counts other local memory), the
-tensor-core and TMA instructions in the SASS of a kernel with dots (`nvdisasm -c -ndf` of
-the cubin's code: the instructions `cuobjdump -sass` lists, without their encodings, for
-~30% less CPU: after Triton's own passes the largest part of a compile) and in the PTX of
-one without (no disassembly: ~0.3 CPU-s each), and the CTAs that fit on one SM.
+tensor-core, TMA, TF32 and FMA instructions in the PTX (a tensor-core instruction by the
+SASS family ptxas lowers it to: its only lowering, so the same family nvdisasm lists in the
+SASS, checked on all 276 default kernels; no disassembly, ~0.35 CPU-s a kernel), and the
+CTAs that fit on one SM.
 `kernel_variants(op, dtype, tiles)` lists every kernel of an op at some tiles in the
 constexpr variants that change its code, and `problems(...)` says what breaks the rules
 of erpo_kernels.tiles (shared memory over the architecture's per-block limit, any stack
@@ -44,7 +44,6 @@ ARCH_NAMES = {80: "A100", 86: "A10/A40/RTX 30xx", 89: "L4/L40S/RTX 40xx", 90: "H
 # registers, resident threads and blocks (CUDA programming guide, compute capabilities table).
 SM_LIMITS = {80: (167_936, 65_536, 2048, 32), 86: (102_400, 65_536, 1536, 16), 89: (102_400, 65_536, 1536, 24),
              90: (233_472, 65_536, 2048, 32), 100: (233_472, 65_536, 2048, 32), 120: (102_400, 65_536, 1536, 32)}
-TENSOR_CORE = ("HMMA", "HGMMA", "UTCHMMA", "UTCQMMA", "IMMA")
 DTYPES = ("bf16", "fp16", "fp32")
 OPS = ("linear_token_logprobs", "token_logprobs")
 
@@ -88,7 +87,7 @@ class Facts:
     tensor_core: List[str]
     tma: bool
     tf32: bool
-    ffma: Optional[bool]  # FFMA in the SASS; None: not read (a kernel without dots, read in its PTX)
+    ffma: bool  # fma.rn.f32 in the PTX (an fp32 dot on FMA; each an FFMA in the SASS)
     tensor_dots: bool
     has_dots: bool
     problems: List[str] = field(default_factory=list)
@@ -256,7 +255,7 @@ def compile_kernel(v: Variant, arch: int):
 
 
 def _cuobjdump(tool: str = "cuobjdump") -> str:
-    """The path of a CUDA binary tool Triton ships beside its ptxas (cuobjdump, nvdisasm)."""
+    """The path of a CUDA binary tool Triton ships beside its ptxas (cuobjdump)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     return str(Path(get_ptxas(90).path).parent / tool)
@@ -272,17 +271,29 @@ def ctas_per_sm(arch: int, shared: int, registers: int, threads: int) -> int:
     return max(0, min(by_regs, by_smem, max_threads // threads, max_blocks))
 
 
-# The PTX of each tensor-core instruction family (what ptxas lowers to HMMA, HGMMA, UTCHMMA, ...)
-# and of a TMA copy (UTMALDG): ptxas emits neither where the PTX has none.
-_PTX_TENSOR_CORE = ("mma.sync", "wgmma.mma_async", "tcgen05.mma")
-_PTX_TMA = "cp.async.bulk.tensor"
+# The SASS family ptxas lowers each tensor-core PTX instruction to (its only lowering: nvdisasm
+# of all 276 default kernels listed the same family for each), by the instruction and its operand
+# types; one named nowhere here stays its PTX name, which no architecture's rule accepts.
+_TENSOR_CORE_OF_PTX = ((r"mma\.sync\.\S*\.(?:bf16|f16|tf32)\.", "HMMA"), (r"mma\.sync\.\S*\.[su]8\.", "IMMA"),
+                       (r"wgmma\.mma_async\.\S*\.(?:bf16|f16|tf32)$", "HGMMA"),
+                       (r"tcgen05\.mma\.\S*kind::(?:f16|tf32)$", "UTCHMMA"),
+                       (r"tcgen05\.mma\.\S*kind::f8f6f4$", "UTCQMMA"))  # fmt: skip
+_PTX_TMA = "cp.async.bulk.tensor"  # a TMA copy (UTMALDG in the SASS)
+
+
+def tensor_core_of_ptx(ptx: str) -> List[str]:
+    """The SASS families of the tensor-core instructions in `ptx` (sorted, each once):
+    mma.sync on 16-bit floats -> HMMA, wgmma -> HGMMA, tcgen05.mma kind::f16 -> UTCHMMA, ...;
+    an instruction of another kind as its PTX name."""
+    out = set()
+    for ins in re.findall(r"\b((?:mma\.sync|wgmma\.mma_async|tcgen05\.mma)[\w.:]*)", ptx):
+        out.add(next((sass for pattern, sass in _TENSOR_CORE_OF_PTX if re.match(pattern, ins)), ins))
+    return sorted(out)
 
 
 def facts(op: str, dtype: str, v: Variant, arch: int, limit: int, want: str) -> Facts:
-    """Compile `v` for sm_<arch> and read its facts. A kernel with dots is read in its SASS
-    (nvdisasm: the tensor-core, TMA and FFMA instructions ptxas chose); one without (has_dots
-    False: no tensor-core rule applies) in its PTX, which names any tensor-core or TMA
-    instruction the SASS could hold (ffma: None, not read), for the CPU of a disassembly."""
+    """Compile `v` for sm_<arch> and read its facts (its resources from the cubin, its
+    instructions from the PTX)."""
     start = time.time()
     k = compile_kernel(v, arch)
     ptx = k.asm["ptx"]
@@ -290,13 +301,7 @@ def facts(op: str, dtype: str, v: Variant, arch: int, limit: int, want: str) -> 
         path = Path(tmp) / "k.cubin"
         path.write_bytes(k.asm["cubin"])
         res = subprocess.run([_cuobjdump(), "-res-usage", str(path)], capture_output=True, text=True, check=True)
-        if v.has_dots:
-            sass = subprocess.run([_cuobjdump("nvdisasm"), "-c", "-ndf", str(path)], capture_output=True, text=True,
-                                  check=True).stdout  # fmt: skip
-            ops = set(re.findall(r"\b([A-Z][A-Z0-9_]{2,})\b", sass))
-            tensor_core, tma, ffma = sorted(ops & set(TENSOR_CORE)), "UTMALDG" in ops, "FFMA" in ops
-        else:
-            tensor_core, tma, ffma = [m for m in _PTX_TENSOR_CORE if m in ptx], _PTX_TMA in ptx, None
+    tensor_core, tma, ffma = tensor_core_of_ptx(ptx), _PTX_TMA in ptx, bool(re.search(r"\bfma\.rn\.f32\b", ptx))
     usage = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", res.stdout))
     threads = 32 * v.num_warps
     f = Facts(op, v.fn.__name__, v.name, dtype, arch, int(k.metadata.shared), int(usage.get("REG", 0)),

@@ -33,7 +33,7 @@ collect_ignore = ["vllm_live", "verl_live"]
 # make test runs this suite in 2 workers, each taking whole files (pytest -n 2 --dist loadfile
 # --no-loadscope-reorder: a module's fixtures, e.g. a torchrun launch, run once), in the order
 # below: the longest files first, so that no long one is left to run alone at the end.
-# Measured in CPU seconds (2026-12-02): the AOT sweep in test_tiles ~500, the rest 30-100 each.
+# Measured in CPU seconds (2026-12-03): the AOT sweep in test_tiles ~220, the rest 30-100 each.
 LONG_FILES_FIRST = ("test_tiles.py", "test_study.py", "test_bench.py", "test_trainer.py", "test_cli.py",
                     "test_vocab_parallel.py", "test_large_vocab.py", "test_recipes.py", "test_distributed.py",
                     "test_cost.py")

@@ -144,7 +144,7 @@ def test_every_kernel_compiles_for_every_architecture_within_its_limits():
     # parallel subprocesses (a fresh Triton cache each: nothing of an earlier run is reused).
     from _aot import run_aot
 
-    rows = run_aot(_AOT, timeout=1500)  # 276 compiles, ~280 CPU-s: ~140 s on an idle 2-core machine
+    rows = run_aot(_AOT, timeout=1500)  # 276 compiles, ~220 CPU-s: ~115 s on an idle 2-core machine
     kernels = {"_ltl_fwd_kernel", "_ltl_bwd_dr_kernel", "_ltl_bwd_gemm_kernel", "_ltl_merge_kernel",
                "_fused_dr_kernel", "_token_logprobs_fwd_kernel", "_token_logprobs_bwd_kernel"}
     for arch in (80, 86, 89, 90, 100, 120):
@@ -355,17 +355,33 @@ def test_bench_aot_every_option_lists_each_logit_kernel_in_all_24_combinations()
     assert parser.parse_args(["--every-option"]).every_option and not parser.parse_args([]).every_option
 
 
+def test_aot_reads_each_tensor_core_instruction_as_its_sass_family():
+    """bench.aot reads a kernel's instructions in its PTX (no disassembly): each tensor-core
+    instruction as the SASS family ptxas lowers it to, one of another kind as itself."""
+    from bench.aot import tensor_core_of_ptx
+
+    ptx = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {a}, {b}, {c}, {d};\n"
+           "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {a}, {b}, {c}, {d};\n")
+    assert tensor_core_of_ptx(ptx) == ["HMMA"]
+    assert tensor_core_of_ptx("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {a}, b, c;") == ["HGMMA"]
+    assert tensor_core_of_ptx("tcgen05.mma.cta_group::1.kind::f16 [t], a, b, c;") == ["UTCHMMA"]
+    assert tensor_core_of_ptx("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {a}, {b}, {c}, {d};") == ["IMMA"]
+    fp8 = "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3"
+    assert tensor_core_of_ptx(f"{fp8} {{a}}, b, c;") == [fp8]  # not a family the rules name: it breaks them
+    assert tensor_core_of_ptx("wgmma.fence.sync.aligned;\nfma.rn.f32 a, b, c, d;") == []
+
+
 def test_aot_rules_read_each_kernel_where_its_facts_are():
-    """bench.aot.problems: what breaks a rule (no compile). A kernel with dots is read in its SASS;
-    one without in its PTX (no disassembly), where a tensor-core instruction still breaks its listing."""
+    """bench.aot.problems: what breaks a rule (no compile), a tensor-core instruction in a kernel
+    listed without dots too."""
     from bench.aot import Facts, problems
 
     ok = dict(op="linear_token_logprobs", kernel="k", variant="plain", dtype="bf16", arch=90, shared=1024,
               registers=128, stack=0, local=0, threads=256, ctas_per_sm=1, tma=False, tf32=False)
     assert problems(Facts(**ok, tensor_core=["HGMMA"], ffma=True, tensor_dots=True, has_dots=True), 232_448,
                     "HGMMA") == []
-    assert problems(Facts(**ok, tensor_core=[], ffma=None, tensor_dots=False, has_dots=False), 232_448, "HGMMA") == []
-    assert problems(Facts(**ok, tensor_core=["mma.sync"], ffma=None, tensor_dots=False, has_dots=False), 232_448,
-                    "HGMMA") == ["tensor-core instructions (mma.sync) in a kernel listed without dots"]
+    assert problems(Facts(**ok, tensor_core=[], ffma=False, tensor_dots=False, has_dots=False), 232_448, "HGMMA") == []
+    assert problems(Facts(**ok, tensor_core=["HMMA"], ffma=False, tensor_dots=False, has_dots=False), 232_448,
+                    "HGMMA") == ["tensor-core instructions (HMMA) in a kernel listed without dots"]
     assert problems(Facts(**dict(ok, stack=8), tensor_core=["HMMA"], ffma=True, tensor_dots=True, has_dots=True),
                     232_448, "HGMMA") == ["8 B of stack frame (register spills)", "dots not on HGMMA (found ['HMMA'])"]
