@@ -31,9 +31,11 @@ use_v2_model_runner, "rollouts": one Rollout per run}.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def stand_in_for_triton_cpu() -> None:
@@ -69,6 +71,17 @@ def stand_in_for_triton_cpu() -> None:
     import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
 
     topk_topp.HAS_TRITON = False  # top-k / top-p by apply_top_k_top_p_pytorch
+    # As a compiled backend runs them: without the interpreter's integer-overflow checks (a compiled
+    # kernel has them only in debug mode; here they were a third of the sampler's interpreted time),
+    # and each helper's language patch once per launch (tests/_interpreter_speed.py): same results.
+    from triton.runtime import interpreter
+
+    interpreter.interpreter_builder.options = dataclasses.replace(interpreter.interpreter_builder.options,
+                                                                  sanitize_overflow=False)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from _interpreter_speed import skip_repeated_language_patches
+
+    skip_repeated_language_patches()
 
 
 def main(spec_path: str, out_path: str) -> None:
