@@ -9,7 +9,7 @@ with its own ptxas flags (register spills land in the stack frame: STACK > 0 is 
 what `ptxas -v` reports as spill stores; LOCAL counts other local memory), the
 tensor-core, TMA, TF32 and FMA instructions in the PTX (a tensor-core instruction by the
 SASS family ptxas lowers it to: its only lowering, so the same family nvdisasm lists in the
-SASS, checked on all 276 default kernels; no disassembly, ~0.35 CPU-s a kernel), and the
+SASS, checked on all 276 default kernels; a disassembly cost ~0.35 CPU-s a kernel), and the
 CTAs that fit on one SM.
 `kernel_variants(op, dtype, tiles)` lists every kernel of an op at some tiles in the
 constexpr variants that change its code, and `problems(...)` says what breaks the rules
