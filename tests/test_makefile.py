@@ -26,6 +26,11 @@ def _fake_python(venv: Path, log: Path, body: str = "", tagged: bool = False) ->
     fake.chmod(0o755)
 
 
+def _until(condition: str, seconds: int = 60) -> str:
+    """A shell loop that tests `condition` every 0.1 s: exit 0 once it holds, exit 1 after `seconds`."""
+    return f"i=0; while [ $i -lt {seconds * 10} ]; do {condition} && exit 0; i=$((i+1)); sleep 0.1; done; exit 1"
+
+
 def _install(tmp_path: Path, torch_importable: bool) -> str:
     venv = tmp_path / "venv"
     log = tmp_path / "calls.log"
@@ -89,9 +94,8 @@ def test_make_test_runs_the_live_suites_beside_the_main_suite(tmp_path):
     suites' output is printed after the main suite's."""
     log = tmp_path / "calls.log"
     main = tmp_path / "main"
-    wait = (f'case "$*" in "-m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests") i=0; while [ $i -lt 600 ]; do '
-            f'grep -q "^verl -m pytest" {log} && grep -q "^vllm -m pytest" {log} && echo MAIN-SUITE-DONE && exit 0; '
-            f'i=$((i+1)); sleep 0.1; done; exit 1;; esac\n')
+    both = f'grep -q "^verl -m pytest" {log} && grep -q "^vllm -m pytest" {log} && echo MAIN-SUITE-DONE'
+    wait = f'case "$*" in "-m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests") {_until(both)};; esac\n'
     _fake_python(main, log, wait, tagged=True)
     (main / ".erpo-installed").touch()
     _fake_python(tmp_path / "verl", log, 'case "$*" in *pytest*) echo VERL-SUITE-OUTPUT;; esac\n', tagged=True)
@@ -114,8 +118,8 @@ def test_make_test_installs_the_main_venv_beside_the_live_venvs(tmp_path):
     (its fake pip fails unless the vLLM venv's build has started), and the main suite after it."""
     log = tmp_path / "calls.log"
     main = tmp_path / "main"
-    wait = (f'case "$*" in *"-m pip install"*) i=0; while [ $i -lt 600 ]; do '
-            f'grep -q "^vllm -m pip install" {log} && exit 0; i=$((i+1)); sleep 0.1; done; exit 1;; esac\n')
+    started = f'grep -q "^vllm -m pip install" {log}'
+    wait = f'case "$*" in *"-m pip install"*) {_until(started)};; esac\n'
     _fake_python(main, log, wait, tagged=True)  # `import torch` exits 0: the installed torch is kept
     for live in ("verl", "vllm"):
         _fake_python(tmp_path / live, log, tagged=True)
@@ -137,13 +141,13 @@ def test_make_install_runs_while_the_vllm_venv_installs_its_requirements(tmp_pat
     log = tmp_path / "calls.log"
     main = tmp_path / "main"
     # make install's torch install lasts until the vLLM venv's requirements install has begun
-    _fake_python(main, log, f'case "$*" in *"import torch"*) exit 1;; *"torch=="*) i=0; while [ $i -lt 300 ]; do '
-                 f'grep -q "^vllm -m pip install.*vllm-requirements.txt" {log} && exit 0; i=$((i+1)); sleep 0.1; '
-                 f'done; exit 1;; esac\n', tagged=True)
+    started = f'grep -q "^vllm -m pip install.*vllm-requirements.txt" {log}'
+    _fake_python(main, log, f'case "$*" in *"import torch"*) exit 1;; *"torch=="*) {_until(started, 30)};; esac\n',
+                 tagged=True)
     first = tmp_path / "first-requirements-install"
+    project = f'grep -q "^main -m pip install.*-e .\\[train,dev,trl\\]" {log}'
     wait = (f'case "$*" in *"-m pip install"*vllm-requirements.txt*) [ -e {first} ] && exit 0; touch {first}; '
-            f'i=0; while [ $i -lt 300 ]; do grep -q "^main -m pip install.*-e .\\[train,dev,trl\\]" {log} && exit 0; '
-            f'i=$((i+1)); sleep 0.1; done; exit 1;; esac\n')
+            f'{_until(project, 30)};; esac\n')
     _fake_python(tmp_path / "vllm", log, wait, tagged=True)
     _fake_python(tmp_path / "verl", log, tagged=True)
     proc = _make_test(tmp_path, main)
@@ -164,9 +168,8 @@ def test_make_test_starts_the_vllm_suite_while_the_verl_venv_builds(tmp_path):
     main = tmp_path / "main"
     _fake_python(main, log, tagged=True)
     (main / ".erpo-installed").touch()
-    wait = (f'case "$*" in *"-m pip install"*) i=0; while [ $i -lt 600 ]; do '
-            f'grep -q "^vllm -m pytest" {log} && exit 0; i=$((i+1)); sleep 0.1; done; exit 1;; '
-            f'*pytest*) echo VERL-SUITE-OUTPUT;; esac\n')
+    started = f'grep -q "^vllm -m pytest" {log}'
+    wait = f'case "$*" in *"-m pip install"*) {_until(started)};; *pytest*) echo VERL-SUITE-OUTPUT;; esac\n'
     _fake_python(tmp_path / "verl", log, wait, tagged=True)
     _fake_python(tmp_path / "vllm", log, 'case "$*" in *pytest*) echo VLLM-SUITE-OUTPUT;; esac\n', tagged=True)
     proc = _make_test(tmp_path, main)
