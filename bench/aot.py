@@ -254,11 +254,11 @@ def compile_kernel(v: Variant, arch: int):
                           options={"num_warps": v.num_warps, "num_stages": v.num_stages})  # fmt: skip
 
 
-def _cuobjdump(tool: str = "cuobjdump") -> str:
-    """The path of a CUDA binary tool Triton ships beside its ptxas (cuobjdump)."""
+def _cuobjdump() -> str:
+    """The path of the cuobjdump Triton ships beside its ptxas."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    return str(Path(get_ptxas(90).path).parent / tool)
+    return str(Path(get_ptxas(90).path).parent / "cuobjdump")
 
 
 def ctas_per_sm(arch: int, shared: int, registers: int, threads: int) -> int:
