@@ -46,6 +46,9 @@ SM_LIMITS = {80: (167_936, 65_536, 2048, 32), 86: (102_400, 65_536, 1536, 16), 8
              90: (233_472, 65_536, 2048, 32), 100: (233_472, 65_536, 2048, 32), 120: (102_400, 65_536, 1536, 32)}
 DTYPES = ("bf16", "fp16", "fp32")
 OPS = ("linear_token_logprobs", "token_logprobs")
+# The kernels the ops' variants compile (kernel_variants; tests/test_tiles.py checks the list)
+KERNELS = ("_ltl_fwd_kernel", "_fused_dr_kernel", "_ltl_bwd_dr_kernel", "_ltl_bwd_gemm_kernel", "_ltl_merge_kernel",
+           "_token_logprobs_fwd_kernel", "_token_logprobs_bwd_kernel")
 
 # Arguments the JIT marks divisible by 16 at N x 4096 x 151,936 on contiguous operands.
 _DIVISIBLE = [a + "_ptr" for a in ("h", "w", "b", "dr", "dw", "db", "dh", "acc", "db_part", "targets", "inv_t",
@@ -346,6 +349,21 @@ def jobs(archs: Sequence[int], ops: Sequence[str], dtypes: Sequence[str],
     return out
 
 
+def select(todo: Sequence[Tuple[str, str, int, int]], kernels: Sequence[str], prefixes: Sequence[str],
+           tiles: Optional[Dict[Tuple[str, int, str], Any]] = None, every: bool = False
+           ) -> Tuple[List[Tuple[str, str, int, int]], List[str]]:
+    """The jobs of `todo` (`jobs`' output, with its tiles and `every`) whose kernel is one of `kernels` and whose
+    variant name starts with one of `prefixes`; and the distinct variant names of those kernels (for an error)."""
+    out, names = [], {}
+    for op, dtype, arch, i in todo:
+        v = kernel_variants(op, dtype, _tiles(op, arch, dtype, tiles), every)[i]
+        if v.fn.__name__ in kernels:
+            names[v.name] = None
+            if v.name.startswith(tuple(prefixes)):
+                out.append((op, dtype, arch, i))
+    return out, list(names)
+
+
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -540,6 +558,11 @@ def add_arguments(p) -> None:
                    help="also compile the op's forward, the kept-logit forward and the recompute in every "
                         "combination of bias, soft cap, entropy and support (none, threshold, bitmask): 24 each, "
                         "where the default list has each with every option and with none")
+    p.add_argument("--kernels", type=_list_of("a kernel", KERNELS), default=None,
+                   help=f"comma list of the kernels to compile: {', '.join(KERNELS)} (default: all)")
+    p.add_argument("--variants", default=None,
+                   help="comma list of variant-name prefixes to compile, e.g. 'kept,each:kept' for erpo_loss's "
+                        "kept-logit forward (the table's variant column; default: all)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 
 
@@ -575,6 +598,12 @@ def run(args, parser) -> int:
             parser.error(f"argument --tiles: {str(exc).splitlines()[0]}")
         tiles_json = json.dumps(over)
     todo = jobs(archs, ops, dtypes, _tiles_from_json(tiles_json), args.every_option)
+    if args.kernels or args.variants:
+        prefixes = tuple(t.strip() for t in args.variants.split(",")) if args.variants else ("",)
+        todo, names = select(todo, args.kernels or KERNELS, prefixes, _tiles_from_json(tiles_json), args.every_option)
+        if not todo:
+            parser.error(f"argument --variants: no variant of {', '.join(args.kernels or KERNELS)} starts with "
+                         f"{' or '.join(map(repr, prefixes))}; the variants: {', '.join(names)}")
     rows = compile_all(todo, args.workers, tiles_json, every=args.every_option)
     print(format_table(rows))
     if args.json:

@@ -320,7 +320,11 @@ def test_bench_aot_is_a_subcommand_with_one_line_errors(capsys):
                           (["--ops", "foo"], "argument --ops: 'foo' is not an op"),
                           (["--tiles", "{"], "argument --tiles:"),
                           (["--tiles", '{"block_q": 1}'], "argument --tiles: ['block_q'] are not all fields"),
-                          (["--workers", "0"], "argument --workers: must be >= 1")):
+                          (["--workers", "0"], "argument --workers: must be >= 1"),
+                          (["--kernels", "_ltl_fwd"], "argument --kernels: '_ltl_fwd' is not a kernel"),
+                          (["--archs", "90", "--dtypes", "bf16", "--kernels", "_ltl_merge_kernel", "--variants",
+                            "kept"], "argument --variants: no variant of _ltl_merge_kernel starts with 'kept'; "
+                                     "the variants: entropy")):
         with pytest.raises(SystemExit) as done:
             main(["aot", *args])
         err = capsys.readouterr().err.strip().splitlines()
@@ -353,6 +357,24 @@ def test_bench_aot_every_option_lists_each_logit_kernel_in_all_24_combinations()
     parser = argparse.ArgumentParser()
     aot.add_arguments(parser)
     assert parser.parse_args(["--every-option"]).every_option and not parser.parse_args([]).every_option
+
+
+def test_bench_aot_kernels_and_variants_choose_what_is_compiled():
+    """`--kernels` and `--variants` narrow the compiles (a tile search on one kernel: erpo_loss's
+    kept-logit forward in its 24 combinations, of the 81 compiles of `--every-option` for sm_90 in
+    bf16); KERNELS is every kernel the ops' variants name (nothing compiled here)."""
+    from bench import aot
+
+    every = {v.fn.__name__ for op in aot.OPS for a in aot.ARCH_NAMES for dt in aot.DTYPES
+             for v in aot.kernel_variants(op, dt, aot._tiles(op, a, dt), every=True)}  # fmt: skip
+    assert every == set(aot.KERNELS)
+    todo = aot.jobs([90], aot.OPS, ["bf16"], every=True)
+    kept, names = aot.select(todo, ["_ltl_fwd_kernel"], ["kept", "each:kept"], every=True)
+    got = [aot.kernel_variants(op, dt, aot._tiles(op, a, dt), True)[i] for op, dt, a, i in kept]
+    assert len(got) == 24 and all(v.fn.__name__ == "_ltl_fwd_kernel" and v.consts["KEEP_LOGITS"] for v in got)
+    assert "plain" in names and "kept+plain" in names and len(todo) > 3 * len(kept)
+    both, _ = aot.select(todo, ["_ltl_merge_kernel", "_fused_dr_kernel"], [""], every=True)
+    assert len(both) == 3  # the merge once, the softmax-gradient kernel with every option and with none
 
 
 def test_aot_reads_each_tensor_core_instruction_as_its_sass_family():
