@@ -601,6 +601,8 @@ def run(args, parser) -> int:
     if args.kernels or args.variants:
         prefixes = tuple(t.strip() for t in args.variants.split(",")) if args.variants else ("",)
         todo, names = select(todo, args.kernels or KERNELS, prefixes, _tiles_from_json(tiles_json), args.every_option)
+        if not names:
+            parser.error(f"argument --kernels: {', '.join(args.kernels)} is not a kernel of {' or '.join(ops)}")
         if not todo:
             parser.error(f"argument --variants: no variant of {', '.join(args.kernels or KERNELS)} starts with "
                          f"{' or '.join(map(repr, prefixes))}; the variants: {', '.join(names)}")

@@ -322,6 +322,8 @@ def test_bench_aot_is_a_subcommand_with_one_line_errors(capsys):
                           (["--tiles", '{"block_q": 1}'], "argument --tiles: ['block_q'] are not all fields"),
                           (["--workers", "0"], "argument --workers: must be >= 1"),
                           (["--kernels", "_ltl_fwd"], "argument --kernels: '_ltl_fwd' is not a kernel"),
+                          (["--ops", "token_logprobs", "--kernels", "_ltl_fwd_kernel"],
+                           "argument --kernels: _ltl_fwd_kernel is not a kernel of token_logprobs"),
                           (["--archs", "90", "--dtypes", "bf16", "--kernels", "_ltl_merge_kernel", "--variants",
                             "kept"], "argument --variants: no variant of _ltl_merge_kernel starts with 'kept'; "
                                      "the variants: entropy")):
