@@ -349,18 +349,25 @@ def jobs(archs: Sequence[int], ops: Sequence[str], dtypes: Sequence[str],
     return out
 
 
+def job_variant(job: Tuple[str, str, int, int], tiles: Optional[Dict[Tuple[str, int, str], Any]] = None,
+                every: bool = False) -> Variant:
+    """The variant a job of `jobs` (op, dtype, arch, index; with its tiles and `every`) compiles."""
+    op, dtype, arch, i = job
+    return kernel_variants(op, dtype, _tiles(op, arch, dtype, tiles), every)[i]
+
+
 def select(todo: Sequence[Tuple[str, str, int, int]], kernels: Sequence[str], prefixes: Sequence[str],
            tiles: Optional[Dict[Tuple[str, int, str], Any]] = None, every: bool = False
            ) -> Tuple[List[Tuple[str, str, int, int]], List[str]]:
     """The jobs of `todo` (`jobs`' output, with its tiles and `every`) whose kernel is one of `kernels` and whose
     variant name starts with one of `prefixes`; and the distinct variant names of those kernels (for an error)."""
     out, names = [], {}
-    for op, dtype, arch, i in todo:
-        v = kernel_variants(op, dtype, _tiles(op, arch, dtype, tiles), every)[i]
+    for job in todo:
+        v = job_variant(job, tiles, every)
         if v.fn.__name__ in kernels:
             names[v.name] = None
             if v.name.startswith(tuple(prefixes)):
-                out.append((op, dtype, arch, i))
+                out.append(job)
     return out, list(names)
 
 
@@ -382,9 +389,10 @@ def run_jobs(todo: Sequence[Tuple[str, str, int, int]], tiles: Optional[Dict] = 
     from erpo_kernels.tiles import SHARED_MEMORY_PER_BLOCK, TENSOR_CORE_INSTRUCTION
 
     out = []
-    for op, dtype, arch, i in todo:
+    for job in todo:
+        op, dtype, arch, _ = job
         cap = (arch // 10, arch % 10)
-        v = kernel_variants(op, dtype, _tiles(op, arch, dtype, tiles), every)[i]
+        v = job_variant(job, tiles, every)
         out.append(facts(op, dtype, v, arch, SHARED_MEMORY_PER_BLOCK[cap], TENSOR_CORE_INSTRUCTION[cap]))
     return out
 
@@ -466,8 +474,7 @@ def counted_facts(archs: Sequence[int] = (90, 100), workers: Optional[int] = Non
                   ops: Sequence[str] = OPS) -> Dict[str, Dict[str, Dict]]:
     """kernel name -> "sm_<arch>" -> its compile facts at the default bf16 tiles, for the kernels
     of `ops` in the variant bench cost counts: what the per-launch table shows beside the counts."""
-    todo = [j for j in jobs(archs, ops, ["bf16"]) if kernel_variants(j[0], j[1], _tiles(j[0], j[2], j[1]))[j[3]].name
-            in COUNTED_VARIANTS]  # fmt: skip
+    todo = [j for j in jobs(archs, ops, ["bf16"]) if job_variant(j).name in COUNTED_VARIANTS]
     out: Dict[str, Dict[str, Dict]] = {}
     for f in compile_all(todo, workers):
         keep = ("tensor_core", "tma", "registers", "stack", "local", "shared", "ctas_per_sm", "threads", "problems")
@@ -597,14 +604,16 @@ def run(args, parser) -> int:
         except (ValueError, TypeError) as exc:
             parser.error(f"argument --tiles: {str(exc).splitlines()[0]}")
         tiles_json = json.dumps(over)
-    todo = jobs(archs, ops, dtypes, _tiles_from_json(tiles_json), args.every_option)
+    tiles = _tiles_from_json(tiles_json)
+    todo = jobs(archs, ops, dtypes, tiles, args.every_option)
     if args.kernels or args.variants:
-        prefixes = tuple(t.strip() for t in args.variants.split(",")) if args.variants else ("",)
-        todo, names = select(todo, args.kernels or KERNELS, prefixes, _tiles_from_json(tiles_json), args.every_option)
+        kernels = args.kernels or KERNELS
+        prefixes = tuple(t.strip() for t in (args.variants or "").split(",") if t.strip()) or ("",)
+        todo, names = select(todo, kernels, prefixes, tiles, args.every_option)
         if not names:
-            parser.error(f"argument --kernels: {', '.join(args.kernels)} is not a kernel of {' or '.join(ops)}")
+            parser.error(f"argument --kernels: {', '.join(kernels)} is not a kernel of {' or '.join(ops)}")
         if not todo:
-            parser.error(f"argument --variants: no variant of {', '.join(args.kernels or KERNELS)} starts with "
+            parser.error(f"argument --variants: no variant of {', '.join(kernels)} starts with "
                          f"{' or '.join(map(repr, prefixes))}; the variants: {', '.join(names)}")
     rows = compile_all(todo, args.workers, tiles_json, every=args.every_option)
     print(format_table(rows))

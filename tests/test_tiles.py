@@ -326,7 +326,9 @@ def test_bench_aot_is_a_subcommand_with_one_line_errors(capsys):
                            "argument --kernels: _ltl_fwd_kernel is not a kernel of token_logprobs"),
                           (["--archs", "90", "--dtypes", "bf16", "--kernels", "_ltl_merge_kernel", "--variants",
                             "kept"], "argument --variants: no variant of _ltl_merge_kernel starts with 'kept'; "
-                                     "the variants: entropy")):
+                                     "the variants: entropy"),
+                          (["--archs", "90", "--dtypes", "bf16", "--kernels", "_ltl_merge_kernel", "--variants",
+                            "kept, "], "argument --variants: no variant of _ltl_merge_kernel starts with 'kept';")):
         with pytest.raises(SystemExit) as done:
             main(["aot", *args])
         err = capsys.readouterr().err.strip().splitlines()
@@ -372,7 +374,7 @@ def test_bench_aot_kernels_and_variants_choose_what_is_compiled():
     assert every == set(aot.KERNELS)
     todo = aot.jobs([90], aot.OPS, ["bf16"], every=True)
     kept, names = aot.select(todo, ["_ltl_fwd_kernel"], ["kept", "each:kept"], every=True)
-    got = [aot.kernel_variants(op, dt, aot._tiles(op, a, dt), True)[i] for op, dt, a, i in kept]
+    got = [aot.job_variant(job, every=True) for job in kept]
     assert len(got) == 24 and all(v.fn.__name__ == "_ltl_fwd_kernel" and v.consts["KEEP_LOGITS"] for v in got)
     assert "plain" in names and "kept+plain" in names and len(todo) > 3 * len(kept)
     both, _ = aot.select(todo, ["_ltl_merge_kernel", "_fused_dr_kernel"], [""], every=True)
