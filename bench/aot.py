@@ -140,6 +140,7 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
     # erpo_loss's kept logits: fp16 s - m (and fp32 per-part maxima) for bf16 / fp16, fp32 s for fp32
     kept_types = dict(types, kept_ptr="*fp16") if lowp else types
     keep = m.KEEP_FP16 if lowp else m.KEEP_FP32
+    kept_tiles = tiles.kept_forward()  # the kept-logit forward's own logit width (Tiles.kept_block_v)
     out = []
     for on in (True, False):
         base = dict(flags, BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d, HAS_BIAS=on,
@@ -153,13 +154,14 @@ def _linear_variants(dtype: str, tiles) -> List[Variant]:
         # erpo_loss's fused path: the forward that also stores the logits it kept (with the options on,
         # a bitmask support too)
         out.append(Variant(f"kept+support+{tag}" if on else f"kept+{tag}", m._ltl_fwd_kernel, kept_types,
-                           dict(base, WANT_ENTROPY=on, KEEP_LOGITS=keep, SUPPORT=_support_flag(on)),
+                           dict(base, BLOCK_V=kept_tiles.block_v, WANT_ENTROPY=on, KEEP_LOGITS=keep,
+                                SUPPORT=_support_flag(on)),
                            tiles.num_warps, tiles.num_stages, lowp))  # fmt: skip
         # erpo_loss's fused path: the softmax gradient from the kept logits (no dot)
         out.append(Variant(f"{tag}", fused._fused_dr_kernel, kept_types,
                            dict(HAS_SOFTCAP=on, HAS_ENTROPY_GRAD=on, WANT_DB=on, ZERO_PAD=on, UPCAST=False,
-                                KEPT_FP16=lowp, PART=m.logit_part(tiles.block_v), BLOCK_N=tiles.block_n,
-                                BLOCK_V=fused.dr_block_v(tiles)),
+                                KEPT_FP16=lowp, PART=m.logit_part(kept_tiles.block_v), BLOCK_N=tiles.block_n,
+                                BLOCK_V=fused.dr_block_v(kept_tiles)),
                            fused.DR_WARPS, tiles.num_stages, False, has_dots=False))  # fmt: skip
         dr = dict(base, HAS_ENTROPY_GRAD=on, WANT_DB=on, ZERO_PAD=on)
         out.append(Variant(f"{tag}", m._ltl_bwd_dr_kernel, types, dr, tiles.num_warps, tiles.num_stages, lowp))

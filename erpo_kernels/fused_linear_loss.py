@@ -229,7 +229,9 @@ class LinearLogprobsChunks:
         hidden, weight, bias = (None if t is None else t.detach() for t in _checked_operands(hidden, weight, bias))
         self.hidden, self.weight, self.bias = hidden, weight, bias
         self.softcap, self.logit_scale, self.ignore_index = softcap, logit_scale, ignore_index
-        self.tiles = tiles if tiles is not None else _tiles_of([], hidden, weight)
+        # the kept-logit forward's tiles (Tiles.kept_forward: possibly wider than the op's), which
+        # also set the kept maxima's parts and the gradient's dr tiles; the products' are the op's
+        self.tiles = (tiles if tiles is not None else _tiles_of([], hidden, weight)).kept_forward()
         need = (bool(need[0]), bool(need[1]), bool(need[2]) and bias is not None)
         self.need = need
         n, d = hidden.shape

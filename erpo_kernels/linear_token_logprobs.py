@@ -147,6 +147,53 @@ def _load_weight_t(w_ptr, c0, local, limit, stride_wv, offs_d, d_mask, stride_wd
 
 
 @triton.jit
+def _transformed(r, inv_t, softcap, softcap_pre, HAS_SOFTCAP: tl.constexpr):
+    """(s, cap_slope) from r = acc + bias: with HAS_SOFTCAP z = softcap tanh(r * softcap_pre)
+    and cap_slope = 1 - tanh^2 (else z = r and cap_slope an unread stand-in), s = z * inv_t
+    (inv_t broadcast to r's shape). `_scaled_logits` (a tile) and `_target_logits` (a row's
+    target) both form s here."""
+    if HAS_SOFTCAP:
+        r, cap_slope = soft_cap(r, softcap, softcap_pre)
+    else:
+        cap_slope = r
+    return r * inv_t, cap_slope
+
+
+# For 16-bit operands, the target logit of each row whose target lies in a program's
+# vocabulary split, formed after the split's tiles (their accumulators are dead by then) as
+# a per-row dot
+#     s_target = T(hidden[row] . weight[target] + bias[target]) * inv_t
+# with the elementwise products summed in fp32 BLOCK_D at a time, instead of a column
+# compare-and-select on every logit tile of the epilogue (30+ registers a thread on sm_90
+# at 128 x 256). Its traffic is one hidden row and one weight row per valid row: N D
+# elements of each over the whole launch, against the tiles' V / BLOCK_V + N / BLOCK_N
+# weight and hidden passes. It differs from the tile's s_target by the order of the D
+# sums only (fp32 rounding: a few ulps of the dot); the target is always in a support.
+# fp32 operands (FMA dots on small tiles, where the gather costs few registers and the
+# dot's loop spilled 8 B in more combinations) gather s_target from the tile (`_fwd_part`).
+@triton.jit
+def _target_logits(
+    h_ptr, w_ptr, b_ptr, rows64, in_split, tgt, inv_t, D, stride_hn, stride_hd, stride_wv, stride_wd, stride_b,
+    softcap, softcap_pre, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """s_target [BLOCK_N] fp32 of the rows at in_split (their targets tgt in this program's
+    split), 0 elsewhere."""
+    tgt64 = tl.where(in_split, tgt, 0).to(tl.int64)
+    dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < D
+        h = _load_rows(h_ptr, rows64, in_split, stride_hn, offs_d, d_mask, stride_hd).to(tl.float32)
+        w = _load_rows(w_ptr, tgt64, in_split, stride_wv, offs_d, d_mask, stride_wd).to(tl.float32)
+        dot += tl.sum(h * w, axis=1)
+    if HAS_BIAS:
+        dot += tl.load(b_ptr + tgt64 * stride_b, mask=in_split, other=0.0).to(tl.float32)
+    s, _ = _transformed(dot, inv_t, softcap, softcap_pre, HAS_SOFTCAP)
+    return tl.where(in_split, s, 0.0)
+
+
+@triton.jit
 def _scaled_logits(
     acc, b_ptr, rows64, c0, local, limit, inv_t, stride_b, softcap, softcap_pre,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -168,11 +215,7 @@ def _scaled_logits(
     if HAS_BIAS:
         bias = tl.load(b_ptr + (c0 + local).to(tl.int64) * stride_b, mask=col_mask, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
-    if HAS_SOFTCAP:
-        acc, cap_slope = soft_cap(acc, softcap, softcap_pre)
-    else:
-        cap_slope = acc
-    s = acc * inv_t[:, None]
+    s, cap_slope = _transformed(acc, inv_t[:, None], softcap, softcap_pre, HAS_SOFTCAP)
     if SUPPORT != 0:
         s = apply_support_tile(s, s, rows64, local, limit, tgt - c0, support_ptr, stride_support, support_offset + c0,
                                thresholds, SUPPORT, local.shape[0])  # fmt: skip
@@ -209,9 +252,9 @@ def _fwd_part(
     acc, c0, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr, kept_max_ptr, V,
     n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset, thresholds,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WANT_ENTROPY: tl.constexpr, KEEP_LOGITS: tl.constexpr,
-    SUPPORT: tl.constexpr, PART: tl.constexpr,
+    SUPPORT: tl.constexpr, PART: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """The forward's online update (m, l, a, t) by one part of a logit tile (columns
+    """The forward's online update (m, l, a, and for fp32 operands t) by one part of a logit tile (columns
     c0 + local, those < v_end real; acc from `_logit_dots`), and with KEEP_LOGITS the
     part's logits stored: KEEP_FP32 s itself; KEEP_FP16 x = s - m' in fp16 with m' (the
     running max after this part's update, 0 while the row's logits are all -inf) in
@@ -232,7 +275,8 @@ def _fwd_part(
         ps = p * tl.where(p > 0, s - m_use[:, None], 0.0)
         a = alpha * (a + shifted) + tl.sum(ps, axis=1)
     l = alpha * l + tl.sum(p, axis=1)
-    t += tl.sum(tl.where(local[None, :] == (tgt - c0)[:, None], s, 0.0), axis=1)
+    if IEEE:  # fp32 operands (FMA dots, small tiles): the target logit gathered from the tile, bit for bit s_target
+        t += tl.sum(tl.where(local[None, :] == (tgt - c0)[:, None], s, 0.0), axis=1)
     # the chunk's logits, kept for the fused loss's gradient (no recompute); stored after their last
     # use here, so that the store's copy of s in its own layout is not live beside s
     if KEEP_LOGITS == 1:  # KEEP_FP32
@@ -284,10 +328,10 @@ def _ltl_fwd_kernel(
     m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_N,), dtype=tl.float32)
     a = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    t = tl.zeros((BLOCK_N,), dtype=tl.float32)
     v_start = split * v_per_split
     v_end = tl.minimum(V, v_start + v_per_split)
     v_end = tl.where(tl.min(rows, axis=0) < n_valid, v_end, v_start)  # a tile of ignored rows: no work
+    t = tl.zeros((BLOCK_N,), dtype=tl.float32)
     # A tile is PARTS column parts of PART (`_logit_dots`: one loop over D for all), whose
     # epilogue runs one part after the other: the online update per part.
     PARTS: tl.constexpr = 4 if BLOCK_V >= 256 else (2 if BLOCK_V >= 128 else 1)  # parts of >= 64 columns
@@ -301,25 +345,29 @@ def _ltl_fwd_kernel(
         m, l, a, t = _fwd_part(
             acc0, v0, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr, kept_max_ptr,
             V, n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset, thresholds,
-            HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
+            HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART, IEEE,
         )
         if PARTS >= 2:
             m, l, a, t = _fwd_part(
                 acc1, v0 + PART, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr,
                 kept_max_ptr, V, n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset,
-                thresholds, HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
+                thresholds, HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART, IEEE,
             )
         if PARTS >= 4:
             m, l, a, t = _fwd_part(
                 acc2, v0 + 2 * PART, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr,
                 kept_max_ptr, V, n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset,
-                thresholds, HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
+                thresholds, HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART, IEEE,
             )
             m, l, a, t = _fwd_part(
                 acc3, v0 + 3 * PART, local, v_end, m, l, a, t, rows, row_mask, row_index, tgt, inv_t, b_ptr, kept_ptr,
                 kept_max_ptr, V, n_parts, stride_b, softcap, softcap_pre, support_ptr, stride_support, support_offset,
-                thresholds, HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART,
+                thresholds, HAS_BIAS, HAS_SOFTCAP, WANT_ENTROPY, KEEP_LOGITS, SUPPORT, PART, IEEE,
             )
+    if not IEEE:  # 16-bit operands: the target logit as a per-row dot (`_target_logits`), after the tiles
+        in_split = row_mask & (tgt >= v_start) & (tgt < v_end)
+        t = _target_logits(h_ptr, w_ptr, b_ptr, row_index, in_split, tgt, inv_t, D, stride_hn, stride_hd, stride_wv,
+                           stride_wd, stride_b, softcap, softcap_pre, HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_D)  # fmt: skip
     out = split.to(tl.int64) * n_rows + rows
     tl.store(max_ptr + out, m, mask=row_mask)
     tl.store(sum_ptr + out, l, mask=row_mask)

@@ -52,7 +52,12 @@ class Tiles:
     products of erpo_loss's fused path (fused_linear_loss.py) and of the op's own
     backward: 0 our Triton product kernel
     (gemm_* tiles), 1 torch matmuls (cuBLAS on a GPU: the input dtype's operands, fp32
-    accumulation); `python -m bench tune` may record either per GPU.
+    accumulation); `python -m bench tune` may record either per GPU. kept_block_v: the
+    logit tile width of erpo_loss's kept-logit forward (fused_linear_loss.py; 0: block_v),
+    with the op's block_n, block_d, warps and stages over the same vocabulary chunks
+    (split_tiles * block_v columns, in whole tiles of its own): that forward is never recomputed,
+    so it need not match the backward's tiles, and a wider tile loads fewer bytes per FLOP
+    (Tiles.kept_forward).
     """
 
     block_n: int = 64
@@ -68,6 +73,7 @@ class Tiles:
     num_stages: int = 3
     gemm_stages: int = 3
     gemm_engine: int = 0
+    kept_block_v: int = 0
 
     def __post_init__(self) -> None:
         if self.gemm_engine not in (0, 1) or isinstance(self.gemm_engine, bool):
@@ -80,6 +86,17 @@ class Tiles:
             k = getattr(self, name)
             if isinstance(k, bool) or not isinstance(k, int) or k < 1:
                 raise ValueError(f"Tiles.{name} must be an int >= 1, got {k!r}")
+        if self.kept_block_v != 0:
+            _check_power_of_two("Tiles", "kept_block_v", self.kept_block_v, 16)
+
+    def kept_forward(self) -> "Tiles":
+        """The tiles of erpo_loss's kept-logit forward and of the gradient formed from its
+        kept logits: block_v = kept_block_v over chunks of split_tiles * block_v columns
+        rounded up to whole tiles of kept_block_v (self when kept_block_v is 0 or block_v)."""
+        if self.kept_block_v in (0, self.block_v):
+            return self
+        chunk = self.split_tiles * self.block_v
+        return replace(self, block_v=self.kept_block_v, split_tiles=-(-chunk // self.kept_block_v), kept_block_v=0)
 
     def as_list(self) -> List[int]:
         """The fields in order, as a custom op takes them (Tiles(*tiles) rebuilds it)."""
@@ -166,6 +183,11 @@ _SM80 = replace(_SMALL, block_d=16, num_stages=4)
 # epilogue's) and 24-192 B on 16 (128 registers a thread); 256 x 128 (two parts) 8-424 B in bf16
 # (the kept-logit forward 424, the recompute 80-112); the products' read-add-write of
 # d_hidden 280 B. The chunk is 4096 columns (32 tiles of 128).
+# erpo_loss's kept-logit forward, never recomputed, has its own 128 x 256 tiles (kept_block_v,
+# four parts of 64 as the 128 x 128 tiles' two, over the same 4096-column chunks): 85 FLOP per
+# L2 byte, 144 KB of shared memory in 3 stages, and no spill in any of its 24 option
+# combinations since the target logit is a per-row dot after the tiles
+# (linear_token_logprobs._target_logits); with the epilogue's column gather, 17 of them spilled.
 # erpo_loss's fused-path products run on cuBLAS (gemm_engine 1): the L2-charged model
 # (bench/cost_model.py) counts a cuBLAS GEMM at 85.3 FLOP per L2 byte against 64 for our
 # spill-free 128 x 128 Triton product tiles, and Hopper's products are L2-bound at either
@@ -173,12 +195,14 @@ _SM80 = replace(_SMALL, block_d=16, num_stages=4)
 # The fp32 tiles keep our products: torch's fp32 matmuls turn to TF32 under
 # torch.backends.cuda.matmul.allow_tf32, ours never do.
 _SM90 = Tiles(block_n=128, block_v=128, block_d=64, num_warps=8, split_tiles=32,
-              gemm_n=128, gemm_v=128, gemm_d=128, gemm_k=64, gemm_warps=8, gemm_engine=1)  # fmt: skip
+              gemm_n=128, gemm_v=128, gemm_d=128, gemm_k=64, gemm_warps=8, gemm_engine=1,
+              kept_block_v=256)  # fmt: skip
 # Blackwell's tcgen05 (accumulators in tensor memory) takes 4 or 8 warps in Triton: with 16
 # the dots fall back to mma.sync. The logit tiles are Hopper's 128 x 128; the products keep
 # 128 x 256 tiles (85 FLOP per L2 byte), their d_hidden summed in two column halves
-# (_dhidden_tile): 144 KB of shared memory.
-_SM100 = replace(_SM90, gemm_d=256, gemm_engine=0)
+# (_dhidden_tile): 144 KB of shared memory. The kept-logit forward stays at 128 x 128: at
+# 128 x 256 ptxas held its bias-only combination at 128 registers and spilled 40 B.
+_SM100 = replace(_SM90, gemm_d=256, gemm_engine=0, kept_block_v=0)
 _LINEAR: Dict[Capability, Dict[str, Tiles]] = {
     (8, 0): {"lowp": _SM80, "fp32": _FP32},
     (8, 6): {"lowp": _SMALL, "fp32": _FP32},

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from _compare import MARGIN, assert_close_to_ref, max_err
+from erpo_kernels import fused_linear_loss as fll
 from erpo_kernels import linear_token_logprobs, pack_support
+from erpo_kernels.tiles import default_tiles
 from erpo_kernels.fused_linear_loss import LinearLogprobsChunks, rows_for_budget
 from test_linear_token_logprobs import IGNORE, N, SMALL_TILES, V, _inputs, _ours, _truth, _torch_same_dtype
 
@@ -43,6 +45,54 @@ def test_fp32_equals_the_four_gemm_op(device, engine, chunks, options):
         assert o.dtype == r.dtype, name
         torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5, msg=name)
     assert torch.all(ours[2][args[3] == IGNORE] == 0)
+
+
+def test_kept_forward_runs_its_own_logit_width(device):
+    """Tiles.kept_block_v: the kept-logit forward (and the gradient from its kept logits)
+    launches with 64-column tiles where the op's are 32 (one part each: the kept maxima per
+    64 columns), over the same 64-column chunks; the results still equal the 4-GEMM op's
+    (fp32 within 1e-5) and bf16 stays as close to float64 as the op."""
+    tiles = replace(SMALL_TILES, kept_block_v=64)
+    args = _inputs(torch.float32, device)
+    op = LinearLogprobsChunks(*args[:3], max_rows=N, n_chunks=1, need=(True, True, True), tiles=tiles,
+                              ignore_index=IGNORE)  # fmt: skip
+    assert (op.tiles.block_v, op.tiles.split_tiles, op.chunk) == (64, 1, 64) and op.n_parts == -(-V // 64)
+    seen = []
+    real = fll._forward
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fll, "_forward", lambda launch, *a: (seen.append(launch.tiles.block_v), real(launch, *a))[1])
+        ours = _fused(*args, chunks=CHUNKS["three"], tiles=tiles, **SOFTCAP)
+    assert seen == [64, 64, 64]
+    ref = _ours(*args, backend="triton", tiles=SMALL_TILES, **SOFTCAP)
+    for name, o, r in zip(("logp", "entropy", "d_hidden", "d_weight", "d_bias"), ours, ref):
+        torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5, msg=name)
+    args = _inputs(torch.bfloat16, device)
+    ours = _fused(*args, chunks=CHUNKS["three"], tiles=tiles)
+    truth, same = _truth(*args), _torch_same_dtype(*args, dtype=torch.bfloat16)
+    for name, o, t, s in zip(("logp", "entropy", "d_hidden", "d_weight", "d_bias"), ours, truth, same):
+        assert_close_to_ref(o.cpu(), t.cpu(), s.cpu(), input_dtype=torch.bfloat16, name=name)
+
+
+def test_hopper_default_kept_forward_matches_float64(device):
+    """sm_90's default tiles in the interpreter: the kept-logit forward at 128 x 256 (four parts)
+    beside the op's 128 x 128, bf16 with bias, soft cap, entropy and a per-row temperature,
+    against float64; one chunk of tiles (split_tiles 1: a 256-column kept chunk) and partial tiles."""
+    tiles = replace(default_tiles("linear_token_logprobs", torch.bfloat16, (9, 0)), split_tiles=1)
+    assert tiles.kept_forward().block_v == 256 and tiles.block_v == 128
+    v = 256 + 211
+    dtype = torch.bfloat16
+    hidden = torch.randn(N, 24).to(dtype).to(device)
+    weight = (torch.randn(v, 24) * 0.5).to(dtype).to(device)
+    bias = torch.randn(v).to(dtype).to(device)
+    targets = torch.randint(0, v, (N,))
+    targets[[0, 5]] = IGNORE
+    args = (hidden, weight, bias, targets.to(device), (torch.rand(N) + 0.5).to(device), torch.randn(N).to(device),
+            torch.randn(N).to(device))
+    ours = _fused(*args, chunks=CHUNKS["three"], tiles=tiles, **SOFTCAP)
+    truth = _truth(*args, **SOFTCAP)
+    same = _torch_same_dtype(*args, dtype=dtype, **SOFTCAP)
+    for name, o, t, s in zip(("logp", "entropy", "d_hidden", "d_weight", "d_bias"), ours, truth, same):
+        assert_close_to_ref(o.cpu(), t.cpu(), s.cpu(), input_dtype=dtype, name=name)
 
 
 @pytest.mark.parametrize("engine", [0, 1])

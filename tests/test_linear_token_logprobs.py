@@ -281,7 +281,8 @@ def test_triton_int32_column_offsets_get_unit_stride(device, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(block_n=8), dict(block_v=48), dict(block_d=True), dict(num_warps=3), dict(split_tiles=0)]
+    "kwargs", [dict(block_n=8), dict(block_v=48), dict(block_d=True), dict(num_warps=3), dict(split_tiles=0),
+               dict(kept_block_v=8), dict(kept_block_v=96)],
 )
 def test_tiles_reject_what_tl_dot_cannot_take(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):

@@ -40,6 +40,16 @@ def test_default_tiles_for_every_op_and_architecture():
         assert min(t.gemm_v, t.gemm_d) >= 128 and min(t.gemm_n, t.gemm_d) >= 128, t
     t = default_tiles("linear_token_logprobs", torch.bfloat16, (10, 0))
     assert t.gemm_v * t.gemm_d >= 128 * 256 and t.gemm_n * t.gemm_d >= 128 * 256, t
+    # erpo_loss's kept-logit forward (never recomputed): its own 128 x 256 tiles on Hopper (85 FLOP
+    # per L2 byte) over the op's 4096-column chunks; elsewhere the op's own
+    hopper = default_tiles("linear_token_logprobs", torch.bfloat16, (9, 0))
+    assert (hopper.kept_block_v, hopper.kept_forward().block_v, hopper.kept_forward().split_tiles) == (256, 256, 16)
+    assert hopper.kept_forward().split_tiles * 256 == hopper.split_tiles * hopper.block_v
+    for dtype in DTYPES:
+        for cap in ARCHITECTURES:
+            t = default_tiles("linear_token_logprobs", dtype, cap)
+            assert t.kept_block_v == (256 if cap == (9, 0) and dtype != torch.float32 else 0), (cap, dtype)
+            assert t.kept_forward() is t or cap == (9, 0)
     with pytest.raises(ValueError, match="op must be one of"):
         default_tiles("segment_sum", torch.bfloat16, (9, 0))
     assert SHARED_MEMORY_PER_BLOCK[(8, 9)] == 101_376 and TENSOR_CORE_INSTRUCTION[(10, 0)] == "UTCHMMA"
