@@ -5,7 +5,9 @@ does 4).
 `LinearLogprobsChunks` scores the rows of a batch a chunk at a time. Per chunk of rows
 [r0, r1) (whole sequences, chosen by the caller):
 
-    forward(r0, r1, ...)   linear_token_logprobs' forward kernel and merge, with the
+    forward(r0, r1, ...)   linear_token_logprobs' forward kernel and merge at the
+                           tiles' kept_forward() (Tiles.kept_block_v: a logit width of
+                           its own, 256 on Hopper, as nothing recomputes these logits), the
                            kernel also storing the chunk's scaled logits s [rows, V]
                            in a kept buffer (fp32 operands: s itself, exactly what the
                            softmax saw; bf16 / fp16: x = s - m in fp16, m the row's
@@ -40,7 +42,7 @@ dtype in the same pass that scales it by the upstream gradient (objective/fused.
 `_ScaledGradients`). Nothing of size N x V for the whole batch.
 
 Precision and order. For fp32 operands the kept logits are the forward's fp32 values bit
-for bit, so dr is the one linear_token_logprobs' backward forms from its recompute (the
+for bit, so at the op's own logit width (kept_block_v 0, every fp32 default) dr is the one linear_token_logprobs' backward forms from its recompute (the
 soft cap's slope 1 - tanh^2 is recovered from s: tanh = s / (inv_T c), an absolute error
 of a few fp32 ulps). For bf16 / fp16, x = s - m <= 0 rounded to fp16 moves p by a
 relative |x| 2^-11 at most, whatever the logits' magnitude (`_fused_dr_kernel`'s comment;

@@ -21,7 +21,9 @@ stable sort puts the valid rows first (`order`), their count stays on the device
 every kernel reads rows through `order` (tiles past the count do no work). The
 vocabulary is processed in chunks of split_tiles x block_v columns (`Tiles`).
     forward   `_ltl_fwd_kernel`: one program per (row tile, chunk): an online
-              log-sum-exp and entropy over its chunk; `_ltl_merge_kernel` merges
+              log-sum-exp and entropy over its chunk, and s_target where the
+              target is in it (bf16 / fp16: one dot per row after the chunk's tiles,
+              `_target_logits`; fp32: gathered from its tile); `_ltl_merge_kernel` merges
               the chunks' statistics (a few floats per row) in chunk order.
     backward  per chunk, `_ltl_bwd_dr_kernel` recomputes the chunk's logits and
               writes the softmax gradient dr [N, chunk] to a workspace, then
@@ -113,7 +115,26 @@ def _logit_dots(
     those at local < limit - k PART real; the accumulators past PARTS unread stand-ins),
     fp32, [BLOCK_N, PART] each, from one loop over D that loads each hidden tile once for
     all the parts: the L2 traffic of one [BLOCK_N, PARTS x PART] tile, whose epilogue then
-    holds one part's temporaries at a time."""
+    holds one part's temporaries at a time. Four parts are one dot split afterwards (below),
+    two are two dots."""
+    if PARTS == 4:
+        # four parts: one [BLOCK_N, 4 PART] dot (wgmma n = 256 on sm_90: the hidden tile read from
+        # shared memory once per D step, not once per part), its accumulator then split into the
+        # parts (column 64 p + j of the tile is part p's column j): registers only, no shared memory
+        wide = tl.arange(0, 4 * PART)
+        acc = tl.zeros((BLOCK_N, 4 * PART), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_mask = offs_d < D
+            h = _load_rows(h_ptr, rows64, row_mask, stride_hn, offs_d, d_mask, stride_hd)  # [BLOCK_N, BLOCK_D]
+            acc = _mm(h, _load_weight_t(w_ptr, c0, wide, limit, stride_wv, offs_d, d_mask, stride_wd), acc, IEEE,
+                      UPCAST)  # fmt: skip
+        # [BLOCK_N, 4 PART] -> [BLOCK_N, PART, 4] (part last) -> [BLOCK_N, PART, 2, 2]: part 2 i + k at [..., i, k]
+        quad = tl.reshape(tl.permute(tl.reshape(acc, (BLOCK_N, 4, PART)), (0, 2, 1)), (BLOCK_N, PART, 2, 2))
+        even, odd = tl.split(quad)  # k = 0: parts 0, 2; k = 1: parts 1, 3
+        acc0, acc2 = tl.split(even)
+        acc1, acc3 = tl.split(odd)
+        return acc0, acc1, acc2, acc3
     acc0 = tl.zeros((BLOCK_N, PART), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, PART), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, PART), dtype=tl.float32)
