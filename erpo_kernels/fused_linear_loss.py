@@ -42,8 +42,8 @@ dtype in the same pass that scales it by the upstream gradient (objective/fused.
 `_ScaledGradients`). Nothing of size N x V for the whole batch.
 
 Precision and order. For fp32 operands the kept logits are the forward's fp32 values bit
-for bit, so at the op's own logit width (kept_block_v 0, every fp32 default) dr is the one linear_token_logprobs' backward forms from its recompute (the
-soft cap's slope 1 - tanh^2 is recovered from s: tanh = s / (inv_T c), an absolute error
+for bit, so at the op's own logit width (kept_block_v 0, every fp32 default) dr is the one
+linear_token_logprobs' backward forms from its recompute (the soft cap's slope 1 - tanh^2 is recovered from s: tanh = s / (inv_T c), an absolute error
 of a few fp32 ulps). For bf16 / fp16, x = s - m <= 0 rounded to fp16 moves p by a
 relative |x| 2^-11 at most, whatever the logits' magnitude (`_fused_dr_kernel`'s comment;
 s itself in 16 bits would not do at |s| ~ 100-400): dr agrees with the recompute's within

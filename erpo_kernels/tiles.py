@@ -184,8 +184,10 @@ _SM80 = replace(_SMALL, block_d=16, num_stages=4)
 # (the kept-logit forward 424, the recompute 80-112); the products' read-add-write of
 # d_hidden 280 B. The chunk is 4096 columns (32 tiles of 128).
 # erpo_loss's kept-logit forward, never recomputed, has its own 128 x 256 tiles (kept_block_v,
-# four parts of 64 as the 128 x 128 tiles' two, over the same 4096-column chunks): 85 FLOP per
-# L2 byte, 144 KB of shared memory in 3 stages, and no spill in any of its 24 option
+# over the same 4096-column chunks): 85 FLOP per L2 byte, one 128 x 256 wgmma per D step whose
+# accumulator the epilogue takes in four parts of 64 (linear_token_logprobs._logit_dots; four
+# dots of 64 staged the hidden tile four times: 21 FLOP per shared-memory byte, which bound the
+# modelled time), 144 KB of shared memory in 3 stages, and no spill in any of its 24 option
 # combinations since the target logit is a per-row dot after the tiles
 # (linear_token_logprobs._target_logits); with the epilogue's column gather, 17 of them spilled.
 # erpo_loss's fused-path products run on cuBLAS (gemm_engine 1): the L2-charged model
@@ -201,7 +203,8 @@ _SM90 = Tiles(block_n=128, block_v=128, block_d=64, num_warps=8, split_tiles=32,
 # the dots fall back to mma.sync. The logit tiles are Hopper's 128 x 128; the products keep
 # 128 x 256 tiles (85 FLOP per L2 byte), their d_hidden summed in two column halves
 # (_dhidden_tile): 144 KB of shared memory. The kept-logit forward stays at 128 x 128: at
-# 128 x 256 ptxas held its bias-only combination at 128 registers and spilled 40 B.
+# 128 x 256 as four dots of 64 ptxas held its bias-only combination at 128 registers and
+# spilled 40 B; as one dot split in four (Hopper's) all 24 combinations spilled 240-1432 B.
 _SM100 = replace(_SM90, gemm_d=256, gemm_engine=0, kept_block_v=0)
 _LINEAR: Dict[Capability, Dict[str, Tiles]] = {
     (8, 0): {"lowp": _SM80, "fp32": _FP32},
